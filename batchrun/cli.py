@@ -1,0 +1,219 @@
+"""The `batchrun` command line (DESIGN.md, "Command line").
+
+Exit codes: 0 done; 1 the job failed at run time; 2 bad job file, input or arguments; 3 stopped by a signal
+after writing every finished row (rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from functools import wraps
+from pathlib import Path
+
+import click
+
+from .errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, BadInput, JobStopped
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"batchrun: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn):
+    """Turn the project's errors into messages and exit codes; never a bare traceback for a user mistake."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BadInput as e:
+            _fail(f"error: {e}", EXIT_BAD_INPUT)
+        except JobStopped as e:
+            _fail(f"stopped: {e} Exit code {EXIT_STOPPED}: rerun the same command to resume.", EXIT_STOPPED)
+        except KeyboardInterrupt:
+            _fail("interrupted.", EXIT_STOPPED)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except Exception as e:  # a run-time failure: say what, keep the traceback for whoever debugs it
+            if os.environ.get("BATCHRUN_DEBUG"):
+                traceback.print_exc()
+            _fail(f"job failed: {type(e).__name__}: {e} (set BATCHRUN_DEBUG=1 for the traceback)", EXIT_FAILED)
+
+    return wrapper
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """'I/N' -> (I, N); default from a Slurm array task's environment, else 0/1."""
+    if text is None:
+        task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
+        if task is not None and count is not None:
+            text = f"{task}/{count}"
+        else:
+            return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.") from None
+    if not 0 <= i < n:
+        raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.")
+    return i, n
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchrun")
+def main() -> None:
+    """batchrun: offline batch inference for LLMs on a paged KV cache."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a job-file key.")
+@click.option("--shard", default=None, metavar="I/N", help="Run shard I of N (default: the Slurm array task's).")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Skip the rows already written by this same job.")
+@click.option("--overwrite", is_flag=True, help="Delete the output directory's part files and start over.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Only the first N input rows.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@handle_errors
+def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet) -> None:
+    """Run JOB_FILE in the foreground; exit 0 once every row has an output row."""
+    from .config import load_job
+    from .job import Job
+    from .report import format_summary
+    from .sources import Shard
+
+    spec = load_job(job_file, overrides)
+    index, count = parse_shard(shard)
+    if count > 1 and spec.output.stats is None:
+        spec.output.stats = str(spec.output_dir / f"stats-{index:05d}of{count:05d}.parquet")
+    job = Job(spec, Shard(index, count), resume=resume, overwrite=overwrite, limit=limit, progress=not quiet)
+    summary = job.run()
+    click.echo(format_summary(summary))
+    click.echo(f"completions: {spec.output_dir}/  statistics: {spec.stats_path}")
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE")
+@handle_errors
+def validate(job_file: Path, overrides) -> None:
+    """Check JOB_FILE, its input and its model path without running anything."""
+    from .config import load_job
+    from .job import check_duplicate_ids
+    from .model_loader import check_model_path
+    from .sources import InputSource
+
+    spec = load_job(job_file, overrides)
+    source = InputSource(spec.input, spec.source_file)
+    check_duplicate_ids(source, spec.input.limit, spec.source_file)
+    model = check_model_path(spec.model.path, spec.source_file)
+    rows = source.num_rows()
+    click.echo(f"{job_file}: ok — input {rows if rows is not None else 'unknown'} rows, model {model}, "
+               f"output {spec.output_dir}/")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw memory and sequences over time into this PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@handle_errors
+def stats(path: Path, plot_path, as_json) -> None:
+    """Summarise a job's STATS.parquet (or a directory of shards' stats files)."""
+    from .report import format_summary, load_summary, plot
+
+    summary = load_summary(path)
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+    if plot_path:
+        plot(path, plot_path)
+        click.echo(f"plot: {plot_path}")
+
+
+@main.command()
+@click.option("--from", "from_path", type=click.Path(path_type=Path), default=None,
+              help="Replay a real job: its completions directory, a part file, or a Parquet of lengths "
+                   "(columns prompt_tokens, completion_tokens).")
+@click.option("--prompt-len", default="20-400", show_default=True, metavar="LO-HI",
+              help="Uniform prompt length range, when no --from.")
+@click.option("--output-len", default="1-64", show_default=True, metavar="LO-HI",
+              help="Uniform output length range, when no --from.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="What a contiguous allocator reserves for outputs (default: the longest output).")
+@click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--budget", type=click.IntRange(min=1), default=32768, show_default=True,
+              help="KV memory in token slots.")
+@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Tokens of prompt prefix common to every request (for paged + prefix sharing).")
+@click.option("--page-sizes", default="1,8,16,32,64,128", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def simulate(from_path, prompt_len, output_len, max_new_tokens, requests, budget, shared_prefix, page_sizes,
+             seed, as_json) -> None:
+    """Replay a workload through contiguous and paged allocators and print the waste table."""
+    from .simulate import format_table, load_workload, random_workload, run_all
+
+    if from_path is not None:
+        workload = load_workload(from_path)
+    else:
+        workload = random_workload(requests, _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len"),
+                                   seed)
+    try:
+        sizes = [int(x) for x in page_sizes.split(",")]
+    except ValueError:
+        raise BadInput(f"--page-sizes {page_sizes!r}: expected integers separated by commas.") from None
+    results = run_all(workload, budget, max_new_tokens, sizes, shared_prefix)
+    if as_json:
+        click.echo(json.dumps([r._asdict() for r in results], indent=2))
+    else:
+        click.echo(format_table(results, workload, budget))
+
+
+def _range(text: str, option: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise BadInput(f"{option} {text!r}: expected LO-HI, e.g. 20-400.") from None
+    if not 1 <= lo <= hi:
+        raise BadInput(f"{option} {text!r}: expected 1 <= LO <= HI.")
+    return lo, hi
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--array", "array", type=click.IntRange(min=1), required=True, help="Number of array tasks.")
+@click.option("--partition", default=None)
+@click.option("--gpus-per-task", type=click.IntRange(min=0), default=None)
+@click.option("--cpus-per-task", type=click.IntRange(min=1), default=None)
+@click.option("--time", "time_limit", default=None, metavar="T", help="e.g. 04:00:00")
+@click.option("--mem", default=None, metavar="M", help="e.g. 32G")
+@click.option("--grace", type=click.IntRange(min=10), default=120, show_default=True,
+              help="Seconds between SIGTERM and the kill at the time limit.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE")
+@click.option("--script", "script_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the sbatch script (default: <output>/slurm/<name>.sbatch).")
+@click.option("--submit", "do_submit", is_flag=True, help="Submit it with sbatch and print the job id.")
+@handle_errors
+def slurm(job_file, array, partition, gpus_per_task, cpus_per_task, time_limit, mem, grace, overrides,
+          script_path, do_submit) -> None:
+    """Write (and with --submit, submit) an sbatch array script whose task i runs shard i/N of JOB_FILE."""
+    from .config import load_job
+    from .slurm import SlurmOptions, submit_script, write_script
+
+    spec = load_job(job_file, overrides)
+    opts = SlurmOptions(array=array, partition=partition, gpus_per_task=gpus_per_task,
+                        cpus_per_task=cpus_per_task, time=time_limit, mem=mem, grace_s=grace,
+                        overrides=tuple(overrides))
+    path = write_script(spec, Path(job_file), opts, script_path)
+    click.echo(f"sbatch script: {path}")
+    if do_submit:
+        job_id = submit_script(path)
+        click.echo(f"submitted array job {job_id}")
+
+
+if __name__ == "__main__":
+    main()

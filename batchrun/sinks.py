@@ -1,0 +1,130 @@
+"""Completions output: Parquet part files written as rows finish, each to a temporary name then renamed, so a
+crash never leaves a torn file. Every part records the job's fingerprint, which is how a rerun finds the
+(id, sample) pairs already done and refuses parts of a different job."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import JobSpec, to_dict
+from .errors import BadInput
+from .sources import Shard
+
+FINGERPRINT_KEY = b"batchrun.fingerprint"
+JOB_KEY = b"batchrun.job"
+
+
+def fingerprint(spec: JobSpec, shard: Shard) -> str:
+    """Hash of what changes the outputs: model, input, sampling, max_model_len — and the shard count (a row's
+    shard depends on it). Engine settings (pages, batch sizes) and the shard index do not change any row."""
+    d = to_dict(spec)
+    keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "shards": shard.count}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@dataclass
+class OutputRow:
+    id: Any
+    sample: int
+    completion: str | None
+    finish_reason: str
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    num_preemptions: int
+    passthrough: dict
+
+
+def output_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schema:
+    return pa.schema([
+        pa.field("id", id_type), pa.field("sample", pa.int32()), pa.field("completion", pa.string()),
+        pa.field("finish_reason", pa.string()), pa.field("error", pa.string()),
+        pa.field("prompt_tokens", pa.int32()), pa.field("completion_tokens", pa.int32()),
+        pa.field("num_preemptions", pa.int32()), *passthrough,
+    ])
+
+
+def existing_parts(out_dir: Path) -> list[Path]:
+    return sorted(p for p in out_dir.glob("part-*.parquet")) if out_dir.is_dir() else []
+
+
+def done_keys(out_dir: Path, fp: str, source: str) -> set[tuple]:
+    """(id, sample) pairs already written by this job; BadInput if the directory holds another job's parts."""
+    done: set[tuple] = set()
+    for part in existing_parts(out_dir):
+        try:
+            meta = pq.read_schema(part).metadata or {}
+        except Exception as e:
+            raise BadInput(f"{source}: output.path {out_dir}: {part.name} is not a readable Parquet file ({e}); "
+                           f"remove it or use --overwrite.") from None
+        theirs = meta.get(FINGERPRINT_KEY, b"").decode()
+        if theirs != fp:
+            raise BadInput(f"{source}: output.path {out_dir} holds parts of a different job ({part.name}: "
+                           f"fingerprint {theirs or 'none'}, this job {fp}); the model, input, sampling or "
+                           f"shard count changed. Use another output.path, or --overwrite to start over.")
+        table = pq.read_table(part, columns=["id", "sample"])
+        done.update(zip(table.column("id").to_pylist(), table.column("sample").to_pylist()))
+    return done
+
+
+def remove_parts(out_dir: Path) -> None:
+    for part in existing_parts(out_dir):
+        part.unlink()
+
+
+class PartWriter:
+    """Buffers finished rows; writes a part every `rows_per_part` rows or `max_wait_s` seconds."""
+
+    def __init__(self, out_dir: Path, schema: pa.Schema, fp: str, job_name: str, shard: Shard,
+                 rows_per_part: int = 1000, max_wait_s: float = 30.0):
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.schema = schema.with_metadata({FINGERPRINT_KEY: fp.encode(), JOB_KEY: job_name.encode()})
+        self.prefix = f"part-{shard.index:05d}of{shard.count:05d}-{time.strftime('%Y%m%dT%H%M%S')}-" \
+                      f"{uuid.uuid4().hex[:6]}"
+        self.rows_per_part = rows_per_part
+        self.max_wait_s = max_wait_s
+        self.buffer: list[OutputRow] = []
+        self.num_parts = 0
+        self.rows_written = 0
+        self._last_flush = time.monotonic()
+
+    def add(self, rows: list[OutputRow]) -> None:
+        self.buffer.extend(rows)
+        if len(self.buffer) >= self.rows_per_part or time.monotonic() - self._last_flush >= self.max_wait_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self.buffer:
+            return
+        cols: dict[str, list] = {f.name: [] for f in self.schema}
+        for r in self.buffer:
+            cols["id"].append(r.id)
+            cols["sample"].append(r.sample)
+            cols["completion"].append(r.completion)
+            cols["finish_reason"].append(r.finish_reason)
+            cols["error"].append(r.error)
+            cols["prompt_tokens"].append(r.prompt_tokens)
+            cols["completion_tokens"].append(r.completion_tokens)
+            cols["num_preemptions"].append(r.num_preemptions)
+            for k, v in r.passthrough.items():
+                cols[k].append(v)
+        table = pa.table(cols, schema=self.schema)
+        name = f"{self.prefix}-{self.num_parts:05d}.parquet"
+        tmp = self.out_dir / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.out_dir / name)
+        self.num_parts += 1
+        self.rows_written += len(self.buffer)
+        self.buffer = []

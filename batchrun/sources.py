@@ -1,0 +1,191 @@
+"""Streaming the input table: Parquet (a file, a directory or a glob) or a Hugging Face dataset.
+
+Rows are read in record batches and yielded one at a time; nothing holds the whole table. A shard I/N takes
+the rows whose index (position in the whole input, counted from 0) is I modulo N: deterministic, disjoint,
+and the union over I is every row, without reading anything ahead.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import InputSpec
+from .errors import BadInput
+
+BATCH_ROWS = 1024
+
+
+@dataclass
+class InputRow:
+    index: int  # position in the whole input
+    id: Any
+    prompt: Any  # not yet checked: a bad prompt becomes an error row, not a crash
+    passthrough: dict
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int = 0
+    count: int = 1
+
+    def owns(self, row_index: int) -> bool:
+        return row_index % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+class InputSource:
+    """Opens the input once to check it; `rows()` streams it."""
+
+    def __init__(self, spec: InputSpec, source: str = "<job>"):
+        self.spec = spec
+        self.source = source
+        if spec.parquet is not None:
+            self.files = _parquet_files(spec.parquet, source)
+            try:
+                self.schema = pq.read_schema(self.files[0])
+            except Exception as e:
+                raise BadInput(f"{source}: key `input.parquet`: cannot read {self.files[0]} as Parquet ({e}).") \
+                    from None
+            self._dataset = None
+        else:
+            self.files = []
+            self._dataset = _open_dataset(spec, source)
+            self.schema = _dataset_schema(self._dataset)
+        self._check_columns()
+
+    def _check_columns(self) -> None:
+        names = set(self.schema.names)
+        what = f"input.parquet {self.spec.parquet}" if self.spec.parquet else f"dataset {self.spec.dataset.path}"
+        wanted = [("input.prompt_column", self.spec.prompt_column)]
+        if self.spec.id_column:
+            wanted.append(("input.id_column", self.spec.id_column))
+        wanted += [(f"input.passthrough[{i}]", c) for i, c in enumerate(self.spec.passthrough)]
+        for key, col in wanted:
+            if col not in names:
+                raise BadInput(f"{self.source}: key `{key}`: column {col!r} is not in {what}; "
+                               f"its columns are: {', '.join(sorted(names))}.")
+        reserved = {"sample", "completion", "finish_reason", "error", "prompt_tokens", "completion_tokens",
+                    "num_preemptions", "id"}
+        for i, col in enumerate(self.spec.passthrough):
+            if col in reserved and col != self.spec.id_column:
+                raise BadInput(f"{self.source}: key `input.passthrough[{i}]`: column {col!r} clashes with an output "
+                               f"column of the same name; rename it in the input.")
+
+    @property
+    def id_type(self) -> pa.DataType:
+        return self.schema.field(self.spec.id_column).type if self.spec.id_column else pa.int64()
+
+    def passthrough_fields(self) -> list[pa.Field]:
+        return [self.schema.field(c) for c in self.spec.passthrough]
+
+    def num_rows(self) -> int | None:
+        """Rows in the whole input (before limit and shard), from metadata only; None when unknown."""
+        if self.files:
+            return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+        try:
+            return len(self._dataset)
+        except TypeError:
+            return None
+
+    def rows(self, shard: Shard = Shard(), limit: int | None = None) -> Iterator[InputRow]:
+        """Rows of this shard among the first `limit` rows of the input, in input order."""
+        columns = [self.spec.prompt_column] + ([self.spec.id_column] if self.spec.id_column else [])
+        columns += [c for c in self.spec.passthrough if c not in columns]
+        index = 0
+        for batch in self._batches(columns):
+            data = batch.to_pydict() if isinstance(batch, pa.RecordBatch) else batch
+            n = len(data[self.spec.prompt_column])
+            for j in range(n):
+                if limit is not None and index >= limit:
+                    return
+                if shard.owns(index):
+                    yield InputRow(
+                        index=index,
+                        id=data[self.spec.id_column][j] if self.spec.id_column else index,
+                        prompt=data[self.spec.prompt_column][j],
+                        passthrough={c: data[c][j] for c in self.spec.passthrough},
+                    )
+                index += 1
+
+    def ids(self, limit: int | None = None) -> Iterator[Any]:
+        """The id column alone, in input order (for the duplicate check)."""
+        index = 0
+        for batch in self._batches([self.spec.id_column]):
+            data = batch.to_pydict() if isinstance(batch, pa.RecordBatch) else batch
+            for value in data[self.spec.id_column]:
+                if limit is not None and index >= limit:
+                    return
+                yield value
+                index += 1
+
+    def _batches(self, columns: list[str]):
+        if self.files:
+            for f in self.files:
+                try:
+                    yield from pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+                except (OSError, pa.ArrowException) as e:
+                    raise BadInput(f"{self.source}: key `input.parquet`: cannot read {f} ({e}).") from None
+        else:
+            yield from self._dataset.select_columns(columns).iter(batch_size=BATCH_ROWS)
+
+
+def _parquet_files(pattern: str, source: str) -> list[str]:
+    p = Path(pattern).expanduser()
+    if p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*.parquet") if not f.name.startswith("."))
+    elif p.is_file():
+        files = [str(p)]
+    else:
+        files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    if not files:
+        raise BadInput(f"{source}: key `input.parquet`: no Parquet files match {pattern!r} "
+                       f"(expected a file, a directory of .parquet files, or a glob).")
+    return files
+
+
+def _open_dataset(spec: InputSpec, source: str):
+    """A save_to_disk directory, local data files through load_dataset, or a dataset in the local cache."""
+    ds = spec.dataset
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the network
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    path = Path(ds.path).expanduser()
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
+                              or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if ds.split not in loaded:
+                    raise BadInput(f"{source}: key `input.dataset.split`: {ds.split!r} is not a split of "
+                                   f"{path}; splits: {', '.join(loaded)}.")
+                loaded = loaded[ds.split]
+            return loaded
+        return datasets.load_dataset(ds.path, name=ds.name, split=ds.split, data_dir=ds.data_dir,
+                                     streaming=True)
+    except BadInput:
+        raise
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadInput(f"{source}: key `input.dataset`: cannot open dataset {ds.path!r} (split {ds.split!r}) "
+                       f"locally: {msg}") from None
+
+
+def _dataset_schema(dataset) -> pa.Schema:
+    features = dataset.features
+    if features is None:  # a streaming dataset whose features are only known after a first row
+        first = next(iter(dataset), None)
+        if first is None:
+            return pa.schema([])
+        return pa.Table.from_pylist([first]).schema
+    return features.arrow_schema

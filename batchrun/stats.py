@@ -1,0 +1,281 @@
+"""Memory statistics: one snapshot per engine step, the job summary, and `stats.parquet`.
+
+Definitions follow DESIGN.md ("Statistics"). A snapshot is taken after the step's forward pass; P is the page
+size; sums run over the sequences holding accelerator pages (`num_running`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .engine.engine import Engine, StepResult
+from .engine.sequence import SequenceStatus
+
+SUMMARY_KEY = b"batchrun.summary"
+
+COLUMNS = [
+    "step", "time_s", "num_running", "num_waiting", "num_swapped", "batch_tokens", "pages_total", "pages_used",
+    "pages_free", "tokens_stored", "slots_allocated", "internal_waste_slots", "logical_pages",
+    "shared_pages_saved", "swap_out_pages", "swap_in_pages", "preemptions", "recomputations",
+    "reserved_slots_contiguous", "tokens_cached_per_sequence", "external_fragmentation", "prefix_hit_tokens",
+    "cow_copies", "generated_tokens",
+]
+
+
+def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float) -> dict:
+    """The statistics row for the state right after a step (DESIGN.md definitions)."""
+    bm = engine.block_manager
+    P = bm.page_size
+    running = [s for s in engine.scheduler.running if s.status is SequenceStatus.RUNNING]
+    filled: dict[int, int] = {}  # physical page -> computed tokens in it (each physical slot once)
+    logical_pages = 0
+    reserved = 0
+    cached_per_seq = 0
+    for seq in running:
+        logical_pages += len(seq.block_table)
+        for i, page in enumerate(seq.block_table):
+            n = min(max(seq.num_computed_tokens - i * P, 0), P)
+            if n > filled.get(page, 0):
+                filled[page] = n
+        cached_per_seq += seq.num_computed_tokens
+        reserved += min(seq.num_prompt_tokens + seq.params.max_new_tokens, engine.config.max_model_len)
+    pages_used = sum(1 for c in bm.ref_count if c > 0)
+    pages_free = bm.num_pages - pages_used
+    allocatable = bm.num_free_pages  # pages the allocator would actually hand out
+    tokens_stored = sum(filled.values())
+    plan = step.plan
+    return {
+        "step": step_index,
+        "time_s": time_s,
+        "num_running": len(running),
+        "num_waiting": len(engine.scheduler.waiting),
+        "num_swapped": len(engine.scheduler.swapped),
+        "batch_tokens": plan.num_batched_tokens,
+        "pages_total": bm.num_pages,
+        "pages_used": pages_used,
+        "pages_free": pages_free,
+        "tokens_stored": tokens_stored,
+        "slots_allocated": pages_used * P,
+        "internal_waste_slots": pages_used * P - tokens_stored,
+        "logical_pages": logical_pages,
+        "shared_pages_saved": logical_pages - pages_used,
+        "swap_out_pages": len(plan.swap_out),
+        "swap_in_pages": len(plan.swap_in),
+        "preemptions": len(plan.preempted),
+        "recomputations": len(plan.recomputed),
+        "reserved_slots_contiguous": reserved,
+        "tokens_cached_per_sequence": cached_per_seq,
+        "external_fragmentation": (pages_free - allocatable) / pages_free if pages_free else 0.0,
+        "prefix_hit_tokens": bm.prefix_hit_tokens,
+        "cow_copies": bm.num_cow_copies,
+        "generated_tokens": step.num_generated,
+    }
+
+
+@dataclass
+class _Running:
+    """Aggregates over every step (not only the sampled rows)."""
+
+    steps: int = 0
+    running_sum: float = 0.0
+    peak_running: int = 0
+    util_sum: float = 0.0
+    util_n: int = 0
+    util_peak: float = 0.0
+    frag_sum: float = 0.0
+    ext_frag_max: float = 0.0
+    dup_peak: float = 0.0
+    contig_util_sum: float = 0.0
+    contig_util_n: int = 0
+    peak_pages_used: int = 0
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    preemptions: int = 0
+    recomputations: int = 0
+    reservation_sum: int = 0
+    reservation_n: int = 0
+    seen_reservations: set = field(default_factory=set)
+
+
+class StatsCollector:
+    """Keeps per-step rows (thinned to about 10 a second; first, last and preemption steps always kept),
+    running aggregates for the summary, and writes `stats.parquet` atomically — at the end and every
+    `refresh_s` seconds, so a killed job still leaves statistics for what it did."""
+
+    def __init__(self, path: Path | None, engine: Engine, min_interval_s: float = 0.1, refresh_s: float = 10.0,
+                 debug_recount: bool = False):
+        self.path = Path(path) if path else None
+        self.engine = engine
+        self.min_interval_s = min_interval_s
+        self.refresh_s = refresh_s
+        self.debug_recount = debug_recount or os.environ.get("BATCHRUN_DEBUG_STATS") == "1"
+        self.rows: list[dict] = []
+        self.agg = _Running()
+        self.start = time.perf_counter()
+        self._last_kept = -math.inf
+        self._last_write = time.perf_counter()
+        self._pending: dict | None = None  # the latest unkept row, so the last step is always written
+        self.step_index = 0
+        self.rows_done = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.extra: dict = {}
+
+    def record(self, step: StepResult) -> dict:
+        now = time.perf_counter() - self.start
+        row = snapshot(self.engine, step, self.step_index, now)
+        if self.debug_recount:
+            check_snapshot(self.engine, row)
+        self.step_index += 1
+        self.generated_tokens += step.num_generated
+        self.prompt_tokens += step.num_prompt_tokens
+        self._aggregate(row)
+        for seq in self.engine.scheduler.running:
+            if seq.seq_id not in self.agg.seen_reservations:
+                self.agg.seen_reservations.add(seq.seq_id)
+                self.agg.reservation_sum += row_reservation(self.engine, seq)
+                self.agg.reservation_n += 1
+        if (not self.rows or row["preemptions"] or now - self._last_kept >= self.min_interval_s):
+            self.rows.append(row)
+            self._last_kept = now
+            self._pending = None
+        else:
+            self._pending = row
+        if self.path and time.perf_counter() - self._last_write >= self.refresh_s:
+            self.write()
+        return row
+
+    def _aggregate(self, row: dict) -> None:
+        a = self.agg
+        a.steps += 1
+        a.running_sum += row["num_running"]
+        a.peak_running = max(a.peak_running, row["num_running"])
+        a.peak_pages_used = max(a.peak_pages_used, row["pages_used"])
+        if row["slots_allocated"]:
+            util = row["tokens_stored"] / row["slots_allocated"]
+            a.util_sum += util
+            a.util_n += 1
+            a.util_peak = max(a.util_peak, util)
+            a.frag_sum += row["internal_waste_slots"] / row["slots_allocated"]
+        if row["logical_pages"]:
+            a.dup_peak = max(a.dup_peak, row["shared_pages_saved"] / row["logical_pages"])
+        if row["reserved_slots_contiguous"]:
+            a.contig_util_sum += row["tokens_cached_per_sequence"] / row["reserved_slots_contiguous"]
+            a.contig_util_n += 1
+        a.ext_frag_max = max(a.ext_frag_max, row["external_fragmentation"])
+        a.swap_out_pages += row["swap_out_pages"]
+        a.swap_in_pages += row["swap_in_pages"]
+        a.preemptions += row["preemptions"]
+        a.recomputations += row["recomputations"]
+
+    def summary(self) -> dict:
+        a = self.agg
+        wall = time.perf_counter() - self.start
+        bm = self.engine.block_manager
+        bytes_per_page = self.engine.kv_shape.bytes_per_page
+        total_slots = bm.num_pages * bm.page_size
+        mean_reservation = a.reservation_sum / a.reservation_n if a.reservation_n else 0
+        s = {
+            "wall_s": wall,
+            "rows": self.rows_done,
+            "steps": a.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prompt_tokens_per_s": self.prompt_tokens / wall if wall else 0.0,
+            "generated_tokens_per_s": self.generated_tokens / wall if wall else 0.0,
+            "peak_running": a.peak_running,
+            "mean_running": a.running_sum / a.steps if a.steps else 0.0,
+            "kv_utilization_mean": a.util_sum / a.util_n if a.util_n else 0.0,
+            "kv_utilization_peak": a.util_peak,
+            "internal_fragmentation_mean": a.frag_sum / a.util_n if a.util_n else 0.0,
+            "external_fragmentation_max": a.ext_frag_max,
+            "duplication_saved_peak": a.dup_peak,
+            "prefix_query_tokens": bm.prefix_query_tokens,
+            "prefix_hit_tokens": bm.prefix_hit_tokens,
+            "cow_copies": bm.num_cow_copies,
+            "preemptions": a.preemptions,
+            "recomputations": a.recomputations,
+            "swap_out_pages": a.swap_out_pages,
+            "swap_in_pages": a.swap_in_pages,
+            "swap_out_bytes": a.swap_out_pages * bytes_per_page,
+            "swap_in_bytes": a.swap_in_pages * bytes_per_page,
+            "contiguous_utilization_mean": a.contig_util_sum / a.contig_util_n if a.contig_util_n else 0.0,
+            "contiguous_max_concurrency": int(total_slots // mean_reservation) if mean_reservation else 0,
+            "page_size": bm.page_size,
+            "pages_total": bm.num_pages,
+            "peak_pages_used": a.peak_pages_used,
+            "bytes_per_page": bytes_per_page,
+        }
+        s.update(self.extra)
+        return s
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        rows = self.rows + ([self._pending] if self._pending else [])
+        write_stats(self.path, rows, self.summary())
+        self._last_write = time.perf_counter()
+
+
+def row_reservation(engine: Engine, seq) -> int:
+    return min(seq.num_prompt_tokens + seq.params.max_new_tokens, engine.config.max_model_len)
+
+
+def check_snapshot(engine: Engine, row: dict) -> None:
+    """Debug mode: recount every statistic by brute force, slot by slot, and compare with the snapshot."""
+    bm = engine.block_manager
+    P = bm.page_size
+    running = [s for s in engine.scheduler.running if s.status is SequenceStatus.RUNNING]
+    slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
+    for seq in running:
+        for pos in range(seq.num_computed_tokens):
+            slot_holds_token[seq.block_table[pos // P]][pos % P] = True
+    holders: dict[int, int] = {}
+    for seq in running:
+        for page in seq.block_table:
+            holders[page] = holders.get(page, 0) + 1
+    used = len(holders)
+    stored = sum(sum(slots) for slots in slot_holds_token)
+    expected = {
+        "pages_used": used,
+        "pages_free": bm.num_pages - used,
+        "tokens_stored": stored,
+        "slots_allocated": used * P,
+        "internal_waste_slots": used * P - stored,
+        "logical_pages": sum(holders.values()),
+        "shared_pages_saved": sum(holders.values()) - used,
+        "num_running": len(running),
+        "tokens_cached_per_sequence": sum(s.num_computed_tokens for s in running),
+        "reserved_slots_contiguous": sum(row_reservation(engine, s) for s in running),
+    }
+    for key, value in expected.items():
+        assert row[key] == value, f"stat {key}: snapshot {row[key]} != recount {value}"
+    assert 0 <= row["internal_waste_slots"] <= row["slots_allocated"]
+    bm.check_integrity(engine.scheduler.live_sequences())
+
+
+def write_stats(path: Path, rows: list[dict], summary: dict) -> None:
+    """Write rows + summary (JSON in key-value metadata) to a temporary name, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = {c: [r[c] for r in rows] for c in COLUMNS}
+    schema = pa.schema([(c, pa.float64() if c in ("time_s", "external_fragmentation") else pa.int64())
+                        for c in COLUMNS], metadata={SUMMARY_KEY: json.dumps(summary).encode()})
+    table = pa.table(columns, schema=schema)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def read_summary(path: Path) -> dict:
+    meta = pq.read_schema(path).metadata or {}
+    if SUMMARY_KEY not in meta:
+        raise ValueError(f"{path}: no `batchrun.summary` in the file's metadata; is it a batchrun stats file?")
+    return json.loads(meta[SUMMARY_KEY])
