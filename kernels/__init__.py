@@ -1,0 +1,10 @@
+"""batchrun's Triton kernels and their PyTorch references, installed as `batchrun_kernels`.
+
+The folder is `kernels/` in the repository but never importable as `kernels`: transformers probes for a package
+of that name (Hugging Face's hub-kernels library) and would take this one for it.
+"""
+
+from .paged_attention import paged_attention, write_kv_cache
+from .reference import ref_paged_attention, ref_write_kv_cache
+
+__all__ = ["paged_attention", "write_kv_cache", "ref_paged_attention", "ref_write_kv_cache"]

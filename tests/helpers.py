@@ -1,0 +1,78 @@
+"""Helpers shared by the tests (importable as `helpers`: pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCHRUN = str(Path(sys.executable).parent / "batchrun")
+
+
+def chat_ids(tok, text: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def make_engine(tok_model, **overrides):
+    from batchrun.engine import Engine, EngineConfig
+    from batchrun.model_loader import eos_token_ids
+
+    tok, model = tok_model
+    cfg = dict(num_pages=1024, page_size=16, num_cpu_pages=1024, max_num_seqs=64, max_num_batched_tokens=4096,
+               prefix_sharing=True, preemption="swap", attention="torch", max_model_len=8192)
+    cfg.update(overrides)
+    return Engine(model, tok, EngineConfig(**cfg), torch.device("cpu"), eos_token_ids(tok, model))
+
+
+def run_engine(engine, prompts, params, seeds=None, on_step=None):
+    """Run prompts to completion; returns each prompt's sequences (in sample order) and the step results."""
+    for i, p in enumerate(prompts):
+        engine.add(p, params, request=i, seeds=seeds[i] if seeds else None)
+    by_request = {i: [] for i in range(len(prompts))}
+    steps = []
+    while engine.has_unfinished():
+        r = engine.step()
+        steps.append(r)
+        if on_step:
+            on_step(engine, r)
+        for s in r.finished:
+            by_request[s.request].append(s)
+    assert all(len(v) == params.n for v in by_request.values())
+    return [sorted(by_request[i], key=lambda s: s.sample_index) for i in range(len(prompts))], steps
+
+
+def write_prompts(path: Path, prompts: list, ids: list | None = None, extra: dict | None = None) -> Path:
+    cols = {"id": ids if ids is not None else [f"r{i}" for i in range(len(prompts))], "prompt": prompts}
+    cols.update(extra or {})
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def write_job(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def run_cli(*args, cwd=None, env=None, timeout=600):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([BATCHRUN, *args], capture_output=True, text=True, cwd=cwd, env=e, timeout=timeout)
+
+
+def read_outputs(out_dir: Path) -> dict:
+    """(id, sample) -> row dict, asserting no pair appears twice."""
+    rows = {}
+    for part in sorted(Path(out_dir).glob("part-*.parquet")):
+        for r in pq.read_table(part).to_pylist():
+            key = (r["id"], r["sample"])
+            assert key not in rows, f"{key} written twice"
+            rows[key] = r
+    return rows

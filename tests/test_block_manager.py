@@ -1,0 +1,212 @@
+"""Block manager and scheduler: pure integer bookkeeping, checked under random operations (no model)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig
+from batchrun.engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+
+def seq(i, tokens, max_new=8, n=1):
+    s = Sequence(i, list(tokens), SamplingParams(max_new_tokens=max_new, n=n))
+    s.num_siblings_to_fork = n - 1
+    return s
+
+
+def test_allocate_free_roundtrip_and_lru_order():
+    bm = BlockManager(8, 4)
+    a = seq(0, range(10))
+    assert bm.allocate_sequence(a, 100) == 10
+    assert len(a.block_table) == 3 and bm.num_free_pages == 5
+    a.num_computed_tokens = 10
+    bm.register_full_pages(a)
+    assert len(a.block_hashes) == 2  # two full pages of 4
+    bm.check_integrity([a])
+    bm.free_sequence(a)
+    bm.check_integrity([])
+    assert bm.num_free_pages == 8
+    # a new sequence with the same first 8 tokens revives the two cached pages
+    b = seq(1, list(range(8)) + [99, 98])
+    assert bm.num_new_pages_for_admission(b) == 3
+    bm.allocate_sequence(b, 100)
+    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
+    # uncached pages are handed out before cached ones
+    c = seq(2, range(100, 120))
+    bm.allocate_sequence(c, 100)
+    bm.check_integrity([b, c])
+
+
+def test_hash_collision_is_checked_against_tokens():
+    bm = BlockManager(4, 2)
+    a = seq(0, [1, 2, 3])
+    bm.allocate_sequence(a, 10)
+    a.num_computed_tokens = 3
+    bm.register_full_pages(a)
+    page = a.block_table[0]
+    bm.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
+    assert bm.match_prefix(seq(1, [1, 2, 3])) == ([], [])
+
+
+def test_last_prompt_token_is_always_computed():
+    bm = BlockManager(8, 4)
+    a = seq(0, range(8))
+    bm.allocate_sequence(a, 100)
+    a.num_computed_tokens = 8
+    bm.register_full_pages(a)
+    b = seq(1, range(8))
+    bm.allocate_sequence(b, 100)
+    assert b.num_cached_tokens == 4 and b.num_uncomputed_tokens == 4
+
+
+def test_fork_shares_pages_and_copy_on_write():
+    bm = BlockManager(8, 4)
+    parent = seq(0, range(6))
+    bm.allocate_sequence(parent, 100)
+    parent.num_computed_tokens = 6
+    child = seq(1, range(6))
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert all(bm.ref_count[p] == 2 for p in parent.block_table)
+    parent.append_token(50)
+    child.append_token(51)
+    assert bm.num_pages_to_grow(child, 1) == 1  # the shared half-full page must be copied
+    cow = bm.grow(child, 1)
+    assert cow is not None and cow.src == parent.block_table[1] and cow.dst == child.block_table[1]
+    assert bm.num_pages_to_grow(parent, 1) == 0  # the parent now holds that page alone
+    bm.check_integrity([parent, child])
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "fork", "free", "swap_out", "swap_in"]),
+                         st.integers(0, 10**6)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_pages=st.integers(1, 24), page_size=st.sampled_from([1, 2, 4, 8]),
+       cpu_pages=st.integers(0, 24), sharing=st.booleans())
+def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size, cpu_pages, sharing):
+    bm = BlockManager(num_pages, page_size, cpu_pages, prefix_sharing=sharing)
+    running, swapped = [], []
+    next_id = 0
+    for op, r in ops:
+        if op == "add":
+            s = seq(next_id, [r % 3] * (1 + r % 20))  # repetitive tokens: prefix hits happen
+            next_id += 1
+            if bm.num_new_pages_for_admission(s) <= bm.num_free_pages:
+                bm.allocate_sequence(s, 10**6)
+                s.num_computed_tokens = s.num_tokens
+                bm.register_full_pages(s)
+                running.append(s)
+        elif op == "grow" and running:
+            s = running[r % len(running)]
+            s.append_token(r % 3)
+            if bm.num_pages_to_grow(s, 1) <= bm.num_free_pages:
+                bm.grow(s, 1)
+                s.num_computed_tokens += 1
+                bm.register_full_pages(s)
+            else:
+                s.output_token_ids.pop()
+        elif op == "fork" and running:
+            parent = running[r % len(running)]
+            child = seq(next_id, parent.prompt_token_ids)
+            child.output_token_ids = list(parent.output_token_ids)
+            next_id += 1
+            bm.fork(parent, child)
+            running.append(child)
+        elif op == "free" and running:
+            bm.free_sequence(running.pop(r % len(running)))
+        elif op == "swap_out" and running:
+            s = running[r % len(running)]
+            if bm.can_swap_out(s):
+                bm.swap_out(s)
+                running.remove(s)
+                swapped.append(s)
+        elif op == "swap_in" and swapped:
+            s = swapped[0]
+            if len(s.cpu_block_table) <= bm.num_free_pages:
+                bm.swap_in(s)
+                swapped.pop(0)
+                running.append(s)
+        bm.check_integrity(running + swapped)
+    for s in running:
+        bm.free_sequence(s)
+    for s in swapped:
+        bm.swap_in(s) if len(s.cpu_block_table) <= bm.num_free_pages else None
+        bm.free_sequence(s)
+    assert bm.num_free_pages == num_pages
+
+
+def drive(scheduler: Scheduler, max_steps: int = 20000):
+    """Run the scheduler with a fake model (every sampled token is 7); returns finished sequences."""
+    bm = scheduler.bm
+    finished = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finished
+        plan = scheduler.schedule()
+        assert not plan.is_empty or plan.preempted, "no progress: deadlock"
+        assert bm.num_used_pages <= bm.num_pages
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            bm.register_full_pages(s.seq)
+        for s in plan.scheduled:
+            if not s.samples:
+                continue
+            seq_ = s.seq
+            if seq_.num_siblings_to_fork:
+                for k in range(seq_.num_siblings_to_fork):
+                    child = Sequence(10**6 + seq_.seq_id * 100 + k, seq_.prompt_token_ids, seq_.params,
+                                     sample_index=k + 1)
+                    scheduler.fork(seq_, child)
+                    child.append_token(7)
+                seq_.num_siblings_to_fork = 0
+            seq_.append_token(7)
+        for s in list(scheduler.running):
+            if len(s.output_token_ids) >= s.params.max_new_tokens and s.num_uncomputed_tokens <= 1:
+                scheduler.finish(s)
+                finished.append(s)
+        bm.check_integrity(scheduler.live_sequences())
+    raise AssertionError("did not finish: livelock")
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 3)), min_size=1,
+                        max_size=25),
+       page_size=st.sampled_from([1, 4, 16]), extra_pages=st.integers(0, 40), cpu_pages=st.integers(0, 60),
+       preemption=st.sampled_from(["swap", "recompute"]), budget=st.integers(1, 128),
+       max_num_seqs=st.integers(1, 16), sharing=st.booleans())
+def test_scheduler_never_deadlocks_or_leaks(lengths, page_size, extra_pages, cpu_pages, preemption, budget,
+                                            max_num_seqs, sharing):
+    # the pool is always big enough for the largest single sequence (admission rejects the others up front)
+    biggest = max(-(-(p + m) // page_size) * n for p, m, n in lengths)
+    bm = BlockManager(biggest + extra_pages, page_size, cpu_pages, prefix_sharing=sharing)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      preemption=preemption), bm)
+    for i, (p, m, n) in enumerate(lengths):
+        sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
+    done = drive(sched)
+    assert len(done) == sum(n for _, _, n in lengths)
+    assert all(s.status is SequenceStatus.FINISHED for s in done)
+    bm.check_integrity([])
+    assert bm.num_free_pages == bm.num_pages and bm.num_free_cpu_pages == cpu_pages
+
+
+def test_scheduler_preempts_under_pressure_and_swaps_back():
+    bm = BlockManager(12, 4, num_cpu_pages=40)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), bm)
+    for i in range(6):
+        sched.add(seq(i, [i] * 6, max_new=20))
+    preempted, swapped_in = 0, 0
+    orig = sched.schedule
+
+    def counting():
+        nonlocal preempted, swapped_in
+        plan = orig()
+        preempted += len(plan.preempted)
+        swapped_in += len(plan.swap_in)
+        return plan
+
+    sched.schedule = counting
+    done = drive(sched)
+    assert len(done) == 6 and preempted > 0 and swapped_in > 0
+    assert all(s.num_preemptions >= 0 for s in done) and sum(s.num_preemptions for s in done) == preempted
