@@ -92,6 +92,10 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet) ->
         spec.output.stats = str(spec.output_dir / f"stats-{index:05d}of{count:05d}.parquet")
     job = Job(spec, Shard(index, count), resume=resume, overwrite=overwrite, limit=limit, progress=not quiet)
     summary = job.run()
+    if summary is None:
+        click.echo(f"nothing to do: every row of shard {index}/{count} already has its output in "
+                   f"{spec.output_dir}/")
+        return
     click.echo(format_summary(summary))
     click.echo(f"completions: {spec.output_dir}/  statistics: {spec.stats_path}")
 

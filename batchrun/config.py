@@ -130,6 +130,8 @@ class EngineSpec:
 class OutputSpec:
     path: str | None = None  # default: out/<name>/
     stats: str | None = None  # default: <path>/stats.parquet
+    rows_per_part: int = field(default=1000, metadata={"check": _at_least(1)})  # a part file every N rows...
+    flush_seconds: float = field(default=30.0, metadata={"check": _at_least(0)})  # ...or every S seconds
 
 
 @dataclass

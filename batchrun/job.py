@@ -108,6 +108,17 @@ class Job:
         if not self.resume and not self.overwrite and any(out_dir.glob("part-*.parquet")):
             raise BadInput(f"{self.src}: output.path {out_dir} already holds part files and --no-resume was "
                            f"given; use --overwrite to start over, or --resume to finish the job.")
+
+    def _nothing_to_do(self) -> bool:
+        """Every row of this shard already has its output rows (checked without loading the model)."""
+        if not self.done:
+            return False
+        n = self.spec.sampling.n
+        return all((row.id, i) in self.done for row in self.source.rows(self.shard, self.limit) for i in range(n))
+
+    def _load(self) -> None:
+        spec = self.spec
+        out_dir = spec.output_dir
         self.device = model_loader.pick_device(spec.engine.device)
         dtype = model_loader.pick_dtype(spec.model.dtype, self.device)
         model_dir = model_loader.resolve_model_dir(spec.model.path, self.src)
@@ -136,7 +147,8 @@ class Job:
             raise BadInput(f"{self.src}: key `engine.num_pages`: a KV cache of {num_pages} pages cannot run even "
                            f"one sequence; give it more pages or memory.")
         schema = output_schema(self.source.id_type, self.source.passthrough_fields())
-        self.writer = PartWriter(out_dir, schema, self.fp, spec.name, self.shard)
+        self.writer = PartWriter(out_dir, schema, self.fp, spec.name, self.shard,
+                                 rows_per_part=spec.output.rows_per_part, max_wait_s=spec.output.flush_seconds)
         self.stats = StatsCollector(spec.stats_path, self.engine)
         self.stats.extra.update({"job": spec.name, "shard": str(self.shard), "attention": attention,
                                  "device": str(self.device), "dtype": str(dtype).replace("torch.", ""),
@@ -223,8 +235,12 @@ class Job:
         mine = len(range(self.shard.index, n, self.shard.count))
         return max(0, mine - len(self.done) // max(1, self.params.n))
 
-    def run(self) -> dict:
+    def run(self) -> dict | None:
+        """Runs the job; returns its summary, or None when every row was already done."""
         self._open()
+        if self._nothing_to_do():
+            return None
+        self._load()
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.in_flight: dict[int, RowState] = {}
         total = self._total_rows()

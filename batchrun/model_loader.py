@@ -143,9 +143,11 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from .engine import attention
 
+    hf_logging.disable_progress_bar()  # batchrun shows its own progress
     attention.register()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -25,9 +25,10 @@ JOB_KEY = b"batchrun.job"
 
 
 def fingerprint(spec: JobSpec, shard: Shard) -> str:
-    """Hash of what changes the outputs: model, input, sampling, max_model_len — and the shard count (a row's
+    """Hash of what changes the outputs: model, input (but its limit), sampling — and the shard count (a row's
     shard depends on it). Engine settings (pages, batch sizes) and the shard index do not change any row."""
     d = to_dict(spec)
+    d["input"].pop("limit", None)  # a larger limit continues the same job
     keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "shards": shard.count}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

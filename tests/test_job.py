@@ -1,0 +1,195 @@
+"""Whole jobs: inputs (Parquet, save_to_disk), outputs, bad rows, validation errors, memory flatness."""
+
+import resource
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import ROOT, read_outputs, run_cli, write_job, write_prompts
+
+from batchrun.config import load_job
+from batchrun.job import Job
+from batchrun.sources import InputSource, Shard
+
+PROMPTS = ["Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is a cat?",
+           "Write one word about rain."]
+
+JOB = """
+name: t
+input:
+  {input}
+  prompt_column: prompt
+  id_column: id
+  passthrough: [category]
+sampling:
+  max_new_tokens: 6
+engine:
+  num_pages: 128
+output:
+  path: {out}
+"""
+
+
+def run_job(tmp_path, input_yaml, name="out", **kw):
+    job_file = write_job(tmp_path / f"{name}.yaml", JOB.format(input=input_yaml, out=tmp_path / name))
+    spec = load_job(job_file)
+    Job(spec, progress=False, **kw).run()
+    return read_outputs(tmp_path / name)
+
+
+def test_parquet_and_save_to_disk_give_identical_outputs(tmp_path):
+    import datasets
+
+    cats = [f"c{i % 2}" for i in range(len(PROMPTS))]
+    write_prompts(tmp_path / "in.parquet", PROMPTS, extra={"category": cats})
+    datasets.Dataset.from_dict({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS,
+                                "category": cats}).save_to_disk(str(tmp_path / "ds"))
+    a = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}", "a")
+    b = run_job(tmp_path, f"dataset: {{path: {tmp_path / 'ds'}}}", "b")
+    assert a == b and len(a) == len(PROMPTS)
+    assert {r["category"] for r in a.values()} == {"c0", "c1"}
+    assert all(r["finish_reason"] in ("eos", "length") and r["completion"] for r in a.values())
+
+
+def test_local_data_files_through_load_dataset(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_prompts(tmp_path / "data" / "train.parquet", PROMPTS[:3], extra={"category": ["x"] * 3})
+    rows = run_job(tmp_path, f"dataset: {{path: parquet, data_dir: {tmp_path / 'data'}, split: train}}")
+    assert len(rows) == 3
+
+
+def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path):
+    prompts = ["Name a color.", None, "", "   ", "x " * 9000, "What is 2 + 2?"]
+    table = pa.table({"id": [f"r{i}" for i in range(6)], "prompt": prompts, "category": ["a"] * 6})
+    pq.write_table(table, tmp_path / "in.parquet")
+    rows = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
+    assert len(rows) == 6
+    reasons = {k[0]: (r["finish_reason"], r["error"]) for k, r in rows.items()}
+    assert reasons["r0"][0] != "error" and reasons["r5"][0] != "error"
+    for bad in ("r1", "r2", "r3", "r4"):
+        assert reasons[bad][0] == "error" and reasons[bad][1], bad
+        assert rows[(bad, 0)]["completion"] is None
+    assert "null" in reasons["r1"][1] and "empty" in reasons["r2"][1]
+    assert "context" in reasons["r4"][1] or "KV" in reasons["r4"][1]
+
+
+def test_non_string_prompt_column_gives_error_rows(tmp_path):
+    pq.write_table(pa.table({"id": [1, 2], "prompt": [3, 4], "category": ["a", "b"]}), tmp_path / "in.parquet")
+    rows = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
+    assert [r["finish_reason"] for r in rows.values()] == ["error", "error"]
+    assert all("not a string" in r["error"] for r in rows.values())
+    assert pq.read_schema(next((tmp_path / "out").glob("part-*.parquet"))).field("id").type == pa.int64()
+
+
+def test_output_columns_follow_the_contract(tmp_path):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a", "b"]})
+    run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
+    schema = pq.read_schema(next((tmp_path / "out").glob("part-*.parquet")))
+    expected = {"id": pa.string(), "sample": pa.int32(), "completion": pa.string(), "finish_reason": pa.string(),
+                "error": pa.string(), "prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
+                "num_preemptions": pa.int32(), "category": pa.string()}
+    assert {f.name: f.type for f in schema} == expected
+
+
+def test_stop_strings_are_cut_from_the_completion(tmp_path):
+    write_prompts(tmp_path / "in.parquet", ["Count from one to ten in words, separated by commas."],
+                  extra={"category": ["a"]})
+    job_file = write_job(tmp_path / "j.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}",
+                                                         out=tmp_path / "out").replace("max_new_tokens: 6",
+                                                                                       "max_new_tokens: 40"))
+    free = read_outputs_after(job_file, tmp_path / "free")
+    text = free[("r0", 0)]["completion"]
+    assert len(text) > 20, text
+    stop = text[12:15]  # whatever the model writes, stop at a piece of it
+    stopped = read_outputs_after(job_file, tmp_path / "stopped", [f"sampling.stop=[{stop!r}]"])[("r0", 0)]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["completion"] == text[:text.find(stop)]
+
+
+def read_outputs_after(job_file, out, overrides=()):
+    spec = load_job(job_file, [f"output.path={out}", *overrides])
+    Job(spec, progress=False).run()
+    return read_outputs(out)
+
+
+def test_streaming_a_million_rows_keeps_memory_flat(tmp_path):
+    path = tmp_path / "big.parquet"
+    writer = None
+    for chunk in range(20):  # 1,000,000 rows in row groups of 50,000
+        ids = list(range(chunk * 50_000, (chunk + 1) * 50_000))
+        t = pa.table({"id": ids, "prompt": [f"Prompt number {i}: say something." for i in ids]})
+        writer = writer or pq.ParquetWriter(path, t.schema)
+        writer.write_table(t)
+    writer.close()
+    from batchrun.config import InputSpec
+
+    source = InputSource(InputSpec(parquet=str(path), id_column="id"))
+    assert source.num_rows() == 1_000_000
+    rows = source.rows(Shard(1, 4))
+    for _ in range(1000):  # warm up: first batches and allocator pools
+        next(rows)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    count = 1000
+    for row in rows:
+        count += 1
+        assert row.index % 4 == 1
+    growth_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert count == 250_000
+    # the whole prompt column is ~35 MiB of text; streaming holds one row group at a time
+    assert growth_mib < 40, f"peak RSS grew {growth_mib:.0f} MiB while streaming"
+
+
+@pytest.mark.parametrize("mutation, key", [
+    ("sampling:\n  temperature: hot", "sampling.temperature"),
+    ("sampling:\n  max_new_tokens: 0", "sampling.max_new_tokens"),
+    ("engine:\n  page_size: 12", "engine.page_size"),
+    ("engine:\n  preemption: drop", "engine.preemption"),
+    ("bogus: 1", "bogus"),
+    ("sampling:\n  tempreature: 0.5", "sampling.tempreature"),
+])
+def test_validation_errors_exit_2_and_name_the_key(tmp_path, mutation, key):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a", "b"]})
+    text = f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n{mutation}\n"
+    job = write_job(tmp_path / "job.yaml", text)
+    r = run_cli("validate", str(job))
+    assert r.returncode == 2, r.stderr
+    assert key in r.stderr and str(job) in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name: t\ninput:\n  parquet: {dir}/nope.parquet\n", ["input.parquet", "nope.parquet"]),
+    ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  prompt_column: question\n", ["input.prompt_column",
+                                                                                   "question"]),
+    ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  dataset: {{path: x}}\n", ["exactly one", "both"]),
+    ("name: t\ninput: {{}}\n", ["exactly one", "neither"]),
+    ("name: t\nmodel:\n  path: {dir}/no-model\ninput:\n  parquet: {dir}/in.parquet\n", ["model.path"]),
+    ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  passthrough: [nope]\n", ["input.passthrough[0]", "nope"]),
+    ("name: [t\n", ["not valid YAML"]),
+    ("input:\n  parquet: {dir}/in.parquet\n", ["`name`"]),
+])
+def test_bad_job_files_exit_2_with_a_clear_message(tmp_path, text, words):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], ids=["a", "a"] if "dup" in text else None)
+    job = write_job(tmp_path / "job.yaml", text.format(dir=tmp_path))
+    r = run_cli("validate", str(job))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in r.stderr, (w, r.stderr)
+
+
+def test_duplicate_ids_are_rejected_before_any_work(tmp_path):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:3], ids=["a", "b", "a"])
+    job = write_job(tmp_path / "job.yaml", f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
+                                           f"  id_column: id\noutput:\n  path: {tmp_path / 'out'}\n")
+    for cmd in (["validate", str(job)], ["submit", str(job), "--quiet"]):
+        r = run_cli(*cmd)
+        assert r.returncode == 2 and "appears more than once" in r.stderr, r.stderr
+    assert not list((tmp_path / "out").glob("part-*")) if (tmp_path / "out").exists() else True
+
+
+def test_set_overrides_any_key_and_is_validated(tmp_path):
+    spec = load_job(ROOT / "jobs" / "demo.yaml", ["sampling.temperature=0.7", "engine.num_pages=64",
+                                                   "model.system_prompt=Be brief."])
+    assert spec.sampling.temperature == 0.7 and spec.engine.num_pages == 64
+    assert spec.model.system_prompt == "Be brief."
+    r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"), "--set", "sampling.top_p=2")
+    assert r.returncode == 2 and "sampling.top_p" in r.stderr

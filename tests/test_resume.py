@@ -1,0 +1,129 @@
+"""Runs that lose nothing: kill -9 and resume, SIGTERM and resume, shards, refusing another job's parts."""
+
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
+
+N_ROWS = 24
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    prompts = [f"Give me one short fact about the number {i}." for i in range(N_ROWS)]
+    write_prompts(d / "in.parquet", prompts, extra={"category": ["k"] * N_ROWS})
+    text = f"""
+name: resume
+input:
+  parquet: {d / 'in.parquet'}
+  id_column: id
+  passthrough: [category]
+sampling:
+  max_new_tokens: 12
+engine:
+  num_pages: 256
+  max_num_seqs: 4
+output:
+  path: {d / 'ref'}
+  rows_per_part: 2
+  flush_seconds: 0
+"""
+    return write_job(d / "job.yaml", text), d
+
+
+@pytest.fixture(scope="module")
+def reference(job):
+    job_file, d = job
+    r = run_cli("submit", str(job_file), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = read_outputs(d / "ref")
+    assert len(rows) == N_ROWS
+    return {k: v["completion"] for k, v in rows.items()}
+
+
+def start(job_file, out):
+    return subprocess.Popen([BATCHRUN, "submit", str(job_file), "--quiet", "--set", f"output.path={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_parts(out, n, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if out.exists() and len(list(out.glob("part-*.parquet"))) >= n:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    raise AssertionError("no part files appeared")
+
+
+def test_kill_9_at_several_points_then_resume(job, reference):
+    job_file, d = job
+    out = d / "killed"
+    for parts in (0, 2, 5):  # during start-up, early, later
+        proc = start(job_file, out)
+        if parts == 0:
+            time.sleep(2.0)
+        else:
+            wait_for_parts(out, parts, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not list(out.glob("*.tmp")) or all(p.name.startswith(".") for p in out.glob("*.tmp"))
+    r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}")
+    assert r.returncode == 0, r.stderr
+    rows = read_outputs(out)  # asserts no (id, sample) twice
+    assert {k: v["completion"] for k, v in rows.items()} == reference
+    again = run_cli("submit", str(job_file), "--set", f"output.path={out}")
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_sigterm_stops_cleanly_with_code_3_then_resumes(job, reference):
+    job_file, d = job
+    out = d / "termed"
+    proc = start(job_file, out)
+    wait_for_parts(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "resume" in err and "Traceback" not in err
+    partial = read_outputs(out)
+    assert 0 < len(partial) < N_ROWS
+    assert (out / "stats.parquet").exists()
+    r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}")
+    assert r.returncode == 0, r.stderr
+    assert {k: v["completion"] for k, v in read_outputs(out).items()} == reference
+
+
+def test_shards_together_equal_the_unsharded_run(job, reference):
+    job_file, d = job
+    out = d / "sharded"
+    for i in range(3):
+        r = run_cli("submit", str(job_file), "--quiet", "--shard", f"{i}/3", "--set", f"output.path={out}")
+        assert r.returncode == 0, r.stderr
+    assert {k: v["completion"] for k, v in read_outputs(out).items()} == reference
+    assert len(list(out.glob("stats-*.parquet"))) == 3
+    s = run_cli("stats", str(out), "--json")
+    assert s.returncode == 0, s.stderr
+    import json
+
+    summary = json.loads(s.stdout)
+    assert summary["rows"] == N_ROWS and summary["shards"] == 3
+
+
+def test_shard_from_slurm_environment(job):
+    job_file, d = job
+    out = d / "slurm-env"
+    r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}", "--limit", "6",
+                env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+    assert r.returncode == 0, r.stderr
+    assert sorted(k[0] for k in read_outputs(out)) == ["r1", "r3", "r5"]
+
+
+def test_parts_of_another_job_are_refused(job):
+    job_file, d = job
+    r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={d / 'ref'}",
+                "--set", "sampling.max_new_tokens=5")
+    assert r.returncode == 2 and "different job" in r.stderr and "--overwrite" in r.stderr
