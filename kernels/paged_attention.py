@@ -31,7 +31,7 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     offset = slot % PAGE_SIZE
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = (h < NUM_KV_HEADS) & (slot >= 0)
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + page * stride_cp + offset * stride_cs + h * stride_ch + d, k, mask=mask)
@@ -41,7 +41,7 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """key/value [T, Hkv, D] into k_cache/v_cache [num_pages, page_size, Hkv, D] at slot_mapping [T]
-    (slot = page * page_size + offset; a negative slot is skipped)."""
+    (slot = page * page_size + offset; every token has a slot: batchrun packs no padding tokens)."""
     T, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)
     assert k_cache.shape == v_cache.shape and k_cache.dim() == 4, (k_cache.shape, v_cache.shape)

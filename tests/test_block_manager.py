@@ -20,7 +20,7 @@ def test_allocate_free_roundtrip_and_lru_order():
     assert bm.allocate_sequence(a, 100) == 10
     assert len(a.block_table) == 3 and bm.num_free_pages == 5
     a.num_computed_tokens = 10
-    bm.register_full_pages(a)
+    bm.register_full_pages(a, a.num_computed_tokens)
     assert len(a.block_hashes) == 2  # two full pages of 4
     bm.check_integrity([a])
     bm.free_sequence(a)
@@ -42,7 +42,7 @@ def test_hash_collision_is_checked_against_tokens():
     a = seq(0, [1, 2, 3])
     bm.allocate_sequence(a, 10)
     a.num_computed_tokens = 3
-    bm.register_full_pages(a)
+    bm.register_full_pages(a, a.num_computed_tokens)
     page = a.block_table[0]
     bm.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
     assert bm.match_prefix(seq(1, [1, 2, 3])) == ([], [])
@@ -53,7 +53,7 @@ def test_last_prompt_token_is_always_computed():
     a = seq(0, range(8))
     bm.allocate_sequence(a, 100)
     a.num_computed_tokens = 8
-    bm.register_full_pages(a)
+    bm.register_full_pages(a, a.num_computed_tokens)
     b = seq(1, range(8))
     bm.allocate_sequence(b, 100)
     assert b.num_cached_tokens == 4 and b.num_uncomputed_tokens == 4
@@ -95,7 +95,7 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
             if bm.num_new_pages_for_admission(s) <= bm.num_free_pages:
                 bm.allocate_sequence(s, 10**6)
                 s.num_computed_tokens = s.num_tokens
-                bm.register_full_pages(s)
+                bm.register_full_pages(s, s.num_computed_tokens)
                 running.append(s)
         elif op == "grow" and running:
             s = running[r % len(running)]
@@ -103,7 +103,7 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
             if bm.num_pages_to_grow(s, 1) <= bm.num_free_pages:
                 bm.grow(s, 1)
                 s.num_computed_tokens += 1
-                bm.register_full_pages(s)
+                bm.register_full_pages(s, s.num_computed_tokens)
             else:
                 s.output_token_ids.pop()
         elif op == "fork" and running:
@@ -148,7 +148,6 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
         assert bm.num_used_pages <= bm.num_pages
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            bm.register_full_pages(s.seq)
         for s in plan.scheduled:
             if not s.samples:
                 continue

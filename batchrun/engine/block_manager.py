@@ -174,13 +174,17 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
-    def register_full_pages(self, seq: Sequence) -> None:
-        """Hash the pages of seq that are now full of computed tokens, so later sequences can reuse them."""
+    def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash the pages of seq that its first `num_tokens` tokens fill, so other sequences can reuse them.
+
+        The scheduler calls this with the tokens computed by the end of the step being planned: a page whose
+        K/V is written in this step can already serve a sequence admitted in the same step, because every layer
+        writes the step's new K/V before any sequence attends."""
         if not self.prefix_sharing:
             return
         P = self.page_size
         tokens = seq.token_ids
-        while len(seq.block_hashes) < min(seq.num_computed_tokens // P, len(seq.block_table)):
+        while len(seq.block_hashes) < min(num_tokens // P, len(seq.block_table)):
             i = len(seq.block_hashes)
             chunk = tuple(tokens[i * P:(i + 1) * P])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)

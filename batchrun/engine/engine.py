@@ -116,20 +116,17 @@ class Engine:
             return result
         logits = self.runner.execute(plan.scheduled)
         self.num_steps += 1
-        bm = self.block_manager
-        sampling, rows = [], []
+        sampling, rows = [], []  # sequences that sample, and the logits row each samples from
+        num_logit_rows = 0
         for s in plan.scheduled:
             seq = s.seq
             result.num_prompt_tokens += max(0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start)
             seq.num_computed_tokens += s.num_new_tokens
-            bm.register_full_pages(seq)
             if s.samples:
-                row = len(rows)
-                rows.append(row)
-                sampling.append(seq)
-                for child in self._fork_siblings(seq):
-                    sampling.append(child)
-                    rows.append(row)
+                for member in [seq, *self._fork_siblings(seq)]:
+                    sampling.append(member)
+                    rows.append(num_logit_rows)
+                num_logit_rows += 1
         if sampling:
             row_index = torch.tensor(rows, device=logits.device)
             tokens = sample(logits[row_index], sampling)

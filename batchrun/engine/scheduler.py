@@ -115,6 +115,10 @@ class Scheduler:
         cow = self.bm.grow(seq, n)
         if cow is not None:
             out.copy_on_write.append(cow)
+        self._planned(seq, n, out)
+
+    def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        self.bm.register_full_pages(seq, seq.num_computed_tokens + n)
         out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -162,7 +166,7 @@ class Scheduler:
             n = self.bm.allocate_sequence(seq, budget)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
+            self._planned(seq, n, out)
             budget -= n
 
     # ---- after the forward pass -----------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Triton kernels against the plain PyTorch reference (interpreted on CPU tensors; `-m gpu` on CUDA)."""
+
+import os
+
+import pytest
+import torch
+
+from batchrun_kernels import paged_attention, ref_paged_attention, ref_write_kv_cache, write_kv_cache
+
+ON_GPU = os.environ.get("BATCHRUN_TRITON_GPU") == "1" and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def make_case(query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, spare_pages=3, gen=None):
+    """Random pages in shuffled physical order; each sequence's block table lists its own pages."""
+    blocks = [-(-c // page_size) for c in context_lens]
+    num_pages = sum(blocks) + spare_pages
+    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables, i = [], 0
+    for b in blocks:
+        tables.append(order[i:i + b] + [order[-1]] * (max(blocks) - b))  # padding points at a real page
+        i += b
+    q = torch.randn(sum(query_lens), num_kv_heads * gqa, head_dim, generator=gen).to(dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    to = dict(device=DEVICE)
+    return (q.to(**to), k_cache.to(**to), v_cache.to(**to), torch.tensor(tables, dtype=torch.int32, **to),
+            torch.tensor(starts, dtype=torch.int32, **to), torch.tensor(context_lens, dtype=torch.int32, **to))
+
+
+def check(query_lens, context_lens, page_size=16, num_kv_heads=2, gqa=1, head_dim=32, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, kc, vc, bt, qsl, sl = make_case(query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype,
+                                       gen=gen)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))  # poisoned: an element the kernel fails to write fails the test
+    paged_attention(q, kc, vc, bt, qsl, sl, scale, out=out)
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), qsl.cpu(), sl.cpu(), scale)
+    assert not out.isnan().any(), "unwritten output elements"
+    err = rel_err(out.cpu(), ref)
+    assert err < TOL[dtype], f"relative error {err:.2e} for {dtype}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [1, 16, 15, 17, 70])  # one token, one page, page boundary -1 / +1, many pages
+def test_decode_context_lengths(ctx, dtype):
+    check([1, 1], [ctx, max(1, ctx // 2)], dtype=dtype, seed=ctx)
+
+
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+def test_gqa_ratios_mixed_batch(gqa):
+    # prefill from scratch, prefix-cached prefill (context longer than the queries), decode: one launch
+    check([9, 5, 1, 1], [9, 37, 20, 3], num_kv_heads=1 if gqa == 8 else 2, gqa=gqa, seed=gqa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mixed_batch_every_dtype(dtype):
+    check([12, 4, 1], [12, 40, 33], gqa=3, num_kv_heads=1, head_dim=64, dtype=dtype, seed=7)
+
+
+@pytest.mark.parametrize("page_size", [8, 32, 128])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_page_sizes_and_head_dims(page_size, head_dim):
+    check([3, 1], [page_size + 3, 2 * page_size - 1], page_size=page_size, head_dim=head_dim, gqa=2,
+          num_kv_heads=1, seed=page_size + head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_large_head_dims(head_dim):
+    check([2, 1], [5, 18], head_dim=head_dim, num_kv_heads=1, gqa=1, seed=head_dim)
+
+
+def test_shape_mistakes_are_assertions():
+    q, kc, vc, bt, qsl, sl = make_case([1], [4], 16, 2, 1, 32, torch.float32)
+    with pytest.raises(AssertionError):
+        paged_attention(q, kc[:, :, :1], vc, bt, qsl, sl, 1.0)  # K and V caches differ
+    with pytest.raises(AssertionError):
+        paged_attention(q, kc, vc, bt, qsl[:1], sl, 1.0)  # query_start_loc of the wrong length
+    with pytest.raises(AssertionError):
+        paged_attention(q.half(), kc, vc, bt, qsl, sl, 1.0)  # dtypes differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    T, H, D, P, N = 7, 3, 32, 8, 6
+    key = torch.randn(T, H, D, generator=gen).to(dtype).to(DEVICE)
+    value = torch.randn(T, H, D, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(N * P, generator=gen)[:T].to(DEVICE)
+    kc = torch.full((N, P, H, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = kc.clone()
+    kr, vr = kc.clone().cpu(), vc.clone().cpu()
+    write_kv_cache(key, value, kc, vc, slots)
+    ref_write_kv_cache(key.cpu(), value.cpu(), kr, vr, slots.cpu())
+    assert torch.equal(kc.cpu().nan_to_num(7.0), kr.nan_to_num(7.0))
+    assert torch.equal(vc.cpu().nan_to_num(7.0), vr.nan_to_num(7.0))
+
+
+def test_engine_with_triton_attention_matches_torch(tok_model):
+    from helpers import chat_ids, make_engine, run_engine
+
+    from batchrun.engine import SamplingParams
+
+    tok, _ = tok_model
+    prompts = [chat_ids(tok, p) for p in ("Hi!", "Name a color.", "What is 3 + 4?")]
+    params = SamplingParams(max_new_tokens=4)
+    torch_seqs, _ = run_engine(make_engine(tok_model, attention="torch"), prompts, params)
+    triton_seqs, _ = run_engine(make_engine(tok_model, attention="triton"), prompts, params)
+    assert [s[0].output_token_ids for s in triton_seqs] == [s[0].output_token_ids for s in torch_seqs]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA and BATCHRUN_TRITON_GPU=1")
+def test_gpu_large_decode_batch():
+    check([1] * 64, [2048] * 64, num_kv_heads=8, gqa=4, head_dim=128, dtype=torch.bfloat16)
