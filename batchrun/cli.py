@@ -151,7 +151,7 @@ def stats(path: Path, plot_path, as_json) -> None:
 @click.option("--budget", type=click.IntRange(min=1), default=32768, show_default=True,
               help="KV memory in token slots.")
 @click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Tokens of prompt prefix common to every request (for paged + prefix sharing).")
+              help="Tokens of a prefix common to every request (a system prompt), put before each prompt.")
 @click.option("--page-sizes", default="1,8,16,32,64,128", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -174,7 +174,7 @@ def simulate(from_path, prompt_len, output_len, max_new_tokens, requests, budget
     if as_json:
         click.echo(json.dumps([r._asdict() for r in results], indent=2))
     else:
-        click.echo(format_table(results, workload, budget))
+        click.echo(format_table(results, workload, budget, shared_prefix))
 
 
 def _range(text: str, option: str) -> tuple[int, int]:

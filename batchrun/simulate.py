@@ -140,7 +140,7 @@ class _Contiguous(_Allocator):
         held = sum(lv.size for lv in running)
         stored = sum(lv.req.prompt + lv.generated for lv in running)
         future = sum(lv.req.output - lv.generated for lv in running)
-        dup = max(0, len(running) - 1) * min(self.shared_prefix, min((lv.req.prompt for lv in running), default=0))
+        dup = max(0, len(running) - 1) * self.shared_prefix
         gaps = self._gaps()
         external = sum(g for _, g in gaps if head is not None and g < self.need(head))
         return {"tokens": stored - dup, "duplication": dup, "reserved": future, "internal": held - stored - future,
@@ -205,8 +205,7 @@ class _Paged(_Allocator):
         stored = sum(lv.req.prompt + lv.generated for lv in running)
         once = self.shared_pages * P  # prefix tokens in shared pages: stored once however many use them
         distinct = stored - max(0, k - 1) * once
-        prefix = min(self.shared_prefix, min((lv.req.prompt for lv in running), default=0))
-        dup = max(0, k - 1) * max(0, prefix - once)  # prefix copies still stored once per request
+        dup = max(0, k - 1) * (self.shared_prefix - once)  # the part of the prefix in unshared pages
         held = self.used * P
         return {"tokens": distinct - dup, "duplication": dup, "reserved": 0, "internal": held - distinct,
                 "external": 0, "free": self.budget - held}
@@ -267,8 +266,10 @@ def simulate_one(alloc: _Allocator, workload: list[Request]) -> Result:
 
 def run_all(workload: list[Request], budget: int, max_new_tokens: int | None, page_sizes: list[int],
             shared_prefix: int = 0) -> list[Result]:
+    """Every allocator over the same workload; `shared_prefix` tokens common to all requests are put before each
+    prompt."""
     reserve = max_new_tokens if max_new_tokens is not None else max(r.output for r in workload)
-    workload = [Request(r.prompt, min(r.output, reserve)) for r in workload]
+    workload = [Request(shared_prefix + r.prompt, min(r.output, reserve)) for r in workload]
     allocators: list[_Allocator] = [_Contiguous(budget, reserve, shared_prefix),
                                     _Contiguous(budget, None, shared_prefix)]
     allocators += [_Paged(budget, p, shared_prefix, sharing=False) for p in page_sizes]
@@ -277,7 +278,8 @@ def run_all(workload: list[Request], budget: int, max_new_tokens: int | None, pa
     return [simulate_one(a, workload) for a in allocators]
 
 
-def format_table(results: list[Result], workload: list[Request], budget: int) -> str:
+def format_table(results: list[Result], workload: list[Request], budget: int, shared_prefix: int = 0) -> str:
+    workload = [Request(shared_prefix + r.prompt, r.output) for r in workload]
     n = len(workload)
     mean_p = sum(r.prompt for r in workload) / n
     mean_o = sum(r.output for r in workload) / n

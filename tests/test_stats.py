@@ -1,0 +1,123 @@
+"""Statistics: brute-force recount on a real job, invariants, the simulator on hand-computed cases, the plot."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import ROOT, run_cli, write_job
+
+from batchrun.config import load_job
+from batchrun.job import Job
+from batchrun.simulate import Request, _Contiguous, _Paged, simulate_one
+from batchrun.stats import COLUMNS, read_summary
+
+DESIGN_SUMMARY_KEYS = [
+    "wall_s", "rows", "prompt_tokens", "generated_tokens", "generated_tokens_per_s", "peak_running",
+    "mean_running", "kv_utilization_mean", "kv_utilization_peak", "internal_fragmentation_mean",
+    "external_fragmentation_max", "duplication_saved_peak", "prefix_hit_tokens", "preemptions", "recomputations",
+    "swap_out_pages", "swap_in_pages", "swap_out_bytes", "swap_in_bytes", "contiguous_utilization_mean",
+    "contiguous_max_concurrency", "page_size", "pages_total"]
+
+
+@pytest.fixture(scope="module")
+def stats_job(tmp_path_factory, monkeypatch_module):
+    d = tmp_path_factory.mktemp("stats")
+    monkeypatch_module.setenv("BATCHRUN_DEBUG_STATS", "1")  # every step recounted by brute force
+    spec = load_job(ROOT / "jobs" / "demo.yaml", [f"output.path={d / 'out'}", f"output.stats={d / 'stats.parquet'}",
+                                                   "engine.num_pages=60", "engine.prefix_sharing=false",
+                                                   "sampling.max_new_tokens=24", "engine.max_num_seqs=16"])
+    summary = Job(spec, limit=40, progress=False).run()
+    return d / "stats.parquet", summary
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_stats_file_has_every_column_and_summary_key(stats_job):
+    path, summary = stats_job
+    table = pq.read_table(path)
+    assert set(COLUMNS) <= set(table.column_names)
+    stored = read_summary(path)
+    for key in DESIGN_SUMMARY_KEYS:
+        assert key in stored, key
+    assert stored["rows"] == 40 and stored["generated_tokens"] == summary["generated_tokens"]
+    assert stored["preemptions"] > 0, "60 pages should force preemptions for this workload"
+
+
+def test_invariants_hold_on_every_row(stats_job):
+    path, _ = stats_job
+    t = pq.read_table(path).to_pylist()
+    assert t[0]["step"] == 0
+    for r in t:
+        assert r["pages_used"] + r["pages_free"] == r["pages_total"]
+        assert r["slots_allocated"] == r["pages_used"] * 16
+        # nothing is shared (prefix sharing off, n = 1): the tail of each sequence's last page is all the waste
+        assert r["shared_pages_saved"] == 0
+        assert 0 <= r["internal_waste_slots"] <= 15 * r["num_running"]
+        if r["slots_allocated"]:
+            assert 0 <= r["tokens_stored"] / r["slots_allocated"] <= 1
+        assert r["external_fragmentation"] == 0.0
+        assert r["tokens_cached_per_sequence"] <= r["reserved_slots_contiguous"]
+    assert sum(r["preemptions"] for r in t) == read_summary(path)["preemptions"], "preemption steps are kept"
+
+
+def test_stats_command_prints_and_plots(stats_job, tmp_path):
+    path, _ = stats_job
+    png = tmp_path / "memory.png"
+    r = run_cli("stats", str(path), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    for words in ("KV utilization", "internal fragmentation", "duplication saved", "contiguous counterfactual",
+                  "swapped out", "preemptions"):
+        assert words in r.stdout
+    from PIL import Image
+
+    img = Image.open(png).convert("L")
+    assert img.size[0] >= 800 and img.size[1] >= 600
+    hist = img.histogram()
+    assert sum(1 for h in hist if h > 50) > 20, "the plot looks blank"
+    j = run_cli("stats", str(path), "--json")
+    assert json.loads(j.stdout)["page_size"] == 16
+
+
+def test_stats_on_a_missing_file_exits_2(tmp_path):
+    r = run_cli("stats", str(tmp_path / "nope.parquet"))
+    assert r.returncode == 2 and "nope.parquet" in r.stderr
+
+
+def test_contiguous_simulation_by_hand():
+    # 32 slots; each request reserves 4 + 8; two fit, the third waits for a gap of 12 while 8 slots sit free
+    res = simulate_one(_Contiguous(32, 8, 0), [Request(4, 2)] * 3)
+    assert res.tokens == pytest.approx((10 + 12) / 2 / 32)
+    assert res.reserved == pytest.approx((2 + 0) / 2 / 32)
+    assert res.internal == pytest.approx(12 / 32)
+    assert res.external == pytest.approx(8 / 32)
+    assert res.free == 0 and res.peak_concurrency == 2 and res.steps == 4 and res.delayed == 1
+
+
+def test_paged_simulation_by_hand():
+    # 2 pages of 4: both prompts fit, then growth preempts the newer request, which reruns after
+    res = simulate_one(_Paged(8, 4, 0, sharing=False), [Request(4, 2)] * 2)
+    assert res.preemptions == 1 and res.steps == 4 and res.peak_concurrency == 1
+    assert res.tokens == pytest.approx((5 + 6) / 2 / 8)
+    assert res.internal == pytest.approx((3 + 2) / 2 / 8)
+    assert res.external == 0
+
+
+def test_simulate_readme_example():
+    r = run_cli("simulate", "--prompt-len", "300-600", "--output-len", "1-64", "--max-new-tokens", "1024",
+                "--requests", "300", "--budget", "32768", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {x["allocator"]: x for x in json.loads(r.stdout)}
+    assert rows["contiguous max-length"]["tokens"] < 0.40
+    assert rows["paged P=16"]["tokens"] >= 0.96
+    assert rows["contiguous exact-size first-fit"]["external"] > 0
+
+
+def test_demo_job_file_validates():
+    r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"))
+    assert r.returncode == 0, r.stderr
+
