@@ -28,13 +28,28 @@ class KVCacheShape:
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed pages. On the CPU through calloc (numpy), whose large blocks the OS zeroes lazily: the process
+    then only grows by the pages actually written, and start-up does not touch gigabytes."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    elements = 1
+    for d in shape:
+        elements *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(elements * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class KVCache:
     def __init__(self, shape: KVCacheShape, num_pages: int, num_cpu_pages: int, device: torch.device):
         self.shape = shape
         self.device = device
         dims = (shape.num_layers, 2)
         page = (shape.page_size, shape.num_kv_heads, shape.head_dim)
-        self.pages = torch.zeros(*dims, num_pages, *page, dtype=shape.dtype, device=device)
+        self.pages = _zeros((*dims, num_pages, *page), shape.dtype, device)
         pin = device.type == "cuda"
         # never read before written, so not zeroed (zeroing gigabytes costs seconds at start-up); the accelerator
         # pool is zeroed: masked-out slots of a page are still multiplied by zero, and garbage could be NaN
