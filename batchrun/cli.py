@@ -41,7 +41,9 @@ def handle_errors(fn):
         except Exception as e:  # a run-time failure: say what, keep the traceback for whoever debugs it
             if os.environ.get("BATCHRUN_DEBUG"):
                 traceback.print_exc()
-            _fail(f"job failed: {type(e).__name__}: {e} (set BATCHRUN_DEBUG=1 for the traceback)", EXIT_FAILED)
+            _fail(
+                f"job failed: {type(e).__name__}: {e} (set BATCHRUN_DEBUG=1 for the traceback)", EXIT_FAILED
+            )
 
     return wrapper
 
@@ -72,9 +74,15 @@ def main() -> None:
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a job-file key.")
-@click.option("--shard", default=None, metavar="I/N", help="Run shard I of N (default: the Slurm array task's).")
-@click.option("--resume/--no-resume", default=True, show_default=True,
-              help="Skip the rows already written by this same job.")
+@click.option(
+    "--shard", default=None, metavar="I/N", help="Run shard I of N (default: the Slurm array task's)."
+)
+@click.option(
+    "--resume/--no-resume",
+    default=True,
+    show_default=True,
+    help="Skip the rows already written by this same job.",
+)
 @click.option("--overwrite", is_flag=True, help="Delete the output directory's part files and start over.")
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="Only the first N input rows.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -93,8 +101,9 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet) ->
     job = Job(spec, Shard(index, count), resume=resume, overwrite=overwrite, limit=limit, progress=not quiet)
     summary = job.run()
     if summary is None:
-        click.echo(f"nothing to do: every row of shard {index}/{count} already has its output in "
-                   f"{spec.output_dir}/")
+        click.echo(
+            f"nothing to do: every row of shard {index}/{count} already has its output in {spec.output_dir}/"
+        )
         return
     click.echo(format_summary(summary))
     click.echo(f"completions: {spec.output_dir}/  statistics: {spec.stats_path}")
@@ -116,14 +125,21 @@ def validate(job_file: Path, overrides) -> None:
     check_duplicate_ids(source, spec.input.limit, spec.source_file)
     model = check_model_path(spec.model.path, spec.source_file)
     rows = source.num_rows()
-    click.echo(f"{job_file}: ok — input {rows if rows is not None else 'unknown'} rows, model {model}, "
-               f"output {spec.output_dir}/")
+    click.echo(
+        f"{job_file}: ok — input {rows if rows is not None else 'unknown'} rows, model {model}, "
+        f"output {spec.output_dir}/"
+    )
 
 
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Draw memory and sequences over time into this PNG.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw memory and sequences over time into this PNG.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
 def stats(path: Path, plot_path, as_json) -> None:
@@ -138,34 +154,70 @@ def stats(path: Path, plot_path, as_json) -> None:
 
 
 @main.command()
-@click.option("--from", "from_path", type=click.Path(path_type=Path), default=None,
-              help="Replay a real job: its completions directory, a part file, or a Parquet of lengths "
-                   "(columns prompt_tokens, completion_tokens).")
-@click.option("--prompt-len", default="20-400", show_default=True, metavar="LO-HI",
-              help="Uniform prompt length range, when no --from.")
-@click.option("--output-len", default="1-64", show_default=True, metavar="LO-HI",
-              help="Uniform output length range, when no --from.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
-              help="What a contiguous allocator reserves for outputs (default: the longest output).")
+@click.option(
+    "--from",
+    "from_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Replay a real job: its completions directory, a part file, or a Parquet of lengths "
+    "(columns prompt_tokens, completion_tokens).",
+)
+@click.option(
+    "--prompt-len",
+    default="20-400",
+    show_default=True,
+    metavar="LO-HI",
+    help="Uniform prompt length range, when no --from.",
+)
+@click.option(
+    "--output-len",
+    default="1-64",
+    show_default=True,
+    metavar="LO-HI",
+    help="Uniform output length range, when no --from.",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="What a contiguous allocator reserves for outputs (default: the longest output).",
+)
 @click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
-@click.option("--budget", type=click.IntRange(min=1), default=32768, show_default=True,
-              help="KV memory in token slots.")
-@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Tokens of a prefix common to every request (a system prompt), put before each prompt.")
+@click.option(
+    "--budget", type=click.IntRange(min=1), default=32768, show_default=True, help="KV memory in token slots."
+)
+@click.option(
+    "--shared-prefix",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Tokens of a prefix common to every request (a system prompt), put before each prompt.",
+)
 @click.option("--page-sizes", default="1,8,16,32,64,128", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
-def simulate(from_path, prompt_len, output_len, max_new_tokens, requests, budget, shared_prefix, page_sizes,
-             seed, as_json) -> None:
+def simulate(
+    from_path,
+    prompt_len,
+    output_len,
+    max_new_tokens,
+    requests,
+    budget,
+    shared_prefix,
+    page_sizes,
+    seed,
+    as_json,
+) -> None:
     """Replay a workload through contiguous and paged allocators and print the waste table."""
     from .simulate import format_table, load_workload, random_workload, run_all
 
     if from_path is not None:
         workload = load_workload(from_path)
     else:
-        workload = random_workload(requests, _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len"),
-                                   seed)
+        workload = random_workload(
+            requests, _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len"), seed
+        )
     try:
         sizes = [int(x) for x in page_sizes.split(",")]
     except ValueError:
@@ -195,23 +247,51 @@ def _range(text: str, option: str) -> tuple[int, int]:
 @click.option("--cpus-per-task", type=click.IntRange(min=1), default=None)
 @click.option("--time", "time_limit", default=None, metavar="T", help="e.g. 04:00:00")
 @click.option("--mem", default=None, metavar="M", help="e.g. 32G")
-@click.option("--grace", type=click.IntRange(min=10), default=120, show_default=True,
-              help="Seconds between SIGTERM and the kill at the time limit.")
+@click.option(
+    "--grace",
+    type=click.IntRange(min=10),
+    default=120,
+    show_default=True,
+    help="Seconds between SIGTERM and the kill at the time limit.",
+)
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE")
-@click.option("--script", "script_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Where to write the sbatch script (default: <output>/slurm/<name>.sbatch).")
+@click.option(
+    "--script",
+    "script_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write the sbatch script (default: <output>/slurm/<name>.sbatch).",
+)
 @click.option("--submit", "do_submit", is_flag=True, help="Submit it with sbatch and print the job id.")
 @handle_errors
-def slurm(job_file, array, partition, gpus_per_task, cpus_per_task, time_limit, mem, grace, overrides,
-          script_path, do_submit) -> None:
+def slurm(
+    job_file,
+    array,
+    partition,
+    gpus_per_task,
+    cpus_per_task,
+    time_limit,
+    mem,
+    grace,
+    overrides,
+    script_path,
+    do_submit,
+) -> None:
     """Write (and with --submit, submit) an sbatch array script whose task i runs shard i/N of JOB_FILE."""
     from .config import load_job
     from .slurm import SlurmOptions, submit_script, write_script
 
     spec = load_job(job_file, overrides)
-    opts = SlurmOptions(array=array, partition=partition, gpus_per_task=gpus_per_task,
-                        cpus_per_task=cpus_per_task, time=time_limit, mem=mem, grace_s=grace,
-                        overrides=tuple(overrides))
+    opts = SlurmOptions(
+        array=array,
+        partition=partition,
+        gpus_per_task=gpus_per_task,
+        cpus_per_task=cpus_per_task,
+        time=time_limit,
+        mem=mem,
+        grace_s=grace,
+        overrides=tuple(overrides),
+    )
     path = write_script(spec, Path(job_file), opts, script_path)
     click.echo(f"sbatch script: {path}")
     if do_submit:

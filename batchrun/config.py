@@ -18,8 +18,18 @@ import yaml
 
 from .errors import BadInput
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -39,6 +49,7 @@ def parse_size(text: str | int) -> int:
 def _one_of(*choices: str):
     def check(v: Any) -> str | None:
         return None if v in choices else f"one of {', '.join(choices)}"
+
     return check
 
 
@@ -46,6 +57,7 @@ def _at_least(lo: float, strict: bool = False):
     def check(v: Any) -> str | None:
         ok = v > lo if strict else v >= lo
         return None if ok else f"a number {'>' if strict else '>='} {lo}"
+
     return check
 
 
@@ -55,12 +67,12 @@ def _power_of_two(v: int) -> str | None:
 
 def _size_or_fraction(v: Any) -> str | None:
     if isinstance(v, float | int) and not isinstance(v, bool):
-        return None if 0 < v <= 1 else "a fraction in (0, 1] or a size such as \"2GiB\""
+        return None if 0 < v <= 1 else 'a fraction in (0, 1] or a size such as "2GiB"'
     try:
         parse_size(v)
         return None
     except ValueError:
-        return "a fraction in (0, 1] or a size such as \"2GiB\""
+        return 'a fraction in (0, 1] or a size such as "2GiB"'
 
 
 def _size(v: Any) -> str | None:
@@ -68,8 +80,7 @@ def _size(v: Any) -> str | None:
         parse_size(v)
         return None
     except ValueError:
-        return "a size such as \"4GiB\" or a number of bytes"
-
+        return 'a size such as "4GiB" or a number of bytes'
 
 
 @dataclass
@@ -103,7 +114,9 @@ class InputSpec:
 class SamplingSpec:
     max_new_tokens: int = field(default=256, metadata={"check": _at_least(1)})
     temperature: float = field(default=0.0, metadata={"check": _at_least(0)})
-    top_p: float = field(default=1.0, metadata={"check": lambda v: None if 0 < v <= 1 else "a number in (0, 1]"})
+    top_p: float = field(
+        default=1.0, metadata={"check": lambda v: None if 0 < v <= 1 else "a number in (0, 1]"}
+    )
     top_k: int = field(default=-1, metadata={"check": lambda v: None if v == -1 or v >= 1 else "-1 or >= 1"})
     seed: int = 0
     stop: list[str] = field(default_factory=list)
@@ -113,8 +126,16 @@ class SamplingSpec:
 
 @dataclass
 class EngineSpec:
-    device: str = field(default="auto", metadata={"check": lambda v: None if v in ("auto", "cpu", "cuda")
-                                                  or str(v).startswith("cuda:") else "auto, cpu, cuda or cuda:N"})
+    device: str = field(
+        default="auto",
+        metadata={
+            "check": lambda v: (
+                None
+                if v in ("auto", "cpu", "cuda") or str(v).startswith("cuda:")
+                else "auto, cpu, cuda or cuda:N"
+            )
+        },
+    )
     attention: str = field(default="auto", metadata={"check": _one_of("auto", "triton", "torch")})
     page_size: int = field(default=16, metadata={"check": _power_of_two})
     kv_cache_memory: Union[float, str] = field(default=0.9, metadata={"check": _size_or_fraction})  # noqa: UP007
@@ -136,8 +157,16 @@ class OutputSpec:
 
 @dataclass
 class JobSpec:
-    name: str = field(default="", metadata={"check": lambda v: None if re.fullmatch(r"[\w.-]+", v)
-                                            else "a non-empty name of letters, digits, '_', '-' or '.'"})
+    name: str = field(
+        default="",
+        metadata={
+            "check": lambda v: (
+                None
+                if re.fullmatch(r"[\w.-]+", v)
+                else "a non-empty name of letters, digits, '_', '-' or '.'"
+            )
+        },
+    )
     model: ModelSpec = field(default_factory=ModelSpec)
     input: InputSpec = field(default_factory=InputSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
@@ -156,6 +185,7 @@ class JobSpec:
 
 # --------------------------------------------------------------------------------------------------------------
 # Parsing
+
 
 def _type_name(tp: Any) -> str:
     if tp is type(None):
@@ -216,8 +246,10 @@ def _build(cls: type, raw: Any, prefix: str, src: str) -> Any:
     for k in raw:
         if k not in fields:
             known = ", ".join(fields)
-            raise BadInput(f"{src}: unknown key `{prefix + '.' if prefix else ''}{k}` in {where}; "
-                           f"known keys there: {known}.")
+            raise BadInput(
+                f"{src}: unknown key `{prefix + '.' if prefix else ''}{k}` in {where}; "
+                f"known keys there: {known}."
+            )
     kwargs = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -254,20 +286,26 @@ def apply_override(raw: dict, assignment: str, src: str = "--set") -> None:
 def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
     """Build and validate a JobSpec from a parsed YAML mapping."""
     if not isinstance(raw, dict):
-        raise BadInput(f"{source}: a job file must be a YAML mapping (name:, model:, input:, ...), "
-                       f"got {type(raw).__name__}.")
+        raise BadInput(
+            f"{source}: a job file must be a YAML mapping (name:, model:, input:, ...), "
+            f"got {type(raw).__name__}."
+        )
     spec = _build(JobSpec, raw, "", source)
     spec.source_file = source
     if not spec.name:
         raise BadInput(f"{source}: key `name` is missing; expected a short job name such as `demo`.")
     inp = spec.input
     if (inp.parquet is None) == (inp.dataset is None):
-        raise BadInput(f"{source}: key `input` must have exactly one of `input.parquet` (a file, directory or "
-                       f"glob) or `input.dataset` (path, name, split, data_dir); "
-                       f"{'both' if inp.parquet else 'neither'} given.")
+        raise BadInput(
+            f"{source}: key `input` must have exactly one of `input.parquet` (a file, directory or "
+            f"glob) or `input.dataset` (path, name, split, data_dir); "
+            f"{'both' if inp.parquet else 'neither'} given."
+        )
     if inp.dataset is not None and not inp.dataset.path:
-        raise BadInput(f"{source}: key `input.dataset.path` is missing; expected a save_to_disk directory, "
-                       f"a data-file builder name (parquet, json, csv) with data_dir, or a cached dataset id.")
+        raise BadInput(
+            f"{source}: key `input.dataset.path` is missing; expected a save_to_disk directory, "
+            f"a data-file builder name (parquet, json, csv) with data_dir, or a cached dataset id."
+        )
     return spec
 
 

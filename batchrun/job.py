@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +45,10 @@ def check_duplicate_ids(source: InputSource, limit: int | None, src: str) -> Non
     seen: set = set()
     for index, row_id in enumerate(source.ids(limit)):
         if row_id in seen:
-            raise BadInput(f"{src}: key `input.id_column`: id {row_id!r} appears more than once (row {index}); "
-                           f"ids must be unique, since outputs and resume are keyed on (id, sample).")
+            raise BadInput(
+                f"{src}: key `input.id_column`: id {row_id!r} appears more than once (row {index}); "
+                f"ids must be unique, since outputs and resume are keyed on (id, sample)."
+            )
         seen.add(row_id)
 
 
@@ -78,16 +79,25 @@ def kv_cache_pages(spec: JobSpec, bytes_per_page: int, device: torch.device) -> 
         budget = parse_size(mem)
     pages = budget // bytes_per_page
     if pages < 1:
-        raise BadInput(f"{spec.source_file}: key `engine.kv_cache_memory`: {mem!r} leaves room for no KV page "
-                       f"({bytes_per_page} bytes each); give more memory or set engine.num_pages.")
+        raise BadInput(
+            f"{spec.source_file}: key `engine.kv_cache_memory`: {mem!r} leaves room for no KV page "
+            f"({bytes_per_page} bytes each); give more memory or set engine.num_pages."
+        )
     return pages
 
 
 class Job:
-    def __init__(self, spec: JobSpec, shard: Shard = Shard(), resume: bool = True, overwrite: bool = False,
-                 limit: int | None = None, progress: bool = True):
+    def __init__(
+        self,
+        spec: JobSpec,
+        shard: Shard | None = None,
+        resume: bool = True,
+        overwrite: bool = False,
+        limit: int | None = None,
+        progress: bool = True,
+    ):
         self.spec = spec
-        self.shard = shard
+        self.shard = shard or Shard()
         self.resume = resume
         self.overwrite = overwrite
         self.limit = limit if limit is not None else spec.input.limit
@@ -106,15 +116,19 @@ class Job:
             remove_parts(out_dir)
         self.done = done_keys(out_dir, self.fp, self.src) if self.resume else set()
         if not self.resume and not self.overwrite and any(out_dir.glob("part-*.parquet")):
-            raise BadInput(f"{self.src}: output.path {out_dir} already holds part files and --no-resume was "
-                           f"given; use --overwrite to start over, or --resume to finish the job.")
+            raise BadInput(
+                f"{self.src}: output.path {out_dir} already holds part files and --no-resume was "
+                f"given; use --overwrite to start over, or --resume to finish the job."
+            )
 
     def _nothing_to_do(self) -> bool:
         """Every row of this shard already has its output rows (checked without loading the model)."""
         if not self.done:
             return False
         n = self.spec.sampling.n
-        return all((row.id, i) in self.done for row in self.source.rows(self.shard, self.limit) for i in range(n))
+        return all(
+            (row.id, i) in self.done for row in self.source.rows(self.shard, self.limit) for i in range(n)
+        )
 
     def _load(self) -> None:
         spec = self.spec
@@ -133,26 +147,61 @@ class Job:
         num_pages = kv_cache_pages(spec, probe.bytes_per_page, self.device)
         num_cpu_pages = parse_size(spec.engine.swap_space) // probe.bytes_per_page
         config = EngineConfig(
-            num_pages=num_pages, page_size=spec.engine.page_size, num_cpu_pages=num_cpu_pages,
-            max_num_seqs=spec.engine.max_num_seqs, max_num_batched_tokens=spec.engine.max_num_batched_tokens,
-            prefix_sharing=spec.engine.prefix_sharing, preemption=spec.engine.preemption, attention=attention,
-            max_model_len=max_len)
-        self.engine = Engine(self.model, self.tokenizer, config, self.device,
-                             model_loader.eos_token_ids(self.tokenizer, self.model))
+            num_pages=num_pages,
+            page_size=spec.engine.page_size,
+            num_cpu_pages=num_cpu_pages,
+            max_num_seqs=spec.engine.max_num_seqs,
+            max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+            prefix_sharing=spec.engine.prefix_sharing,
+            preemption=spec.engine.preemption,
+            attention=attention,
+            max_model_len=max_len,
+        )
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            config,
+            self.device,
+            model_loader.eos_token_ids(self.tokenizer, self.model),
+        )
         s = spec.sampling
-        self.params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                     top_k=s.top_k, seed=s.seed, stop=tuple(s.stop), n=s.n,
-                                     ignore_eos=s.ignore_eos)
+        self.params = SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop=tuple(s.stop),
+            n=s.n,
+            ignore_eos=s.ignore_eos,
+        )
         if self.engine.admission_error(1, SamplingParams(max_new_tokens=1)):
-            raise BadInput(f"{self.src}: key `engine.num_pages`: a KV cache of {num_pages} pages cannot run even "
-                           f"one sequence; give it more pages or memory.")
+            raise BadInput(
+                f"{self.src}: key `engine.num_pages`: a KV cache of {num_pages} pages cannot run even "
+                f"one sequence; give it more pages or memory."
+            )
         schema = output_schema(self.source.id_type, self.source.passthrough_fields())
-        self.writer = PartWriter(out_dir, schema, self.fp, spec.name, self.shard,
-                                 rows_per_part=spec.output.rows_per_part, max_wait_s=spec.output.flush_seconds)
+        self.writer = PartWriter(
+            out_dir,
+            schema,
+            self.fp,
+            spec.name,
+            self.shard,
+            rows_per_part=spec.output.rows_per_part,
+            max_wait_s=spec.output.flush_seconds,
+        )
         self.stats = StatsCollector(spec.stats_path, self.engine)
-        self.stats.extra.update({"job": spec.name, "shard": str(self.shard), "attention": attention,
-                                 "device": str(self.device), "dtype": str(dtype).replace("torch.", ""),
-                                 "model": str(model_dir), "max_num_seqs": spec.engine.max_num_seqs})
+        self.stats.extra.update(
+            {
+                "job": spec.name,
+                "shard": str(self.shard),
+                "attention": attention,
+                "device": str(self.device),
+                "dtype": str(dtype).replace("torch.", ""),
+                "model": str(model_dir),
+                "max_num_seqs": spec.engine.max_num_seqs,
+            }
+        )
 
     # ---- rows ---------------------------------------------------------------------------------------------------
     def _tokenize(self, row: InputRow) -> list[int]:
@@ -166,18 +215,22 @@ class Job:
             raise ValueError("prompt is empty")
         m = self.spec.model
         if m.chat_template:
-            messages = ([{"role": "system", "content": m.system_prompt}] if m.system_prompt else [])
+            messages = [{"role": "system", "content": m.system_prompt}] if m.system_prompt else []
             messages.append({"role": "user", "content": prompt})
             try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
             except Exception as e:
                 raise ValueError(f"chat template failed: {e}") from None
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
 
     def _error_rows(self, row: InputRow, reason: str, prompt_tokens: int) -> list[OutputRow]:
-        return [OutputRow(row.id, i, None, "error", reason, prompt_tokens, 0, 0, row.passthrough)
-                for i in range(self.params.n)]
+        return [
+            OutputRow(row.id, i, None, "error", reason, prompt_tokens, 0, 0, row.passthrough)
+            for i in range(self.params.n)
+        ]
 
     def _feed(self, rows, in_flight: dict[int, RowState]) -> bool:
         """Queue rows until the engine has a full window waiting; returns False once the input is exhausted."""
@@ -206,8 +259,16 @@ class Job:
     def _finish(self, seq: Sequence) -> None:
         state: RowState = seq.request
         state.results[seq.sample_index] = OutputRow(
-            state.row.id, seq.sample_index, self.engine.completion_text(seq), seq.finish_reason, None,
-            state.prompt_tokens, len(seq.output_token_ids), seq.num_preemptions, state.row.passthrough)
+            state.row.id,
+            seq.sample_index,
+            self.engine.completion_text(seq),
+            seq.finish_reason,
+            None,
+            state.prompt_tokens,
+            len(seq.output_token_ids),
+            seq.num_preemptions,
+            state.row.passthrough,
+        )
         if all(r is not None for r in state.results):
             del self.in_flight[state.row.index]
             self._emit(state.results)
@@ -223,8 +284,12 @@ class Job:
         if self.stop_requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.stop_requested = True
-        print(f"\nbatchrun: {signal.Signals(signum).name} received: writing finished rows and stopping "
-              f"(rerun the same command to resume).", file=sys.stderr, flush=True)
+        print(
+            f"\nbatchrun: {signal.Signals(signum).name} received: writing finished rows and stopping "
+            f"(rerun the same command to resume).",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _total_rows(self) -> int | None:
         n = self.source.num_rows()
@@ -244,8 +309,14 @@ class Job:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.in_flight: dict[int, RowState] = {}
         total = self._total_rows()
-        self.bar = tqdm(total=total, unit="row", desc=self.spec.name, disable=not self.progress,
-                        mininterval=0.5 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            unit="row",
+            desc=self.spec.name,
+            disable=not self.progress,
+            mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            dynamic_ncols=True,
+        )
         try:
             rows = self.source.rows(self.shard, self.limit)
             more = True
@@ -268,8 +339,10 @@ class Job:
             self.writer.flush()
             self.stats.write()
         if self.stop_requested:
-            raise JobStopped(f"stopped with {len(self.in_flight)} rows in flight (not written); "
-                             f"{self.writer.rows_written} rows written this run.")
+            raise JobStopped(
+                f"stopped with {len(self.in_flight)} rows in flight (not written); "
+                f"{self.writer.rows_written} rows written this run."
+            )
         self.engine.block_manager.check_integrity(self.engine.scheduler.live_sequences())
         return self.stats.summary()
 
@@ -284,4 +357,6 @@ class Job:
         bm = self.engine.block_manager
         self.bar.set_postfix_str(
             f"{self.stats.generated_tokens / elapsed:.1f} tok/s, running {len(self.engine.scheduler.running)}, "
-            f"pages {bm.num_used_pages}/{bm.num_pages}", refresh=False)
+            f"pages {bm.num_used_pages}/{bm.num_pages}",
+            refresh=False,
+        )

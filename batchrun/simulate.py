@@ -107,7 +107,9 @@ class _Contiguous(_Allocator):
         super().__init__(budget)
         self.reserve_output = reserve_output  # None: the exact output length (an oracle)
         self.shared_prefix = shared_prefix
-        self.name = ("contiguous max-length" if reserve_output is not None else "contiguous exact-size first-fit")
+        self.name = (
+            "contiguous max-length" if reserve_output is not None else "contiguous exact-size first-fit"
+        )
         self.segments: list[tuple[int, int]] = []  # taken (start, size), sorted
 
     def need(self, r: Request) -> int:
@@ -143,8 +145,14 @@ class _Contiguous(_Allocator):
         dup = max(0, len(running) - 1) * self.shared_prefix
         gaps = self._gaps()
         external = sum(g for _, g in gaps if head is not None and g < self.need(head))
-        return {"tokens": stored - dup, "duplication": dup, "reserved": future, "internal": held - stored - future,
-                "external": external, "free": self.budget - held - external}
+        return {
+            "tokens": stored - dup,
+            "duplication": dup,
+            "reserved": future,
+            "internal": held - stored - future,
+            "external": external,
+            "free": self.budget - held - external,
+        }
 
 
 class _Paged(_Allocator):
@@ -160,7 +168,9 @@ class _Paged(_Allocator):
         self.sharing = sharing
         self.used = 0
         self.shared_in_use = False
-        self.name = f"paged P={page_size}" + (f" + prefix sharing ({shared_prefix} tokens)" if sharing else "")
+        self.name = f"paged P={page_size}" + (
+            f" + prefix sharing ({shared_prefix} tokens)" if sharing else ""
+        )
 
     def _private_tokens(self, lv_tokens: int) -> int:
         return lv_tokens - self.shared_pages * self.P
@@ -207,8 +217,14 @@ class _Paged(_Allocator):
         distinct = stored - max(0, k - 1) * once
         dup = max(0, k - 1) * (self.shared_prefix - once)  # the part of the prefix in unshared pages
         held = self.used * P
-        return {"tokens": distinct - dup, "duplication": dup, "reserved": 0, "internal": held - distinct,
-                "external": 0, "free": self.budget - held}
+        return {
+            "tokens": distinct - dup,
+            "duplication": dup,
+            "reserved": 0,
+            "internal": held - distinct,
+            "external": 0,
+            "free": self.budget - held,
+        }
 
 
 def simulate_one(alloc: _Allocator, workload: list[Request]) -> Result:
@@ -259,19 +275,33 @@ def simulate_one(alloc: _Allocator, workload: list[Request]) -> Result:
         if isinstance(alloc, _Paged):
             alloc.settle(running)
     n = saturated or 1
-    return Result(alloc.name, *(shares[k] / n for k in ("tokens", "reserved", "internal", "external",
-                                                      "duplication", "free")),
-                  peak, conc_sum / max(steps, 1), steps, rejected, len(delayed), preemptions)
+    return Result(
+        alloc.name,
+        *(shares[k] / n for k in ("tokens", "reserved", "internal", "external", "duplication", "free")),
+        peak,
+        conc_sum / max(steps, 1),
+        steps,
+        rejected,
+        len(delayed),
+        preemptions,
+    )
 
 
-def run_all(workload: list[Request], budget: int, max_new_tokens: int | None, page_sizes: list[int],
-            shared_prefix: int = 0) -> list[Result]:
+def run_all(
+    workload: list[Request],
+    budget: int,
+    max_new_tokens: int | None,
+    page_sizes: list[int],
+    shared_prefix: int = 0,
+) -> list[Result]:
     """Every allocator over the same workload; `shared_prefix` tokens common to all requests are put before each
     prompt."""
     reserve = max_new_tokens if max_new_tokens is not None else max(r.output for r in workload)
     workload = [Request(shared_prefix + r.prompt, min(r.output, reserve)) for r in workload]
-    allocators: list[_Allocator] = [_Contiguous(budget, reserve, shared_prefix),
-                                    _Contiguous(budget, None, shared_prefix)]
+    allocators: list[_Allocator] = [
+        _Contiguous(budget, reserve, shared_prefix),
+        _Contiguous(budget, None, shared_prefix),
+    ]
     allocators += [_Paged(budget, p, shared_prefix, sharing=False) for p in page_sizes]
     if shared_prefix:
         allocators.append(_Paged(budget, 16, shared_prefix, sharing=True))
@@ -283,13 +313,43 @@ def format_table(results: list[Result], workload: list[Request], budget: int, sh
     n = len(workload)
     mean_p = sum(r.prompt for r in workload) / n
     mean_o = sum(r.output for r in workload) / n
-    head = (f"{n} requests, prompt mean {mean_p:.0f} tokens, output mean {mean_o:.0f} tokens, "
-            f"KV budget {budget} token slots. Shares of the budget, averaged over steps with a request waiting.\n")
-    cols = ["allocator", "tokens", "reserved", "internal", "external", "dup", "free", "peak", "mean", "steps",
-            "rejected", "delayed"]
-    rows = [[r.allocator, f"{r.tokens:.1%}", f"{r.reserved:.1%}", f"{r.internal:.1%}", f"{r.external:.1%}",
-             f"{r.duplication:.1%}", f"{r.free:.1%}", str(r.peak_concurrency), f"{r.mean_concurrency:.1f}",
-             str(r.steps), str(r.rejected), str(r.delayed)] for r in results]
+    head = (
+        f"{n} requests, prompt mean {mean_p:.0f} tokens, output mean {mean_o:.0f} tokens, "
+        f"KV budget {budget} token slots. Shares of the budget, averaged over steps with a request waiting.\n"
+    )
+    cols = [
+        "allocator",
+        "tokens",
+        "reserved",
+        "internal",
+        "external",
+        "dup",
+        "free",
+        "peak",
+        "mean",
+        "steps",
+        "rejected",
+        "delayed",
+    ]
+    rows = [
+        [
+            r.allocator,
+            f"{r.tokens:.1%}",
+            f"{r.reserved:.1%}",
+            f"{r.internal:.1%}",
+            f"{r.external:.1%}",
+            f"{r.duplication:.1%}",
+            f"{r.free:.1%}",
+            str(r.peak_concurrency),
+            f"{r.mean_concurrency:.1f}",
+            str(r.steps),
+            str(r.rejected),
+            str(r.delayed),
+        ]
+        for r in results
+    ]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    fmt = lambda row: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+    fmt = lambda row: "  ".join(
+        v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))
+    )
     return head + "\n".join([fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])

@@ -47,12 +47,19 @@ class OutputRow:
 
 
 def output_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schema:
-    return pa.schema([
-        pa.field("id", id_type), pa.field("sample", pa.int32()), pa.field("completion", pa.string()),
-        pa.field("finish_reason", pa.string()), pa.field("error", pa.string()),
-        pa.field("prompt_tokens", pa.int32()), pa.field("completion_tokens", pa.int32()),
-        pa.field("num_preemptions", pa.int32()), *passthrough,
-    ])
+    return pa.schema(
+        [
+            pa.field("id", id_type),
+            pa.field("sample", pa.int32()),
+            pa.field("completion", pa.string()),
+            pa.field("finish_reason", pa.string()),
+            pa.field("error", pa.string()),
+            pa.field("prompt_tokens", pa.int32()),
+            pa.field("completion_tokens", pa.int32()),
+            pa.field("num_preemptions", pa.int32()),
+            *passthrough,
+        ]
+    )
 
 
 def existing_parts(out_dir: Path) -> list[Path]:
@@ -66,13 +73,17 @@ def done_keys(out_dir: Path, fp: str, source: str) -> set[tuple]:
         try:
             meta = pq.read_schema(part).metadata or {}
         except Exception as e:
-            raise BadInput(f"{source}: output.path {out_dir}: {part.name} is not a readable Parquet file ({e}); "
-                           f"remove it or use --overwrite.") from None
+            raise BadInput(
+                f"{source}: output.path {out_dir}: {part.name} is not a readable Parquet file ({e}); "
+                f"remove it or use --overwrite."
+            ) from None
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs != fp:
-            raise BadInput(f"{source}: output.path {out_dir} holds parts of a different job ({part.name}: "
-                           f"fingerprint {theirs or 'none'}, this job {fp}); the model, input, sampling or "
-                           f"shard count changed. Use another output.path, or --overwrite to start over.")
+            raise BadInput(
+                f"{source}: output.path {out_dir} holds parts of a different job ({part.name}: "
+                f"fingerprint {theirs or 'none'}, this job {fp}); the model, input, sampling or "
+                f"shard count changed. Use another output.path, or --overwrite to start over."
+            )
         table = pq.read_table(part, columns=["id", "sample"])
         done.update(zip(table.column("id").to_pylist(), table.column("sample").to_pylist()))
     return done
@@ -86,13 +97,23 @@ def remove_parts(out_dir: Path) -> None:
 class PartWriter:
     """Buffers finished rows; writes a part every `rows_per_part` rows or `max_wait_s` seconds."""
 
-    def __init__(self, out_dir: Path, schema: pa.Schema, fp: str, job_name: str, shard: Shard,
-                 rows_per_part: int = 1000, max_wait_s: float = 30.0):
+    def __init__(
+        self,
+        out_dir: Path,
+        schema: pa.Schema,
+        fp: str,
+        job_name: str,
+        shard: Shard,
+        rows_per_part: int = 1000,
+        max_wait_s: float = 30.0,
+    ):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.schema = schema.with_metadata({FINGERPRINT_KEY: fp.encode(), JOB_KEY: job_name.encode()})
-        self.prefix = f"part-{shard.index:05d}of{shard.count:05d}-{time.strftime('%Y%m%dT%H%M%S')}-" \
-                      f"{uuid.uuid4().hex[:6]}"
+        self.prefix = (
+            f"part-{shard.index:05d}of{shard.count:05d}-{time.strftime('%Y%m%dT%H%M%S')}-"
+            f"{uuid.uuid4().hex[:6]}"
+        )
         self.rows_per_part = rows_per_part
         self.max_wait_s = max_wait_s
         self.buffer: list[OutputRow] = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import JobSpec
-from .errors import BadInput, EXIT_STOPPED
+from .errors import EXIT_STOPPED, BadInput
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,10 @@ def render_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, batchrun: s
     if opts.mem:
         lines.append(f"#SBATCH --mem={opts.mem}")
     sets = " ".join(f"--set {shlex.quote(o)}" for o in opts.overrides)
-    cmd = (f"{shlex.quote(batchrun)} submit {shlex.quote(str(job_file.resolve()))} "
-           f"--shard \"$SLURM_ARRAY_TASK_ID/{opts.array}\" --quiet {sets}").rstrip()
+    cmd = (
+        f"{shlex.quote(batchrun)} submit {shlex.quote(str(job_file.resolve()))} "
+        f'--shard "$SLURM_ARRAY_TASK_ID/{opts.array}" --quiet {sets}'
+    ).rstrip()
     lines += [
         "",
         "# Every task runs one shard; all shards write into the same output directory.",
@@ -68,9 +70,9 @@ def render_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, batchrun: s
         "wait $child; rc=$?",
         "# a signal interrupts the first wait; wait again for batchrun to flush and exit",
         "if kill -0 $child 2>/dev/null; then wait $child; rc=$?; fi",
-        f"if [ $rc -eq {EXIT_STOPPED} ] && [ -n \"$SLURM_JOB_ID\" ]; then",
-        "  echo \"batchrun stopped (resumable); requeueing\" >&2",
-        "  scontrol requeue \"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}\" 2>/dev/null || true",
+        f'if [ $rc -eq {EXIT_STOPPED} ] && [ -n "$SLURM_JOB_ID" ]; then',
+        '  echo "batchrun stopped (resumable); requeueing" >&2',
+        '  scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" 2>/dev/null || true',
         "fi",
         "exit $rc",
         "",
@@ -95,8 +97,10 @@ def write_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, path: Path |
 def submit_script(path: Path) -> str:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise BadInput("--submit: `sbatch` is not on PATH; is this a Slurm login node? The script is written; "
-                       f"submit it later with `sbatch {path}`.")
+        raise BadInput(
+            "--submit: `sbatch` is not on PATH; is this a Slurm login node? The script is written; "
+            f"submit it later with `sbatch {path}`."
+        )
     proc = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise BadInput(f"--submit: sbatch refused {path}: {proc.stderr.strip() or proc.stdout.strip()}")

@@ -54,8 +54,9 @@ class InputSource:
             try:
                 self.schema = pq.read_schema(self.files[0])
             except Exception as e:
-                raise BadInput(f"{source}: key `input.parquet`: cannot read {self.files[0]} as Parquet ({e}).") \
-                    from None
+                raise BadInput(
+                    f"{source}: key `input.parquet`: cannot read {self.files[0]} as Parquet ({e})."
+                ) from None
             self._dataset = None
         else:
             self.files = []
@@ -65,21 +66,35 @@ class InputSource:
 
     def _check_columns(self) -> None:
         names = set(self.schema.names)
-        what = f"input.parquet {self.spec.parquet}" if self.spec.parquet else f"dataset {self.spec.dataset.path}"
+        what = (
+            f"input.parquet {self.spec.parquet}" if self.spec.parquet else f"dataset {self.spec.dataset.path}"
+        )
         wanted = [("input.prompt_column", self.spec.prompt_column)]
         if self.spec.id_column:
             wanted.append(("input.id_column", self.spec.id_column))
         wanted += [(f"input.passthrough[{i}]", c) for i, c in enumerate(self.spec.passthrough)]
         for key, col in wanted:
             if col not in names:
-                raise BadInput(f"{self.source}: key `{key}`: column {col!r} is not in {what}; "
-                               f"its columns are: {', '.join(sorted(names))}.")
-        reserved = {"sample", "completion", "finish_reason", "error", "prompt_tokens", "completion_tokens",
-                    "num_preemptions", "id"}
+                raise BadInput(
+                    f"{self.source}: key `{key}`: column {col!r} is not in {what}; "
+                    f"its columns are: {', '.join(sorted(names))}."
+                )
+        reserved = {
+            "sample",
+            "completion",
+            "finish_reason",
+            "error",
+            "prompt_tokens",
+            "completion_tokens",
+            "num_preemptions",
+            "id",
+        }
         for i, col in enumerate(self.spec.passthrough):
             if col in reserved and col != self.spec.id_column:
-                raise BadInput(f"{self.source}: key `input.passthrough[{i}]`: column {col!r} clashes with an output "
-                               f"column of the same name; rename it in the input.")
+                raise BadInput(
+                    f"{self.source}: key `input.passthrough[{i}]`: column {col!r} clashes with an output "
+                    f"column of the same name; rename it in the input."
+                )
 
     @property
     def id_type(self) -> pa.DataType:
@@ -148,8 +163,10 @@ def _parquet_files(pattern: str, source: str) -> list[str]:
     else:
         files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
     if not files:
-        raise BadInput(f"{source}: key `input.parquet`: no Parquet files match {pattern!r} "
-                       f"(expected a file, a directory of .parquet files, or a glob).")
+        raise BadInput(
+            f"{source}: key `input.parquet`: no Parquet files match {pattern!r} "
+            f"(expected a file, a directory of .parquet files, or a glob)."
+        )
     return files
 
 
@@ -162,23 +179,31 @@ def _open_dataset(spec: InputSpec, source: str):
 
     path = Path(ds.path).expanduser()
     try:
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
-                              or (path / "state.json").exists()):
+        if path.is_dir() and (
+            (path / "dataset_info.json").exists()
+            or (path / "dataset_dict.json").exists()
+            or (path / "state.json").exists()
+        ):
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 if ds.split not in loaded:
-                    raise BadInput(f"{source}: key `input.dataset.split`: {ds.split!r} is not a split of "
-                                   f"{path}; splits: {', '.join(loaded)}.")
+                    raise BadInput(
+                        f"{source}: key `input.dataset.split`: {ds.split!r} is not a split of "
+                        f"{path}; splits: {', '.join(loaded)}."
+                    )
                 loaded = loaded[ds.split]
             return loaded
-        return datasets.load_dataset(ds.path, name=ds.name, split=ds.split, data_dir=ds.data_dir,
-                                     streaming=True)
+        return datasets.load_dataset(
+            ds.path, name=ds.name, split=ds.split, data_dir=ds.data_dir, streaming=True
+        )
     except BadInput:
         raise
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise BadInput(f"{source}: key `input.dataset`: cannot open dataset {ds.path!r} (split {ds.split!r}) "
-                       f"locally: {msg}") from None
+        raise BadInput(
+            f"{source}: key `input.dataset`: cannot open dataset {ds.path!r} (split {ds.split!r}) "
+            f"locally: {msg}"
+        ) from None
 
 
 def _dataset_schema(dataset) -> pa.Schema:

@@ -22,11 +22,30 @@ from .engine.sequence import SequenceStatus
 SUMMARY_KEY = b"batchrun.summary"
 
 COLUMNS = [
-    "step", "time_s", "num_running", "num_waiting", "num_swapped", "batch_tokens", "pages_total", "pages_used",
-    "pages_free", "tokens_stored", "slots_allocated", "internal_waste_slots", "logical_pages",
-    "shared_pages_saved", "swap_out_pages", "swap_in_pages", "preemptions", "recomputations",
-    "reserved_slots_contiguous", "tokens_cached_per_sequence", "external_fragmentation", "prefix_hit_tokens",
-    "cow_copies", "generated_tokens",
+    "step",
+    "time_s",
+    "num_running",
+    "num_waiting",
+    "num_swapped",
+    "batch_tokens",
+    "pages_total",
+    "pages_used",
+    "pages_free",
+    "tokens_stored",
+    "slots_allocated",
+    "internal_waste_slots",
+    "logical_pages",
+    "shared_pages_saved",
+    "swap_out_pages",
+    "swap_in_pages",
+    "preemptions",
+    "recomputations",
+    "reserved_slots_contiguous",
+    "tokens_cached_per_sequence",
+    "external_fragmentation",
+    "prefix_hit_tokens",
+    "cow_copies",
+    "generated_tokens",
 ]
 
 
@@ -110,8 +129,14 @@ class StatsCollector:
     running aggregates for the summary, and writes `stats.parquet` atomically — at the end and every
     `refresh_s` seconds, so a killed job still leaves statistics for what it did."""
 
-    def __init__(self, path: Path | None, engine: Engine, min_interval_s: float = 0.1, refresh_s: float = 10.0,
-                 debug_recount: bool = False):
+    def __init__(
+        self,
+        path: Path | None,
+        engine: Engine,
+        min_interval_s: float = 0.1,
+        refresh_s: float = 10.0,
+        debug_recount: bool = False,
+    ):
         self.path = Path(path) if path else None
         self.engine = engine
         self.min_interval_s = min_interval_s
@@ -125,7 +150,8 @@ class StatsCollector:
         self._pending: dict | None = None  # the latest unkept row, so the last step is always written
         self.step_index = 0
         self.rows_done = 0
-        self.prompt_tokens = 0
+        self.prompt_tokens = 0  # prompt tokens of the rows finished
+        self.prompt_tokens_computed = 0  # prefix-cache hits excluded, recomputation included
         self.generated_tokens = 0
         self.extra: dict = {}
 
@@ -136,14 +162,15 @@ class StatsCollector:
             check_snapshot(self.engine, row)
         self.step_index += 1
         self.generated_tokens += step.num_generated
-        self.prompt_tokens += step.num_prompt_tokens
+        self.prompt_tokens_computed += step.num_prompt_tokens
+        self.prompt_tokens += sum(s.num_prompt_tokens for s in step.finished if s.sample_index == 0)
         self._aggregate(row)
         for seq in self.engine.scheduler.running:
             if seq.seq_id not in self.agg.seen_reservations:
                 self.agg.seen_reservations.add(seq.seq_id)
                 self.agg.reservation_sum += row_reservation(self.engine, seq)
                 self.agg.reservation_n += 1
-        if (not self.rows or row["preemptions"] or now - self._last_kept >= self.min_interval_s):
+        if not self.rows or row["preemptions"] or now - self._last_kept >= self.min_interval_s:
             self.rows.append(row)
             self._last_kept = now
             self._pending = None
@@ -188,6 +215,7 @@ class StatsCollector:
             "rows": self.rows_done,
             "steps": a.steps,
             "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens,
             "prompt_tokens_per_s": self.prompt_tokens / wall if wall else 0.0,
             "generated_tokens_per_s": self.generated_tokens / wall if wall else 0.0,
@@ -266,8 +294,10 @@ def write_stats(path: Path, rows: list[dict], summary: dict) -> None:
     """Write rows + summary (JSON in key-value metadata) to a temporary name, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = {c: [r[c] for r in rows] for c in COLUMNS}
-    schema = pa.schema([(c, pa.float64() if c in ("time_s", "external_fragmentation") else pa.int64())
-                        for c in COLUMNS], metadata={SUMMARY_KEY: json.dumps(summary).encode()})
+    schema = pa.schema(
+        [(c, pa.float64() if c in ("time_s", "external_fragmentation") else pa.int64()) for c in COLUMNS],
+        metadata={SUMMARY_KEY: json.dumps(summary).encode()},
+    )
     table = pa.table(columns, schema=schema)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp)
@@ -277,5 +307,7 @@ def write_stats(path: Path, rows: list[dict], summary: dict) -> None:
 def read_summary(path: Path) -> dict:
     meta = pq.read_schema(path).metadata or {}
     if SUMMARY_KEY not in meta:
-        raise ValueError(f"{path}: no `batchrun.summary` in the file's metadata; is it a batchrun stats file?")
+        raise ValueError(
+            f"{path}: no `batchrun.summary` in the file's metadata; is it a batchrun stats file?"
+        )
     return json.loads(meta[SUMMARY_KEY])

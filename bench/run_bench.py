@@ -23,16 +23,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("river stone paper light window garden music number planet engine silver forest market winter "
-         "bridge letter signal harbor candle mirror ladder basket circle thunder meadow").split()
+WORDS = (
+    "river stone paper light window garden music number planet engine silver forest market winter "
+    "bridge letter signal harbor candle mirror ladder basket circle thunder meadow"
+).split()
 
 
 def make_prompts(tok, n: int, lo: int, hi: int, seed: int = 0) -> list[str]:
     """Chat prompts whose templated length is roughly uniform in [lo, hi] tokens."""
     rng = random.Random(seed)
-    asks = ["Summarise the notes above in two sentences.", "What do these words have in common?",
-            "Write a short poem using some of these words.", "Explain the list above to a child.",
-            "Pick three words above and tell a tiny story."]
+    asks = [
+        "Summarise the notes above in two sentences.",
+        "What do these words have in common?",
+        "Write a short poem using some of these words.",
+        "Explain the list above to a child.",
+        "Pick three words above and tell a tiny story.",
+    ]
     prompts = []
     for _ in range(n):
         target = rng.randint(lo, hi)
@@ -40,8 +46,9 @@ def make_prompts(tok, n: int, lo: int, hi: int, seed: int = 0) -> list[str]:
         words: list[str] = []
         while True:
             text = (" ".join(words) + "\n" + ask).strip()
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=False)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
             if len(tok(ids, add_special_tokens=False)["input_ids"]) >= target:
                 break
             words += rng.sample(WORDS, 8)
@@ -67,25 +74,43 @@ def run_batchrun(args) -> dict:
     if not data.exists():
         pq.write_table(pa.table({"id": list(range(len(prompts))), "prompt": prompts}), data)
     out = work / f"out-{args.label}"
-    overrides = [f"input.parquet={data}", f"output.path={out}", f"output.stats={out}/stats.parquet",
-                 f"sampling.max_new_tokens={args.max_new_tokens}", f"engine.max_num_seqs={args.batch}",
-                 "input.id_column=id", *args.set]
+    overrides = [
+        f"input.parquet={data}",
+        f"output.path={out}",
+        f"output.stats={out}/stats.parquet",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"engine.max_num_seqs={args.batch}",
+        "input.id_column=id",
+        *args.set,
+    ]
     spec = load_job(ROOT / "jobs" / "demo.yaml", overrides)
     spec.input.passthrough = []
     spec.model.system_prompt = args.system
     t0 = time.perf_counter()
     summary = Job(spec, overwrite=True, progress=False).run()
     wall = time.perf_counter() - t0
-    rows = [n for part in sorted(out.glob("part-*.parquet"))
-            for n in pq.read_table(part, columns=["completion_tokens"]).column("completion_tokens").to_pylist()]
+    rows = [
+        n
+        for part in sorted(out.glob("part-*.parquet"))
+        for n in pq.read_table(part, columns=["completion_tokens"]).column("completion_tokens").to_pylist()
+    ]
     gen_s = summary["wall_s"]
-    return {"label": args.label, "generated_tokens": sum(rows), "gen_wall_s": gen_s, "total_wall_s": wall,
-            "tokens_per_s": sum(rows) / gen_s, "peak_rss_mib": peak_rss_mib(),
-            "peak_pages_used": summary["peak_pages_used"], "pages_total": summary["pages_total"],
-            "preemptions": summary["preemptions"], "swap_out_pages": summary["swap_out_pages"],
-            "recomputations": summary["recomputations"], "prompt_tokens_computed": summary["prompt_tokens"],
-            "duplication_saved_peak": summary["duplication_saved_peak"],
-            "kv_utilization_mean": summary["kv_utilization_mean"]}
+    return {
+        "label": args.label,
+        "generated_tokens": sum(rows),
+        "gen_wall_s": gen_s,
+        "total_wall_s": wall,
+        "tokens_per_s": sum(rows) / gen_s,
+        "peak_rss_mib": peak_rss_mib(),
+        "peak_pages_used": summary["peak_pages_used"],
+        "pages_total": summary["pages_total"],
+        "preemptions": summary["preemptions"],
+        "swap_out_pages": summary["swap_out_pages"],
+        "recomputations": summary["recomputations"],
+        "prompt_tokens_computed": summary["prompt_tokens_computed"],
+        "duplication_saved_peak": summary["duplication_saved_peak"],
+        "kv_utilization_mean": summary["kv_utilization_mean"],
+    }
 
 
 def run_hf(args) -> dict:
@@ -102,26 +127,46 @@ def run_hf(args) -> dict:
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     generated = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(texts), args.batch):
-            enc = tok(texts[i:i + args.batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tok(texts[i : i + args.batch], return_tensors="pt", padding=True, add_special_tokens=False)
             out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=eos)
-            new = out[:, enc["input_ids"].shape[1]:]
+            new = out[:, enc["input_ids"].shape[1] :]
             for row in new.tolist():  # count up to and including eos, not the padding after it
                 generated += row.index(eos) + 1 if eos in row else len(row)
     wall = time.perf_counter() - t0
-    return {"label": args.label, "generated_tokens": generated, "gen_wall_s": wall, "total_wall_s": wall,
-            "tokens_per_s": generated / wall, "peak_rss_mib": peak_rss_mib()}
+    return {
+        "label": args.label,
+        "generated_tokens": generated,
+        "gen_wall_s": wall,
+        "total_wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
 def measure(kind: str, label: str, work: Path, batch: int, max_new: int, sets=(), system=None) -> dict:
-    cmd = [sys.executable, __file__, "--one", kind, "--label", label, "--work", str(work), "--batch", str(batch),
-           "--max-new-tokens", str(max_new)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        kind,
+        "--label",
+        label,
+        "--work",
+        str(work),
+        "--batch",
+        str(batch),
+        "--max-new-tokens",
+        str(max_new),
+    ]
     for s in sets:
         cmd += ["--set", s]
     if system:
@@ -131,8 +176,10 @@ def measure(kind: str, label: str, work: Path, batch: int, max_new: int, sets=()
     if proc.returncode != 0:
         raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"    {result['tokens_per_s']:.1f} generated tokens/s, peak RSS {result['peak_rss_mib']:.0f} MiB",
-          flush=True)
+    print(
+        f"    {result['tokens_per_s']:.1f} generated tokens/s, peak RSS {result['peak_rss_mib']:.0f} MiB",
+        flush=True,
+    )
     return result
 
 
@@ -153,7 +200,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--system", default=None)
-    ap.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run, not for RESULTS.md)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smaller workloads (a smoke run, not for RESULTS.md)"
+    )
     ap.add_argument("--only", default="throughput,preemption,sharing")
     ap.add_argument("--out", default=str(ROOT / "bench" / "last.json"))
     args = ap.parse_args()
@@ -179,8 +228,12 @@ def main() -> None:
         work = prepare(base / "throughput", make_prompts(tok, n_main, 20, 400, seed=1))
         br = measure("batchrun", "batchrun", work, 32, new_main)
         hf = measure("hf", "hf-generate-padded", work, 32, new_main)
-        report["throughput"] = {"batchrun": br, "hf": hf, "speedup": br["tokens_per_s"] / hf["tokens_per_s"],
-                                "memory_ratio": br["peak_rss_mib"] / hf["peak_rss_mib"]}
+        report["throughput"] = {
+            "batchrun": br,
+            "hf": hf,
+            "speedup": br["tokens_per_s"] / hf["tokens_per_s"],
+            "memory_ratio": br["peak_rss_mib"] / hf["peak_rss_mib"],
+        }
         print(f"  batchrun / HF generate: {report['throughput']['speedup']:.2f}x tokens/s")
 
     if "preemption" in only:
@@ -190,26 +243,50 @@ def main() -> None:
         common = ["sampling.ignore_eos=true"]
         free = measure("batchrun", "unconstrained", work, 64, new, common)
         quarter = max(free["peak_pages_used"] // 4, -(-(60 + new) // 16))
-        swap = measure("batchrun", "swap", work, 64, new, [*common, f"engine.num_pages={quarter}",
-                                                          "engine.preemption=swap"])
-        rec = measure("batchrun", "recompute", work, 64, new, [*common, f"engine.num_pages={quarter}",
-                                                              "engine.preemption=recompute"])
-        report["preemption"] = {"unconstrained": free, "swap": swap, "recompute": rec, "num_pages": quarter,
-                                "swap_vs_free": swap["tokens_per_s"] / free["tokens_per_s"],
-                                "recompute_vs_free": rec["tokens_per_s"] / free["tokens_per_s"]}
+        swap = measure(
+            "batchrun",
+            "swap",
+            work,
+            64,
+            new,
+            [*common, f"engine.num_pages={quarter}", "engine.preemption=swap"],
+        )
+        rec = measure(
+            "batchrun",
+            "recompute",
+            work,
+            64,
+            new,
+            [*common, f"engine.num_pages={quarter}", "engine.preemption=recompute"],
+        )
+        report["preemption"] = {
+            "unconstrained": free,
+            "swap": swap,
+            "recompute": rec,
+            "num_pages": quarter,
+            "swap_vs_free": swap["tokens_per_s"] / free["tokens_per_s"],
+            "recompute_vs_free": rec["tokens_per_s"] / free["tokens_per_s"],
+        }
 
     if "sharing" in only:
         new = 16 if args.quick else 32
         print(f"sharing: 32 rows behind a ~300-token system prompt, max_new_tokens {new}")
-        system = ("You are the help desk of a city library. Answer visitors' questions about opening hours, "
-                  "membership, borrowing limits, late fees, study rooms, printing and events in one friendly "
-                  "sentence. " * 6)
-        work = prepare(base / "sharing", [f"Question {i}: can I {WORDS[i % len(WORDS)]} in room {i}?"
-                                          for i in range(32)])
+        system = (
+            "You are the help desk of a city library. Answer visitors' questions about opening hours, "
+            "membership, borrowing limits, late fees, study rooms, printing and events in one friendly "
+            "sentence. " * 6
+        )
+        work = prepare(
+            base / "sharing", [f"Question {i}: can I {WORDS[i % len(WORDS)]} in room {i}?" for i in range(32)]
+        )
         on = measure("batchrun", "sharing-on", work, 32, new, ["engine.prefix_sharing=true"], system)
         off = measure("batchrun", "sharing-off", work, 32, new, ["engine.prefix_sharing=false"], system)
-        report["sharing"] = {"on": on, "off": off, "speedup": on["tokens_per_s"] / off["tokens_per_s"],
-                             "peak_pages_ratio": on["peak_pages_used"] / off["peak_pages_used"]}
+        report["sharing"] = {
+            "on": on,
+            "off": off,
+            "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+            "peak_pages_ratio": on["peak_pages_used"] / off["peak_pages_used"],
+        }
 
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(format_report(report))
@@ -222,26 +299,43 @@ def format_report(r: dict) -> str:
         lines += ["| run | generated tok/s | generated tokens | peak RSS MiB |", "|---|---|---|---|"]
         for k in ("batchrun", "hf"):
             x = t[k]
-            lines.append(f"| {x['label']} | {x['tokens_per_s']:.1f} | {x['generated_tokens']} | "
-                         f"{x['peak_rss_mib']:.0f} |")
-        lines.append(f"batchrun / HF generate: **{t['speedup']:.2f}x** tokens/s, {t['memory_ratio']:.2f}x peak RSS")
+            lines.append(
+                f"| {x['label']} | {x['tokens_per_s']:.1f} | {x['generated_tokens']} | "
+                f"{x['peak_rss_mib']:.0f} |"
+            )
+        lines.append(
+            f"batchrun / HF generate: **{t['speedup']:.2f}x** tokens/s, {t['memory_ratio']:.2f}x peak RSS"
+        )
     if "preemption" in r:
         p = r["preemption"]
-        lines += ["", f"| run ({p['num_pages']} pages when constrained) | tok/s | preemptions | swapped-out pages |"
-                      " recomputations | vs unconstrained |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"| run ({p['num_pages']} pages when constrained) | tok/s | preemptions | swapped-out pages |"
+            " recomputations | vs unconstrained |",
+            "|---|---|---|---|---|---|",
+        ]
         for k in ("unconstrained", "swap", "recompute"):
             x = p[k]
-            lines.append(f"| {k} | {x['tokens_per_s']:.1f} | {x['preemptions']} | {x['swap_out_pages']} | "
-                         f"{x['recomputations']} | {x['tokens_per_s'] / p['unconstrained']['tokens_per_s']:.2f}x |")
+            lines.append(
+                f"| {k} | {x['tokens_per_s']:.1f} | {x['preemptions']} | {x['swap_out_pages']} | "
+                f"{x['recomputations']} | {x['tokens_per_s'] / p['unconstrained']['tokens_per_s']:.2f}x |"
+            )
     if "sharing" in r:
         s = r["sharing"]
-        lines += ["", "| run | tok/s | peak pages | prompt tokens computed | duplication saved (peak) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| run | tok/s | peak pages | prompt tokens computed | duplication saved (peak) |",
+            "|---|---|---|---|---|",
+        ]
         for k in ("on", "off"):
             x = s[k]
-            lines.append(f"| prefix sharing {k} | {x['tokens_per_s']:.1f} | {x['peak_pages_used']} | "
-                         f"{x['prompt_tokens_computed']} | {x['duplication_saved_peak']:.1%} |")
-        lines.append(f"sharing on / off: {s['speedup']:.2f}x tokens/s, {s['peak_pages_ratio']:.2f}x peak pages")
+            lines.append(
+                f"| prefix sharing {k} | {x['tokens_per_s']:.1f} | {x['peak_pages_used']} | "
+                f"{x['prompt_tokens_computed']} | {x['duplication_saved_peak']:.1%} |"
+            )
+        lines.append(
+            f"sharing on / off: {s['speedup']:.2f}x tokens/s, {s['peak_pages_ratio']:.2f}x peak pages"
+        )
     return "\n".join(lines)
 
 

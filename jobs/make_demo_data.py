@@ -12,11 +12,36 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 TOPICS = [
-    "photosynthesis", "the French Revolution", "black holes", "compound interest", "the water cycle",
-    "machine learning", "the Roman Empire", "vaccines", "plate tectonics", "the stock market", "bread baking",
-    "climate change", "the human heart", "electric cars", "the Renaissance", "honeybees", "the internet",
-    "volcanoes", "chess openings", "the moon landing", "recycling", "sleep", "coffee", "the printing press",
-    "jazz music", "rainforests", "solar panels", "the Olympic Games", "DNA", "earthquakes",
+    "photosynthesis",
+    "the French Revolution",
+    "black holes",
+    "compound interest",
+    "the water cycle",
+    "machine learning",
+    "the Roman Empire",
+    "vaccines",
+    "plate tectonics",
+    "the stock market",
+    "bread baking",
+    "climate change",
+    "the human heart",
+    "electric cars",
+    "the Renaissance",
+    "honeybees",
+    "the internet",
+    "volcanoes",
+    "chess openings",
+    "the moon landing",
+    "recycling",
+    "sleep",
+    "coffee",
+    "the printing press",
+    "jazz music",
+    "rainforests",
+    "solar panels",
+    "the Olympic Games",
+    "DNA",
+    "earthquakes",
 ]
 TASKS = [
     ("explain", "Explain {t} to a ten-year-old."),
@@ -42,8 +67,10 @@ def make(n: int = 240, seed: int = 7) -> pa.Table:
         t, u = rng.sample(TOPICS, 2)
         prompt = template.format(t=t, u=u)
         if rng.random() < 0.3:  # a share of long prompts, a few hundred tokens, for varied lengths
-            notes = " ".join(f"Note {k + 1}: {rng.choice(TOPICS)} is related to {rng.choice(TOPICS)} in some way."
-                             for k in range(rng.randint(5, 25)))
+            notes = " ".join(
+                f"Note {k + 1}: {rng.choice(TOPICS)} is related to {rng.choice(TOPICS)} in some way."
+                for k in range(rng.randint(5, 25))
+            )
             prompt = f"{LONG_CONTEXT}{notes}\nQuestion: {prompt}"
             kind = f"{kind}-long"
         ids.append(f"demo-{i:04d}")

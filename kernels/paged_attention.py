@@ -20,11 +20,27 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cp, stride_cs, stride_ch, stride_vcp, stride_vcs, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr):
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // PAGE_SIZE
@@ -38,8 +54,13 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + page * stride_vcp + offset * stride_vcs + h * stride_vch + d, v, mask=mask)
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key/value [T, Hkv, D] into k_cache/v_cache [num_pages, page_size, Hkv, D] at slot_mapping [T]
     (slot = page * page_size + offset; every token has a slot: batchrun packs no padding tokens)."""
     T, num_kv_heads, head_dim = key.shape
@@ -47,27 +68,67 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     assert k_cache.shape == v_cache.shape and k_cache.dim() == 4, (k_cache.shape, v_cache.shape)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim), (k_cache.shape, key.shape)
     assert slot_mapping.shape == (T,), (slot_mapping.shape, T)
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert (
+        key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    )
     assert key.dtype == k_cache.dtype == value.dtype == v_cache.dtype
     if T == 0:
         return
     _write_kv_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        PAGE_SIZE=k_cache.shape[1])
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        PAGE_SIZE=k_cache.shape[1],
+    )
 
 
 @triton.jit
 def _paged_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
-        block_seq_ptr, block_index_ptr, scale,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-        GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_seq_ptr,
+    block_index_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GQA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(block_seq_ptr + qb)
@@ -82,8 +143,11 @@ def _paged_attention_kernel(
     row_ok = (q_tok < q_len) & (rows < BLOCK_Q * GQA)
     q_pos = ctx_len - q_len + q_tok  # absolute position of the query token
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_start + q_tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + q_tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -97,12 +161,28 @@ def _paged_attention_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         k_pos = tile_start + n
         in_ctx = k_pos < kv_end
-        page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE_SIZE, mask=in_ctx, other=0).to(
+            tl.int64
+        )
         slot = k_pos % PAGE_SIZE
-        k = tl.load(k_cache_ptr + page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
-                    + d[None, :], mask=in_ctx[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + d[None, :], mask=in_ctx[:, None], other=0.0)
+        k = tl.load(
+            k_cache_ptr
+            + page[:, None] * stride_kp
+            + slot[:, None] * stride_ks
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=in_ctx[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr
+            + page[:, None] * stride_vp
+            + slot[:, None] * stride_vs
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=in_ctx[:, None],
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -126,8 +206,14 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(out_ptr + (q_start + q_tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
-             + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        out_ptr
+        + (q_start + q_tok)[:, None].to(tl.int64) * stride_ot
+        + head[:, None] * stride_oh
+        + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 def query_blocks(query_start_loc: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,10 +226,18 @@ def query_blocks(query_start_loc: torch.Tensor, block_q: int) -> tuple[torch.Ten
     return seq.to(torch.int32), index.to(torch.int32)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    max_query_len: int | None = None, max_seq_len: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's pages; returns [T, Hq, D].
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]: the last tokens of its seq_lens[s]-token
@@ -158,8 +252,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert query_start_loc.shape == (S + 1,), (query_start_loc.shape, S)
     assert block_tables.dim() == 2 and block_tables.shape[0] == S, (block_tables.shape, S)
-    assert page_size & (page_size - 1) == 0 and 8 <= page_size <= 128, f"page size {page_size}: 8..128, power of 2"
-    assert head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 256, f"head dim {head_dim}: 32..256, power of 2"
+    assert page_size & (page_size - 1) == 0 and 8 <= page_size <= 128, (
+        f"page size {page_size}: 8..128, power of 2"
+    )
+    assert head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 256, (
+        f"head dim {head_dim}: 32..256, power of 2"
+    )
     assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
     assert query.dtype in (torch.float32, torch.float16, torch.bfloat16), query.dtype
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -181,10 +279,34 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_of_block, index_of_block = query_blocks(query_start_loc, block_q)
     grid = (seq_of_block.numel(), num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_of_block, index_of_block,
-        scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GQA=gqa, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=INTERPRETING or query.dtype == torch.float32, IEEE=query.dtype == torch.float32)
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        seq_of_block,
+        index_of_block,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GQA=gqa,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        UPCAST=INTERPRETING or query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32,
+    )
     return out

@@ -38,8 +38,24 @@ def chat_prompts(tok_model):
     from helpers import chat_ids
 
     tok, _ = tok_model
-    topics = ["the sea", "paging in operating systems", "bread", "the moon", "jazz", "volcanoes", "chess",
-              "rain", "bicycles", "owls", "glass", "trains", "coffee", "maps", "bees", "clocks"]
+    topics = [
+        "the sea",
+        "paging in operating systems",
+        "bread",
+        "the moon",
+        "jazz",
+        "volcanoes",
+        "chess",
+        "rain",
+        "bicycles",
+        "owls",
+        "glass",
+        "trains",
+        "coffee",
+        "maps",
+        "bees",
+        "clocks",
+    ]
     prompts = []
     for i, t in enumerate(topics):
         filler = " ".join(f"Fact {k}: {t} matters for reason number {k}." for k in range(i * 3))

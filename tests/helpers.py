@@ -16,7 +16,9 @@ BATCHRUN = str(Path(sys.executable).parent / "batchrun")
 
 
 def chat_ids(tok, text: str, system: str | None = None) -> list[int]:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
     rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
@@ -26,8 +28,17 @@ def make_engine(tok_model, **overrides):
     from batchrun.model_loader import eos_token_ids
 
     tok, model = tok_model
-    cfg = dict(num_pages=1024, page_size=16, num_cpu_pages=1024, max_num_seqs=64, max_num_batched_tokens=4096,
-               prefix_sharing=True, preemption="swap", attention="torch", max_model_len=8192)
+    cfg = dict(
+        num_pages=1024,
+        page_size=16,
+        num_cpu_pages=1024,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        prefix_sharing=True,
+        preemption="swap",
+        attention="torch",
+        max_model_len=8192,
+    )
     cfg.update(overrides)
     return Engine(model, tok, EngineConfig(**cfg), torch.device("cpu"), eos_token_ids(tok, model))
 

@@ -77,13 +77,20 @@ def test_fork_shares_pages_and_copy_on_write():
     bm.check_integrity([parent, child])
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "fork", "free", "swap_out", "swap_in"]),
-                         st.integers(0, 10**6)), max_size=60)
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "grow", "fork", "free", "swap_out", "swap_in"]), st.integers(0, 10**6)),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, num_pages=st.integers(1, 24), page_size=st.sampled_from([1, 2, 4, 8]),
-       cpu_pages=st.integers(0, 24), sharing=st.booleans())
+@given(
+    ops=ops,
+    num_pages=st.integers(1, 24),
+    page_size=st.sampled_from([1, 2, 4, 8]),
+    cpu_pages=st.integers(0, 24),
+    sharing=st.booleans(),
+)
 def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size, cpu_pages, sharing):
     bm = BlockManager(num_pages, page_size, cpu_pages, prefix_sharing=sharing)
     running, swapped = [], []
@@ -154,8 +161,9 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
             seq_ = s.seq
             if seq_.num_siblings_to_fork:
                 for k in range(seq_.num_siblings_to_fork):
-                    child = Sequence(10**6 + seq_.seq_id * 100 + k, seq_.prompt_token_ids, seq_.params,
-                                     sample_index=k + 1)
+                    child = Sequence(
+                        10**6 + seq_.seq_id * 100 + k, seq_.prompt_token_ids, seq_.params, sample_index=k + 1
+                    )
                     scheduler.fork(seq_, child)
                     child.append_token(7)
                 seq_.num_siblings_to_fork = 0
@@ -169,18 +177,27 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 3)), min_size=1,
-                        max_size=25),
-       page_size=st.sampled_from([1, 4, 16]), extra_pages=st.integers(0, 40), cpu_pages=st.integers(0, 60),
-       preemption=st.sampled_from(["swap", "recompute"]), budget=st.integers(1, 128),
-       max_num_seqs=st.integers(1, 16), sharing=st.booleans())
-def test_scheduler_never_deadlocks_or_leaks(lengths, page_size, extra_pages, cpu_pages, preemption, budget,
-                                            max_num_seqs, sharing):
+@given(
+    lengths=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 3)), min_size=1, max_size=25
+    ),
+    page_size=st.sampled_from([1, 4, 16]),
+    extra_pages=st.integers(0, 40),
+    cpu_pages=st.integers(0, 60),
+    preemption=st.sampled_from(["swap", "recompute"]),
+    budget=st.integers(1, 128),
+    max_num_seqs=st.integers(1, 16),
+    sharing=st.booleans(),
+)
+def test_scheduler_never_deadlocks_or_leaks(
+    lengths, page_size, extra_pages, cpu_pages, preemption, budget, max_num_seqs, sharing
+):
     # the pool is always big enough for the largest single sequence (admission rejects the others up front)
     biggest = max(-(-(p + m) // page_size) * n for p, m, n in lengths)
     bm = BlockManager(biggest + extra_pages, page_size, cpu_pages, prefix_sharing=sharing)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                      preemption=preemption), bm)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption=preemption), bm
+    )
     for i, (p, m, n) in enumerate(lengths):
         sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
     done = drive(sched)

@@ -14,7 +14,7 @@ def hf_greedy(model_dir, prompts, max_new_tokens):
     out = []
     with torch.inference_mode():
         for p in prompts:
-            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):]
+            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :]
             out.append(ids.tolist())
     return out
 

@@ -11,8 +11,14 @@ from batchrun.config import load_job
 from batchrun.job import Job
 from batchrun.sources import InputSource, Shard
 
-PROMPTS = ["Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is a cat?",
-           "Write one word about rain."]
+PROMPTS = [
+    "Name a color.",
+    "What is 2 + 2?",
+    "Say hello in French.",
+    "Name a fruit.",
+    "What is a cat?",
+    "Write one word about rain.",
+]
 
 JOB = """
 name: t
@@ -42,8 +48,9 @@ def test_parquet_and_save_to_disk_give_identical_outputs(tmp_path):
 
     cats = [f"c{i % 2}" for i in range(len(PROMPTS))]
     write_prompts(tmp_path / "in.parquet", PROMPTS, extra={"category": cats})
-    datasets.Dataset.from_dict({"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS,
-                                "category": cats}).save_to_disk(str(tmp_path / "ds"))
+    datasets.Dataset.from_dict(
+        {"id": [f"r{i}" for i in range(len(PROMPTS))], "prompt": PROMPTS, "category": cats}
+    ).save_to_disk(str(tmp_path / "ds"))
     a = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}", "a")
     b = run_job(tmp_path, f"dataset: {{path: {tmp_path / 'ds'}}}", "b")
     assert a == b and len(a) == len(PROMPTS)
@@ -74,7 +81,9 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path):
 
 
 def test_non_string_prompt_column_gives_error_rows(tmp_path):
-    pq.write_table(pa.table({"id": [1, 2], "prompt": [3, 4], "category": ["a", "b"]}), tmp_path / "in.parquet")
+    pq.write_table(
+        pa.table({"id": [1, 2], "prompt": [3, 4], "category": ["a", "b"]}), tmp_path / "in.parquet"
+    )
     rows = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
     assert [r["finish_reason"] for r in rows.values()] == ["error", "error"]
     assert all("not a string" in r["error"] for r in rows.values())
@@ -85,25 +94,39 @@ def test_output_columns_follow_the_contract(tmp_path):
     write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a", "b"]})
     run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
     schema = pq.read_schema(next((tmp_path / "out").glob("part-*.parquet")))
-    expected = {"id": pa.string(), "sample": pa.int32(), "completion": pa.string(), "finish_reason": pa.string(),
-                "error": pa.string(), "prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
-                "num_preemptions": pa.int32(), "category": pa.string()}
+    expected = {
+        "id": pa.string(),
+        "sample": pa.int32(),
+        "completion": pa.string(),
+        "finish_reason": pa.string(),
+        "error": pa.string(),
+        "prompt_tokens": pa.int32(),
+        "completion_tokens": pa.int32(),
+        "num_preemptions": pa.int32(),
+        "category": pa.string(),
+    }
     assert {f.name: f.type for f in schema} == expected
 
 
 def test_stop_strings_are_cut_from_the_completion(tmp_path):
-    write_prompts(tmp_path / "in.parquet", ["Count from one to ten in words, separated by commas."],
-                  extra={"category": ["a"]})
-    job_file = write_job(tmp_path / "j.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}",
-                                                         out=tmp_path / "out").replace("max_new_tokens: 6",
-                                                                                       "max_new_tokens: 40"))
+    write_prompts(
+        tmp_path / "in.parquet",
+        ["Count from one to ten in words, separated by commas."],
+        extra={"category": ["a"]},
+    )
+    job_file = write_job(
+        tmp_path / "j.yaml",
+        JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out").replace(
+            "max_new_tokens: 6", "max_new_tokens: 40"
+        ),
+    )
     free = read_outputs_after(job_file, tmp_path / "free")
     text = free[("r0", 0)]["completion"]
     assert len(text) > 20, text
     stop = text[12:15]  # whatever the model writes, stop at a piece of it
     stopped = read_outputs_after(job_file, tmp_path / "stopped", [f"sampling.stop=[{stop!r}]"])[("r0", 0)]
     assert stopped["finish_reason"] == "stop"
-    assert stopped["completion"] == text[:text.find(stop)]
+    assert stopped["completion"] == text[: text.find(stop)]
 
 
 def read_outputs_after(job_file, out, overrides=()):
@@ -139,14 +162,17 @@ def test_streaming_a_million_rows_keeps_memory_flat(tmp_path):
     assert growth_mib < 40, f"peak RSS grew {growth_mib:.0f} MiB while streaming"
 
 
-@pytest.mark.parametrize("mutation, key", [
-    ("sampling:\n  temperature: hot", "sampling.temperature"),
-    ("sampling:\n  max_new_tokens: 0", "sampling.max_new_tokens"),
-    ("engine:\n  page_size: 12", "engine.page_size"),
-    ("engine:\n  preemption: drop", "engine.preemption"),
-    ("bogus: 1", "bogus"),
-    ("sampling:\n  tempreature: 0.5", "sampling.tempreature"),
-])
+@pytest.mark.parametrize(
+    "mutation, key",
+    [
+        ("sampling:\n  temperature: hot", "sampling.temperature"),
+        ("sampling:\n  max_new_tokens: 0", "sampling.max_new_tokens"),
+        ("engine:\n  page_size: 12", "engine.page_size"),
+        ("engine:\n  preemption: drop", "engine.preemption"),
+        ("bogus: 1", "bogus"),
+        ("sampling:\n  tempreature: 0.5", "sampling.tempreature"),
+    ],
+)
 def test_validation_errors_exit_2_and_name_the_key(tmp_path, mutation, key):
     write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a", "b"]})
     text = f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n{mutation}\n"
@@ -156,17 +182,25 @@ def test_validation_errors_exit_2_and_name_the_key(tmp_path, mutation, key):
     assert key in r.stderr and str(job) in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("text, words", [
-    ("name: t\ninput:\n  parquet: {dir}/nope.parquet\n", ["input.parquet", "nope.parquet"]),
-    ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  prompt_column: question\n", ["input.prompt_column",
-                                                                                   "question"]),
-    ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  dataset: {{path: x}}\n", ["exactly one", "both"]),
-    ("name: t\ninput: {{}}\n", ["exactly one", "neither"]),
-    ("name: t\nmodel:\n  path: {dir}/no-model\ninput:\n  parquet: {dir}/in.parquet\n", ["model.path"]),
-    ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  passthrough: [nope]\n", ["input.passthrough[0]", "nope"]),
-    ("name: [t\n", ["not valid YAML"]),
-    ("input:\n  parquet: {dir}/in.parquet\n", ["`name`"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("name: t\ninput:\n  parquet: {dir}/nope.parquet\n", ["input.parquet", "nope.parquet"]),
+        (
+            "name: t\ninput:\n  parquet: {dir}/in.parquet\n  prompt_column: question\n",
+            ["input.prompt_column", "question"],
+        ),
+        ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  dataset: {{path: x}}\n", ["exactly one", "both"]),
+        ("name: t\ninput: {{}}\n", ["exactly one", "neither"]),
+        ("name: t\nmodel:\n  path: {dir}/no-model\ninput:\n  parquet: {dir}/in.parquet\n", ["model.path"]),
+        (
+            "name: t\ninput:\n  parquet: {dir}/in.parquet\n  passthrough: [nope]\n",
+            ["input.passthrough[0]", "nope"],
+        ),
+        ("name: [t\n", ["not valid YAML"]),
+        ("input:\n  parquet: {dir}/in.parquet\n", ["`name`"]),
+    ],
+)
 def test_bad_job_files_exit_2_with_a_clear_message(tmp_path, text, words):
     write_prompts(tmp_path / "in.parquet", PROMPTS[:2], ids=["a", "a"] if "dup" in text else None)
     job = write_job(tmp_path / "job.yaml", text.format(dir=tmp_path))
@@ -178,8 +212,11 @@ def test_bad_job_files_exit_2_with_a_clear_message(tmp_path, text, words):
 
 def test_duplicate_ids_are_rejected_before_any_work(tmp_path):
     write_prompts(tmp_path / "in.parquet", PROMPTS[:3], ids=["a", "b", "a"])
-    job = write_job(tmp_path / "job.yaml", f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
-                                           f"  id_column: id\noutput:\n  path: {tmp_path / 'out'}\n")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
+        f"  id_column: id\noutput:\n  path: {tmp_path / 'out'}\n",
+    )
     for cmd in (["validate", str(job)], ["submit", str(job), "--quiet"]):
         r = run_cli(*cmd)
         assert r.returncode == 2 and "appears more than once" in r.stderr, r.stderr
@@ -187,8 +224,10 @@ def test_duplicate_ids_are_rejected_before_any_work(tmp_path):
 
 
 def test_set_overrides_any_key_and_is_validated(tmp_path):
-    spec = load_job(ROOT / "jobs" / "demo.yaml", ["sampling.temperature=0.7", "engine.num_pages=64",
-                                                   "model.system_prompt=Be brief."])
+    spec = load_job(
+        ROOT / "jobs" / "demo.yaml",
+        ["sampling.temperature=0.7", "engine.num_pages=64", "model.system_prompt=Be brief."],
+    )
     assert spec.sampling.temperature == 0.7 and spec.engine.num_pages == 64
     assert spec.model.system_prompt == "Be brief."
     r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"), "--set", "sampling.top_p=2")

@@ -4,9 +4,9 @@ import copy
 
 import yaml
 from click.testing import CliRunner
+from helpers import write_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import write_prompts
 
 from batchrun.cli import main
 
@@ -14,16 +14,40 @@ VALID = {
     "name": "fuzz",
     "model": {"dtype": "auto", "chat_template": True, "system_prompt": None, "max_model_len": None},
     "input": {"parquet": None, "prompt_column": "prompt", "id_column": "id", "passthrough": [], "limit": 5},
-    "sampling": {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 0, "stop": [],
-                 "n": 1, "ignore_eos": False},
-    "engine": {"device": "cpu", "attention": "auto", "page_size": 16, "kv_cache_memory": "1GiB",
-               "num_pages": None, "swap_space": "1GiB", "max_num_seqs": 8, "max_num_batched_tokens": 512,
-               "prefix_sharing": True, "preemption": "swap"},
+    "sampling": {
+        "max_new_tokens": 8,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "seed": 0,
+        "stop": [],
+        "n": 1,
+        "ignore_eos": False,
+    },
+    "engine": {
+        "device": "cpu",
+        "attention": "auto",
+        "page_size": 16,
+        "kv_cache_memory": "1GiB",
+        "num_pages": None,
+        "swap_space": "1GiB",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "prefix_sharing": True,
+        "preemption": "swap",
+    },
     "output": {"path": "out/fuzz", "stats": None},
 }
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8),
-                 st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 10**6),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
 
 
 def paths(d, prefix=()):

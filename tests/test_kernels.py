@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-
 from batchrun_kernels import paged_attention, ref_paged_attention, ref_write_kv_cache, write_kv_cache
 
 ON_GPU = os.environ.get("BATCHRUN_TRITON_GPU") == "1" and torch.cuda.is_available()
@@ -16,7 +15,9 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def make_case(query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, spare_pages=3, gen=None):
+def make_case(
+    query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, spare_pages=3, gen=None
+):
     """Random pages in shuffled physical order; each sequence's block table lists its own pages."""
     blocks = [-(-c // page_size) for c in context_lens]
     num_pages = sum(blocks) + spare_pages
@@ -25,22 +26,31 @@ def make_case(query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, 
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables, i = [], 0
     for b in blocks:
-        tables.append(order[i:i + b] + [order[-1]] * (max(blocks) - b))  # padding points at a real page
+        tables.append(order[i : i + b] + [order[-1]] * (max(blocks) - b))  # padding points at a real page
         i += b
     q = torch.randn(sum(query_lens), num_kv_heads * gqa, head_dim, generator=gen).to(dtype)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
     to = dict(device=DEVICE)
-    return (q.to(**to), k_cache.to(**to), v_cache.to(**to), torch.tensor(tables, dtype=torch.int32, **to),
-            torch.tensor(starts, dtype=torch.int32, **to), torch.tensor(context_lens, dtype=torch.int32, **to))
+    return (
+        q.to(**to),
+        k_cache.to(**to),
+        v_cache.to(**to),
+        torch.tensor(tables, dtype=torch.int32, **to),
+        torch.tensor(starts, dtype=torch.int32, **to),
+        torch.tensor(context_lens, dtype=torch.int32, **to),
+    )
 
 
-def check(query_lens, context_lens, page_size=16, num_kv_heads=2, gqa=1, head_dim=32, dtype=torch.float32, seed=0):
+def check(
+    query_lens, context_lens, page_size=16, num_kv_heads=2, gqa=1, head_dim=32, dtype=torch.float32, seed=0
+):
     gen = torch.Generator().manual_seed(seed)
-    q, kc, vc, bt, qsl, sl = make_case(query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype,
-                                       gen=gen)
-    scale = head_dim ** -0.5
+    q, kc, vc, bt, qsl, sl = make_case(
+        query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, gen=gen
+    )
+    scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))  # poisoned: an element the kernel fails to write fails the test
     paged_attention(q, kc, vc, bt, qsl, sl, scale, out=out)
     ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), qsl.cpu(), sl.cpu(), scale)
@@ -69,8 +79,15 @@ def test_mixed_batch_every_dtype(dtype):
 @pytest.mark.parametrize("page_size", [8, 32, 128])
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_page_sizes_and_head_dims(page_size, head_dim):
-    check([3, 1], [page_size + 3, 2 * page_size - 1], page_size=page_size, head_dim=head_dim, gqa=2,
-          num_kv_heads=1, seed=page_size + head_dim)
+    check(
+        [3, 1],
+        [page_size + 3, 2 * page_size - 1],
+        page_size=page_size,
+        head_dim=head_dim,
+        gqa=2,
+        num_kv_heads=1,
+        seed=page_size + head_dim,
+    )
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

@@ -15,7 +15,20 @@ def workload(tok_model):
     from helpers import chat_ids
 
     tok, _ = tok_model
-    subjects = ["rivers", "stars", "cats", "tea", "maps", "snow", "ships", "songs", "trees", "bread", "kites", "glass"]
+    subjects = [
+        "rivers",
+        "stars",
+        "cats",
+        "tea",
+        "maps",
+        "snow",
+        "ships",
+        "songs",
+        "trees",
+        "bread",
+        "kites",
+        "glass",
+    ]
     return [chat_ids(tok, f"Tell me about {s}.") for s in subjects]
 
 
@@ -34,7 +47,9 @@ def unconstrained(tok_model, workload):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_quarter_memory_finishes_every_row_with_the_same_completions(tok_model, workload, unconstrained, mode):
+def test_quarter_memory_finishes_every_row_with_the_same_completions(
+    tok_model, workload, unconstrained, mode
+):
     expected, peak_need = unconstrained
     num_pages = peak_need // 4
     longest = max(len(p) for p in workload) + PARAMS.max_new_tokens

@@ -18,7 +18,7 @@ def job(tmp_path_factory):
     text = f"""
 name: resume
 input:
-  parquet: {d / 'in.parquet'}
+  parquet: {d / "in.parquet"}
   id_column: id
   passthrough: [category]
 sampling:
@@ -27,7 +27,7 @@ engine:
   num_pages: 256
   max_num_seqs: 4
 output:
-  path: {d / 'ref'}
+  path: {d / "ref"}
   rows_per_part: 2
   flush_seconds: 0
 """
@@ -45,8 +45,12 @@ def reference(job):
 
 
 def start(job_file, out):
-    return subprocess.Popen([BATCHRUN, "submit", str(job_file), "--quiet", "--set", f"output.path={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [BATCHRUN, "submit", str(job_file), "--quiet", "--set", f"output.path={out}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_parts(out, n, proc, timeout=120):
@@ -116,14 +120,29 @@ def test_shards_together_equal_the_unsharded_run(job, reference):
 def test_shard_from_slurm_environment(job):
     job_file, d = job
     out = d / "slurm-env"
-    r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}", "--limit", "6",
-                env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+    r = run_cli(
+        "submit",
+        str(job_file),
+        "--quiet",
+        "--set",
+        f"output.path={out}",
+        "--limit",
+        "6",
+        env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"},
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(k[0] for k in read_outputs(out)) == ["r1", "r3", "r5"]
 
 
 def test_parts_of_another_job_are_refused(job):
     job_file, d = job
-    r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={d / 'ref'}",
-                "--set", "sampling.max_new_tokens=5")
+    r = run_cli(
+        "submit",
+        str(job_file),
+        "--quiet",
+        "--set",
+        f"output.path={d / 'ref'}",
+        "--set",
+        "sampling.max_new_tokens=5",
+    )
     assert r.returncode == 2 and "different job" in r.stderr and "--overwrite" in r.stderr

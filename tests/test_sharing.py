@@ -6,8 +6,10 @@ from helpers import chat_ids, make_engine, run_engine
 from batchrun.engine import SamplingParams
 from batchrun.stats import StatsCollector
 
-SYSTEM = ("You are a careful assistant for a museum. " * 4 + "Visitors ask short questions about exhibits, "
-          "opening hours, tickets and the building. Answer in one friendly sentence. " * 12)
+SYSTEM = (
+    "You are a careful assistant for a museum. " * 4 + "Visitors ask short questions about exhibits, "
+    "opening hours, tickets and the building. Answer in one friendly sentence. " * 12
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,11 @@ def test_shared_system_prompt_is_stored_once(tok_model, rows):
     s_on, s_off = stats_on.summary(), stats_off.summary()
     assert s_on["duplication_saved_peak"] >= 0.6, s_on["duplication_saved_peak"]
     assert s_off["duplication_saved_peak"] == 0.0
-    assert s_on["prompt_tokens"] < 0.3 * s_off["prompt_tokens"], (s_on["prompt_tokens"], s_off["prompt_tokens"])
+    assert s_on["prompt_tokens"] == s_off["prompt_tokens"]
+    assert s_on["prompt_tokens_computed"] < 0.3 * s_off["prompt_tokens_computed"], (
+        s_on["prompt_tokens_computed"],
+        s_off["prompt_tokens_computed"],
+    )
     assert s_on["prefix_hit_tokens"] > 0 and s_on["peak_pages_used"] < 0.4 * s_off["peak_pages_used"]
 
 

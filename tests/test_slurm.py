@@ -12,7 +12,8 @@ from helpers import ROOT, read_outputs, run_cli, write_job, write_prompts
 SCRIPT = ROOT / "scripts" / "slurm_local.sh"
 pytestmark = pytest.mark.skipif(
     shutil.which("slurmctld") is None or shutil.which("sbatch") is None or os.geteuid() != 0,
-    reason="needs Slurm's Debian packages and root: scripts/slurm_local.sh install (.ci/run does it)")
+    reason="needs Slurm's Debian packages and root: scripts/slurm_local.sh install (.ci/run does it)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +29,21 @@ def slurm(tmp_path_factory):
 def test_array_job_writes_every_row_exactly_once(slurm, tmp_path):
     n = 9
     write_prompts(tmp_path / "in.parquet", [f"Name a thing that is number {i}." for i in range(n)])
-    job = write_job(tmp_path / "job.yaml", f"""
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
 name: slurmdemo
 input:
-  parquet: {tmp_path / 'in.parquet'}
+  parquet: {tmp_path / "in.parquet"}
   id_column: id
 sampling:
   max_new_tokens: 6
 engine:
   num_pages: 128
 output:
-  path: {tmp_path / 'out'}
-""")
+  path: {tmp_path / "out"}
+""",
+    )
     r = run_cli("slurm", str(job), "--array", "3", "--time", "00:10:00", "--submit", env=slurm, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job_id = re.search(r"submitted array job (\d+)", r.stdout).group(1)
@@ -64,11 +68,19 @@ output:
 
 def test_slurm_script_without_sbatch_is_written_and_submit_explains(tmp_path):
     write_prompts(tmp_path / "in.parquet", ["a"])
-    job = write_job(tmp_path / "job.yaml", f"name: s\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
-                                           f"output:\n  path: {tmp_path / 'out'}\n")
-    r = run_cli("slurm", str(job), "--array", "4", "--partition", "gpu", "--gpus-per-task", "1", "--mem", "32G")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: s\ninput:\n  parquet: {tmp_path / 'in.parquet'}\noutput:\n  path: {tmp_path / 'out'}\n",
+    )
+    r = run_cli(
+        "slurm", str(job), "--array", "4", "--partition", "gpu", "--gpus-per-task", "1", "--mem", "32G"
+    )
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "out" / "slurm" / "s.sbatch").read_text()
-    for line in ("#SBATCH --array=0-3", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-task=1",
-                 "#SBATCH --mem=32G"):
+    for line in (
+        "#SBATCH --array=0-3",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-task=1",
+        "#SBATCH --mem=32G",
+    ):
         assert line in text

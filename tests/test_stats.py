@@ -4,7 +4,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import ROOT, run_cli, write_job
+from helpers import ROOT, run_cli
 
 from batchrun.config import load_job
 from batchrun.job import Job
@@ -12,20 +12,47 @@ from batchrun.simulate import Request, _Contiguous, _Paged, simulate_one
 from batchrun.stats import COLUMNS, read_summary
 
 DESIGN_SUMMARY_KEYS = [
-    "wall_s", "rows", "prompt_tokens", "generated_tokens", "generated_tokens_per_s", "peak_running",
-    "mean_running", "kv_utilization_mean", "kv_utilization_peak", "internal_fragmentation_mean",
-    "external_fragmentation_max", "duplication_saved_peak", "prefix_hit_tokens", "preemptions", "recomputations",
-    "swap_out_pages", "swap_in_pages", "swap_out_bytes", "swap_in_bytes", "contiguous_utilization_mean",
-    "contiguous_max_concurrency", "page_size", "pages_total"]
+    "wall_s",
+    "rows",
+    "prompt_tokens",
+    "generated_tokens",
+    "generated_tokens_per_s",
+    "peak_running",
+    "mean_running",
+    "kv_utilization_mean",
+    "kv_utilization_peak",
+    "internal_fragmentation_mean",
+    "external_fragmentation_max",
+    "duplication_saved_peak",
+    "prefix_hit_tokens",
+    "preemptions",
+    "recomputations",
+    "swap_out_pages",
+    "swap_in_pages",
+    "swap_out_bytes",
+    "swap_in_bytes",
+    "contiguous_utilization_mean",
+    "contiguous_max_concurrency",
+    "page_size",
+    "pages_total",
+]
 
 
 @pytest.fixture(scope="module")
 def stats_job(tmp_path_factory, monkeypatch_module):
     d = tmp_path_factory.mktemp("stats")
     monkeypatch_module.setenv("BATCHRUN_DEBUG_STATS", "1")  # every step recounted by brute force
-    spec = load_job(ROOT / "jobs" / "demo.yaml", [f"output.path={d / 'out'}", f"output.stats={d / 'stats.parquet'}",
-                                                   "engine.num_pages=60", "engine.prefix_sharing=false",
-                                                   "sampling.max_new_tokens=24", "engine.max_num_seqs=16"])
+    spec = load_job(
+        ROOT / "jobs" / "demo.yaml",
+        [
+            f"output.path={d / 'out'}",
+            f"output.stats={d / 'stats.parquet'}",
+            "engine.num_pages=60",
+            "engine.prefix_sharing=false",
+            "sampling.max_new_tokens=24",
+            "engine.max_num_seqs=16",
+        ],
+    )
     summary = Job(spec, limit=40, progress=False).run()
     return d / "stats.parquet", summary
 
@@ -70,8 +97,14 @@ def test_stats_command_prints_and_plots(stats_job, tmp_path):
     png = tmp_path / "memory.png"
     r = run_cli("stats", str(path), "--plot", str(png))
     assert r.returncode == 0, r.stderr
-    for words in ("KV utilization", "internal fragmentation", "duplication saved", "contiguous counterfactual",
-                  "swapped out", "preemptions"):
+    for words in (
+        "KV utilization",
+        "internal fragmentation",
+        "duplication saved",
+        "contiguous counterfactual",
+        "swapped out",
+        "preemptions",
+    ):
         assert words in r.stdout
     from PIL import Image
 
@@ -108,8 +141,20 @@ def test_paged_simulation_by_hand():
 
 
 def test_simulate_readme_example():
-    r = run_cli("simulate", "--prompt-len", "300-600", "--output-len", "1-64", "--max-new-tokens", "1024",
-                "--requests", "300", "--budget", "32768", "--json")
+    r = run_cli(
+        "simulate",
+        "--prompt-len",
+        "300-600",
+        "--output-len",
+        "1-64",
+        "--max-new-tokens",
+        "1024",
+        "--requests",
+        "300",
+        "--budget",
+        "32768",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     rows = {x["allocator"]: x for x in json.loads(r.stdout)}
     assert rows["contiguous max-length"]["tokens"] < 0.40
@@ -120,4 +165,3 @@ def test_simulate_readme_example():
 def test_demo_job_file_validates():
     r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"))
     assert r.returncode == 0, r.stderr
-

@@ -71,8 +71,13 @@ class AttentionMetadata:
     workspace: Workspace | None = None
 
 
-def build_torch_plan(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                     page_size: int, device: torch.device) -> tuple[list[DecodeBatch], list[PrefillSequence]]:
+def build_torch_plan(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    device: torch.device,
+) -> tuple[list[DecodeBatch], list[PrefillSequence]]:
     """Decodes are batched in groups of similar context length (padded, masked); every other sequence is
     attended on its own, so a long prompt pads nothing else."""
     decode_rows, prefills = [], []
@@ -90,13 +95,16 @@ def build_torch_plan(query_lens: list[int], context_lens: list[int], block_table
                 mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
             prefills.append(PrefillSequence(start, q, c, pages, mask))
         start += q
-    decode = [_decode_batch(bucket, context_lens, block_tables, page_size, device)
-              for bucket in _buckets_by_length(decode_rows, context_lens, page_size)]
+    decode = [
+        _decode_batch(bucket, context_lens, block_tables, page_size, device)
+        for bucket in _buckets_by_length(decode_rows, context_lens, page_size)
+    ]
     return decode, prefills
 
 
-def _buckets_by_length(rows: list[tuple[int, int]], context_lens: list[int], page_size: int,
-                       slack: float = 0.8) -> list[list[tuple[int, int]]]:
+def _buckets_by_length(
+    rows: list[tuple[int, int]], context_lens: list[int], page_size: int, slack: float = 0.8
+) -> list[list[tuple[int, int]]]:
     """Split decoding rows into groups of similar context length: each group is padded to its longest context,
     and one padded group of very different lengths reads (and attends over) up to several times the K/V."""
     ordered = sorted(rows, key=lambda r: context_lens[r[1]], reverse=True)
@@ -112,8 +120,13 @@ def _buckets_by_length(rows: list[tuple[int, int]], context_lens: list[int], pag
     return buckets
 
 
-def _decode_batch(rows: list[tuple[int, int]], context_lens: list[int], block_tables: list[list[int]],
-                  page_size: int, device: torch.device) -> DecodeBatch:
+def _decode_batch(
+    rows: list[tuple[int, int]],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    device: torch.device,
+) -> DecodeBatch:
     num_blocks = max(-(-context_lens[i] // page_size) for _, i in rows)
     flat = []
     for _, i in rows:
@@ -125,20 +138,34 @@ def _decode_batch(rows: list[tuple[int, int]], context_lens: list[int], block_ta
         token_index=torch.tensor([t for t, _ in rows], device=device),
         page_index=torch.tensor(flat, device=device),
         mask=(key_pos[None, :] < ctx[:, None])[:, None, None, :],
-        num_blocks=num_blocks)
+        num_blocks=num_blocks,
+    )
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key/value [T, Hkv, D] into the pages [num_pages, P, Hkv, D] at slot_mapping [T]."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def torch_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, decode: list[DecodeBatch], prefills: list[PrefillSequence],
-                          scale: float, workspace: Workspace) -> torch.Tensor:
+def torch_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    decode: list[DecodeBatch],
+    prefills: list[PrefillSequence],
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
     """query [T, Hq, D] (key/value [T, Hkv, D], already in the cache) -> out [T, Hq, D]."""
     T, num_heads, head_dim = query.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -172,9 +199,16 @@ def torch_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
-                            dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """The function `transformers` calls for every attention layer; returns [1, T, Hq, D]."""
     meta: AttentionMetadata = kwargs["batchrun_attn"]
     assert query.shape[0] == 1, "batchrun packs every sequence into one row"
@@ -187,11 +221,22 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         from batchrun_kernels import paged_attention, write_kv_cache
 
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, scale, meta.max_query_len, meta.max_seq_len)
+        out = paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )
     else:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch_paged_attention(q, k, v, k_cache, v_cache, meta.decode, meta.prefills, scale, meta.workspace)
+        out = torch_paged_attention(
+            q, k, v, k_cache, v_cache, meta.decode, meta.prefills, scale, meta.workspace
+        )
     return out[None], None
 
 

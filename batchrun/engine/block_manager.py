@@ -102,7 +102,7 @@ class BlockManager:
         pages, hashes = [], []
         prev = None
         for i in range((len(tokens) - 1) // P):
-            chunk = tuple(tokens[i * P:(i + 1) * P])
+            chunk = tuple(tokens[i * P : (i + 1) * P])
             h = chain_hash(prev, chunk)
             page = self.hash_to_page.get(h)
             if page is None or self.page_tokens.get(page) != chunk:
@@ -186,7 +186,7 @@ class BlockManager:
         tokens = seq.token_ids
         while len(seq.block_hashes) < min(num_tokens // P, len(seq.block_table)):
             i = len(seq.block_hashes)
-            chunk = tuple(tokens[i * P:(i + 1) * P])
+            chunk = tuple(tokens[i * P : (i + 1) * P])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
             seq.block_hashes.append(h)
             page = seq.block_table[i]
@@ -234,7 +234,7 @@ class BlockManager:
                 self.hash_to_page[h] = page
                 self.page_hash[page] = h
                 i = len(seq.block_hashes) - 1
-                self.page_tokens[page] = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+                self.page_tokens[page] = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
         return copies
 
     # ---- checks ----------------------------------------------------------------------------------------------
@@ -246,7 +246,8 @@ class BlockManager:
         assert all(self.ref_count[p] == 0 for p in free), "a free page has references"
         used = [p for p in range(self.num_pages) if self.ref_count[p] > 0]
         assert len(used) + len(free) == self.num_pages, (
-            f"free {len(free)} + used {len(used)} != total {self.num_pages}")
+            f"free {len(free)} + used {len(used)} != total {self.num_pages}"
+        )
         expected = [0] * self.num_pages
         expected_cpu = [0] * self.num_cpu_pages
         for seq in sequences:

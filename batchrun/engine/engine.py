@@ -38,17 +38,30 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig, device: torch.device,
-                 eos_token_ids: set[int] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: EngineConfig,
+        device: torch.device,
+        eos_token_ids: set[int] | None = None,
+    ):
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
         self.kv_shape = self.kv_shape_of(model, config.page_size)
-        self.block_manager = BlockManager(config.num_pages, config.page_size, config.num_cpu_pages,
-                                          config.prefix_sharing)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            preemption=config.preemption, watermark_pages=max(1, config.num_pages // 100)), self.block_manager)
+        self.block_manager = BlockManager(
+            config.num_pages, config.page_size, config.num_cpu_pages, config.prefix_sharing
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                preemption=config.preemption,
+                watermark_pages=max(1, config.num_pages // 100),
+            ),
+            self.block_manager,
+        )
         self.kv_cache = KVCache(self.kv_shape, config.num_pages, config.num_cpu_pages, device)
         self.runner = ModelRunner(model, self.kv_cache, config.page_size, config.attention, device)
         self.eos_token_ids = eos_token_ids or set()
@@ -62,8 +75,9 @@ class Engine:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return KVCacheShape(cfg.num_hidden_layers, num_kv_heads, head_dim, page_size,
-                            next(model.parameters()).dtype)
+        return KVCacheShape(
+            cfg.num_hidden_layers, num_kv_heads, head_dim, page_size, next(model.parameters()).dtype
+        )
 
     # ---- requests -------------------------------------------------------------------------------------------
     def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
@@ -73,17 +87,26 @@ class Engine:
         if num_prompt_tokens == 0:
             return "the prompt has no tokens"
         if num_prompt_tokens >= limit:
-            return (f"prompt of {num_prompt_tokens} tokens does not fit the model's context: max_model_len is "
-                    f"{limit} (prompt + at least one generated token)")
+            return (
+                f"prompt of {num_prompt_tokens} tokens does not fit the model's context: max_model_len is "
+                f"{limit} (prompt + at least one generated token)"
+            )
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         capacity = self.config.num_pages * self.config.page_size
         if total > capacity:
-            return (f"prompt of {num_prompt_tokens} tokens + {params.max_new_tokens} new tokens needs {total} KV "
-                    f"slots; the whole KV cache holds {capacity} ({self.config.num_pages} pages)")
+            return (
+                f"prompt of {num_prompt_tokens} tokens + {params.max_new_tokens} new tokens needs {total} KV "
+                f"slots; the whole KV cache holds {capacity} ({self.config.num_pages} pages)"
+            )
         return None
 
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, request: Any = None,
-            seeds: list[int] | None = None) -> Sequence:
+    def add(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request: Any = None,
+        seeds: list[int] | None = None,
+    ) -> Sequence:
         """Queue a prompt; with params.n > 1 the other samples are forked once the prompt is prefilled.
         `seeds[i]` seeds sample i's generator (sampled rows only)."""
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params, request=request)
@@ -112,7 +135,9 @@ class Engine:
         self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
         if plan.is_empty:
             if self.scheduler.has_unfinished() and not plan.preempted:
-                raise RuntimeError("scheduler made no progress: nothing is running and nothing can be admitted")
+                raise RuntimeError(
+                    "scheduler made no progress: nothing is running and nothing can be admitted"
+                )
             return result
         logits = self.runner.execute(plan.scheduled)
         self.num_steps += 1
@@ -120,7 +145,9 @@ class Engine:
         num_logit_rows = 0
         for s in plan.scheduled:
             seq = s.seq
-            result.num_prompt_tokens += max(0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start)
+            result.num_prompt_tokens += max(
+                0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start
+            )
             seq.num_computed_tokens += s.num_new_tokens
             if s.samples:
                 for member in [seq, *self._fork_siblings(seq)]:
@@ -142,8 +169,13 @@ class Engine:
         """Parallel sampling: once the prompt is prefilled, the other samples share every page of it."""
         children = []
         for i in range(1, parent.num_siblings_to_fork + 1):
-            child = Sequence(next(self._seq_ids), parent.prompt_token_ids, parent.params,
-                             request=parent.request, sample_index=i)
+            child = Sequence(
+                next(self._seq_ids),
+                parent.prompt_token_ids,
+                parent.params,
+                request=parent.request,
+                sample_index=i,
+            )
             child.output_token_ids = list(parent.output_token_ids)
             if not parent.params.greedy:
                 child.generator = self._generator(parent.sibling_seeds[i])
@@ -159,7 +191,9 @@ class Engine:
             seq.finish_reason = "eos"
         elif params.stop and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif (
+            len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.config.max_model_len
+        ):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 

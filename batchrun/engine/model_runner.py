@@ -15,8 +15,9 @@ from .scheduler import ScheduledSequence
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, page_size: int, backend: str,
-                 device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, page_size: int, backend: str, device: torch.device
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.page_size = page_size
@@ -24,8 +25,9 @@ class ModelRunner:
         self.device = device
         self.workspace = Workspace()
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                   AttentionMetadata, torch.Tensor]:
+    def prepare(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         P = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -51,8 +53,9 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32,
-                                      device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
             max_query_len=max(query_lens),
             max_seq_len=max(context_lens),
             kv_cache=self.kv_cache,
@@ -73,6 +76,7 @@ class ModelRunner:
             # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
             self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_index,
-                         batchrun_attn=meta)
+        out = self.model(
+            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_index, batchrun_attn=meta
+        )
         return out.logits[0]
