@@ -297,7 +297,9 @@ def format_report(r: dict) -> str:
     if "throughput" in r:
         t = r["throughput"]
         lines += ["| run | generated tok/s | generated tokens | peak RSS MiB |", "|---|---|---|---|"]
-        for k in ("batchrun", "hf"):
+        for k in ("batchrun", "hf", "batchrun_128"):
+            if k not in t:
+                continue
             x = t[k]
             lines.append(
                 f"| {x['label']} | {x['tokens_per_s']:.1f} | {x['generated_tokens']} | "

@@ -232,3 +232,15 @@ def test_set_overrides_any_key_and_is_validated(tmp_path):
     assert spec.model.system_prompt == "Be brief."
     r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"), "--set", "sampling.top_p=2")
     assert r.returncode == 2 and "sampling.top_p" in r.stderr
+
+
+def test_kv_cache_too_small_for_one_page_is_exit_2(tmp_path):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:1], extra={"category": ["a"]})
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\nengine:\n  kv_cache_memory: 1KiB\n"
+        f"output:\n  path: {tmp_path / 'out'}\n",
+    )
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 2 and "engine.kv_cache_memory" in r.stderr, r.stderr
+    assert not list((tmp_path / "out").glob("part-*")) if (tmp_path / "out").exists() else True

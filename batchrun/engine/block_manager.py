@@ -3,7 +3,8 @@
 No tensors here. The accelerator pool has `num_pages` pages of `page_size` token slots; the CPU pool has
 `num_cpu_pages`. A page's reference count is the number of block tables holding it. A freed page that carries
 a prefix hash keeps its contents and can be revived by a later sequence until the allocator reuses it; free
-pages are reused least-recently-freed first, pages without a hash before pages with one.
+pages without a hash are handed out before pages with one; among those with a hash, the least recently freed
+first (so a popular prefix survives longest).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class BlockManager:
         self.num_cpu_pages = num_cpu_pages
         self.prefix_sharing = prefix_sharing
         self.ref_count = [0] * num_pages
-        self._free_uncached: deque[int] = deque(range(num_pages))
+        # a stack: the page freed last is handed out first, so the pages ever touched (and the process's memory
+        # on the CPU, where the pool is lazily zeroed) stay at the peak in use, not the whole pool
+        self._free_uncached: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
         self.page_hash: dict[int, int] = {}  # page -> hash, for full pages with known contents
         self.page_tokens: dict[int, tuple[int, ...]] = {}  # page -> its tokens, to rule out collisions
@@ -57,7 +60,7 @@ class BlockManager:
 
     def allocate_page(self) -> int:
         if self._free_uncached:
-            page = self._free_uncached.popleft()
+            page = self._free_uncached.pop()
         elif self._free_cached:
             page, _ = self._free_cached.popitem(last=False)
             self._forget_hash(page)
