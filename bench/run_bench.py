@@ -5,7 +5,7 @@ Each measurement runs in its own subprocess (so its peak memory is its own), on 
    `generate` with padded static batches of the same batch size;
 2. preemption: the same kind of workload with a quarter of the KV pages it peaks at — swap vs recompute vs
    unconstrained;
-3. sharing: 32 rows behind a common ~300-token system prompt — prefix sharing on vs off.
+3. sharing: 32 rows behind a common ~220-token system prompt — prefix sharing on vs off.
 
 Usage: python bench/run_bench.py [--quick] [--only throughput,preemption,sharing] [--out bench/last.json]
 """
@@ -228,10 +228,13 @@ def main() -> None:
         work = prepare(base / "throughput", make_prompts(tok, n_main, 20, 400, seed=1))
         br = measure("batchrun", "batchrun", work, 32, new_main)
         hf = measure("hf", "hf-generate-padded", work, 32, new_main)
+        wide = measure("batchrun", "batchrun-128-seqs", work, 128, new_main)
         report["throughput"] = {
             "batchrun": br,
             "hf": hf,
+            "batchrun_128": wide,
             "speedup": br["tokens_per_s"] / hf["tokens_per_s"],
+            "speedup_128": wide["tokens_per_s"] / hf["tokens_per_s"],
             "memory_ratio": br["peak_rss_mib"] / hf["peak_rss_mib"],
         }
         print(f"  batchrun / HF generate: {report['throughput']['speedup']:.2f}x tokens/s")
@@ -270,7 +273,7 @@ def main() -> None:
 
     if "sharing" in only:
         new = 16 if args.quick else 32
-        print(f"sharing: 32 rows behind a ~300-token system prompt, max_new_tokens {new}")
+        print(f"sharing: 32 rows behind a ~220-token system prompt, max_new_tokens {new}")
         system = (
             "You are the help desk of a city library. Answer visitors' questions about opening hours, "
             "membership, borrowing limits, late fees, study rooms, printing and events in one friendly "
@@ -308,6 +311,10 @@ def format_report(r: dict) -> str:
         lines.append(
             f"batchrun / HF generate: **{t['speedup']:.2f}x** tokens/s, {t['memory_ratio']:.2f}x peak RSS"
         )
+        if "speedup_128" in t:
+            lines.append(
+                f"batchrun with max_num_seqs 128 / HF generate (batch 32): {t['speedup_128']:.2f}x tokens/s"
+            )
     if "preemption" in r:
         p = r["preemption"]
         lines += [
