@@ -211,6 +211,16 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The function `transformers` calls for every attention layer; returns [1, T, Hq, D]."""
     meta: AttentionMetadata = kwargs["batchrun_attn"]
+    window = kwargs.get("sliding_window")
+    if window is not None and meta.max_seq_len > window:
+        raise NotImplementedError(
+            f"this model uses sliding-window attention ({window} tokens) and a sequence is longer than the "
+            f"window; batchrun's paged attention is full causal attention. Set model.max_model_len: {window}."
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            "attention logit soft-capping is not supported by batchrun's paged attention"
+        )
     assert query.shape[0] == 1, "batchrun packs every sequence into one row"
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, D]
