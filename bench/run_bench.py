@@ -3,11 +3,13 @@
 Each measurement runs in its own subprocess (so its peak memory is its own), on the same prompts:
 1. throughput: >=128 chat prompts of 20-400 tokens, max_new_tokens 128, eos allowed — batchrun vs Hugging Face
    `generate` with padded static batches of the same batch size;
-2. preemption: the same kind of workload with a quarter of the KV pages it peaks at — swap vs recompute vs
-   unconstrained;
-3. sharing: 32 rows behind a common ~220-token system prompt — prefix sharing on vs off.
+2. bar: the brief's reference workload, 60 chat prompts of 15-450 tokens, 64 new tokens — batchrun at its
+   default max_num_seqs vs HF `generate` padded in batches of 16 and of 60;
+3. preemption: 64 short prompts generating 64 tokens each, with a quarter of the KV pages they peak at — swap
+   vs recompute vs unconstrained;
+4. sharing: 32 rows behind a common ~220-token system prompt — prefix sharing on vs off.
 
-Usage: python bench/run_bench.py [--quick] [--only throughput,preemption,sharing] [--out bench/last.json]
+Usage: python bench/run_bench.py [--quick] [--only throughput,bar,preemption,sharing] [--out bench/last.json]
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="smaller workloads (a smoke run, not for RESULTS.md)"
     )
-    ap.add_argument("--only", default="throughput,preemption,sharing")
+    ap.add_argument("--only", default="throughput,bar,preemption,sharing")
     ap.add_argument("--out", default=str(ROOT / "bench" / "last.json"))
     args = ap.parse_args()
     if args.one == "batchrun":
@@ -238,6 +240,22 @@ def main() -> None:
             "memory_ratio": br["peak_rss_mib"] / hf["peak_rss_mib"],
         }
         print(f"  batchrun / HF generate: {report['throughput']['speedup']:.2f}x tokens/s")
+
+    if "bar" in only:
+        print(
+            "bar: 60 chat prompts of 15-450 tokens, greedy, max_new_tokens 64 (the brief's reference workload)"
+        )
+        work = prepare(base / "bar60", make_prompts(tok, 60, 15, 450, seed=5))
+        br = measure("batchrun", "batchrun-256-seqs", work, 256, 64)
+        hf16 = measure("hf", "hf-generate-padded-16", work, 16, 64)
+        hf60 = measure("hf", "hf-generate-padded-60", work, 60, 64)
+        report["bar"] = {
+            "batchrun": br,
+            "hf16": hf16,
+            "hf60": hf60,
+            "speedup_16": br["tokens_per_s"] / hf16["tokens_per_s"],
+            "speedup_60": br["tokens_per_s"] / hf60["tokens_per_s"],
+        }
 
     if "preemption" in only:
         n, new = (24, 32) if args.quick else (64, 64)
@@ -315,6 +333,23 @@ def format_report(r: dict) -> str:
             lines.append(
                 f"batchrun with max_num_seqs 128 / HF generate (batch 32): {t['speedup_128']:.2f}x tokens/s"
             )
+    if "bar" in r:
+        b = r["bar"]
+        lines += [
+            "",
+            "| run (60 prompts, 64 new tokens) | generated tok/s | generated tokens | peak RSS MiB |",
+            "|---|---|---|---|",
+        ]
+        for k in ("batchrun", "hf16", "hf60"):
+            x = b[k]
+            lines.append(
+                f"| {x['label']} | {x['tokens_per_s']:.1f} | {x['generated_tokens']} | "
+                f"{x['peak_rss_mib']:.0f} |"
+            )
+        lines.append(
+            f"batchrun / HF generate: {b['speedup_16']:.2f}x (batches of 16), "
+            f"{b['speedup_60']:.2f}x (one batch of 60)"
+        )
     if "preemption" in r:
         p = r["preemption"]
         lines += [
