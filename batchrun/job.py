@@ -24,7 +24,15 @@ from . import model_loader
 from .config import JobSpec, parse_size
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .errors import BadInput, JobStopped
-from .sinks import OutputRow, PartWriter, done_keys, fingerprint, output_schema, remove_parts
+from .sinks import (
+    OutputRow,
+    PartWriter,
+    check_writable,
+    done_keys,
+    fingerprint,
+    output_schema,
+    remove_parts,
+)
 from .sources import InputRow, InputSource, Shard
 from .stats import StatsCollector
 
@@ -112,6 +120,8 @@ class Job:
         check_duplicate_ids(self.source, self.limit, self.src)
         self.fp = fingerprint(spec, self.shard)
         out_dir = spec.output_dir
+        check_writable(out_dir, "output.path", self.src)
+        check_writable(spec.stats_path.parent, "output.stats", self.src)
         if self.overwrite:
             remove_parts(out_dir)
         self.done = done_keys(out_dir, self.fp, self.src) if self.resume else set()

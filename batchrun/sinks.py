@@ -89,6 +89,17 @@ def done_keys(out_dir: Path, fp: str, source: str) -> set[tuple]:
     return done
 
 
+def check_writable(out_dir: Path, key: str, source: str) -> None:
+    """Create the directory if needed and prove a file can be written there; BadInput naming the key if not."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".batchrun-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise BadInput(f"{source}: key `{key}`: cannot write into {out_dir} ({e.strerror or e}).") from None
+
+
 def remove_parts(out_dir: Path) -> None:
     for part in existing_parts(out_dir):
         part.unlink()

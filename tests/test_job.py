@@ -244,3 +244,15 @@ def test_kv_cache_too_small_for_one_page_is_exit_2(tmp_path):
     r = run_cli("submit", str(job), "--quiet")
     assert r.returncode == 2 and "engine.kv_cache_memory" in r.stderr, r.stderr
     assert not list((tmp_path / "out").glob("part-*")) if (tmp_path / "out").exists() else True
+
+
+def test_unwritable_output_path_is_exit_2(tmp_path):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:1], extra={"category": ["a"]})
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\noutput:\n  path: {blocker / 'out'}\n",
+    )
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 2 and "output.path" in r.stderr and "Traceback" not in r.stderr, r.stderr
