@@ -13,7 +13,7 @@ from .kv_cache import KVCache, KVCacheShape
 from .model_runner import ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import SamplingParams, Sequence, SequenceStatus
+from .sequence import SamplingParams, Sequence
 
 
 @dataclass
@@ -66,7 +66,6 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, config.page_size, config.attention, device)
         self.eos_token_ids = eos_token_ids or set()
         self._seq_ids = itertools.count()
-        self.num_steps = 0
         self.num_recomputations = 0
         self.num_preemptions = 0
 
@@ -140,7 +139,6 @@ class Engine:
                 )
             return result
         logits = self.runner.execute(plan.scheduled)
-        self.num_steps += 1
         sampling, rows = [], []  # sequences that sample, and the logits row each samples from
         num_logit_rows = 0
         for s in plan.scheduled:
@@ -212,4 +210,5 @@ class Engine:
         return text
 
     def live_sequences(self) -> list[Sequence]:
-        return [s for s in self.scheduler.live_sequences() if s.status is not SequenceStatus.FINISHED]
+        """Sequences holding pages: running ones (accelerator pages) and swapped ones (CPU pages)."""
+        return self.scheduler.live_sequences()

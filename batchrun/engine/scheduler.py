@@ -82,9 +82,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
 
-    def max_tokens_per_sequence(self) -> int:
-        return self.bm.num_pages * self.bm.page_size
-
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -56,7 +56,6 @@ class Sequence:
     sibling_seeds: list[int] = field(default_factory=list)  # the generator seed of each sample 0 .. n-1
     finish_reason: str | None = None
     generator: Any = None  # torch.Generator for sampled rows
-    stop_text_end: int | None = None  # where a matched stop string begins in the decoded completion
 
     @property
     def token_ids(self) -> list[int]:
@@ -73,10 +72,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
