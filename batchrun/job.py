@@ -29,6 +29,7 @@ from .sinks import (
     PartWriter,
     check_writable,
     done_keys,
+    existing_parts,
     fingerprint,
     output_schema,
     remove_parts,
@@ -125,7 +126,7 @@ class Job:
         if self.overwrite:
             remove_parts(out_dir)
         self.done = done_keys(out_dir, self.fp, self.src) if self.resume else set()
-        if not self.resume and not self.overwrite and any(out_dir.glob("part-*.parquet")):
+        if not self.resume and not self.overwrite and existing_parts(out_dir):
             raise BadInput(
                 f"{self.src}: output.path {out_dir} already holds part files and --no-resume was "
                 f"given; use --overwrite to start over, or --resume to finish the job."
@@ -242,7 +243,7 @@ class Job:
             for i in range(self.params.n)
         ]
 
-    def _feed(self, rows, in_flight: dict[int, RowState]) -> bool:
+    def _feed(self, rows) -> bool:
         """Queue rows until the engine has a full window waiting; returns False once the input is exhausted."""
         target = max(self.spec.engine.max_num_seqs, 16)
         while len(self.engine.scheduler.waiting) < target and not self.stop_requested:
@@ -261,7 +262,7 @@ class Job:
                 self._emit(self._error_rows(row, reason, len(ids)))
                 continue
             state = RowState(row, len(ids), [None] * self.params.n)
-            in_flight[row.index] = state
+            self.in_flight[row.index] = state
             seeds = [row_seed(self.params.seed, row.id, i) for i in range(self.params.n)]
             self.engine.add(ids, self.params, request=state, seeds=seeds)
         return True
@@ -332,7 +333,7 @@ class Job:
             more = True
             while not self.stop_requested:
                 if more:
-                    more = self._feed(rows, self.in_flight)
+                    more = self._feed(rows)
                 if not self.engine.has_unfinished():
                     if not more:
                         break

@@ -17,7 +17,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .engine.engine import Engine, StepResult
-from .engine.sequence import SequenceStatus
 
 SUMMARY_KEY = b"batchrun.summary"
 
@@ -53,22 +52,28 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float) -
     """The statistics row for the state right after a step (DESIGN.md definitions)."""
     bm = engine.block_manager
     P = bm.page_size
-    running = [s for s in engine.scheduler.running if s.status is SequenceStatus.RUNNING]
+    running = engine.scheduler.running
     filled: dict[int, int] = {}  # physical page -> computed tokens in it (each physical slot once)
+    held: set[int] = (
+        set()
+    )  # physical pages in use: the running sequences' pages (swapped ones hold CPU pages)
     logical_pages = 0
     reserved = 0
     cached_per_seq = 0
     for seq in running:
         logical_pages += len(seq.block_table)
+        held.update(seq.block_table)
         for i, page in enumerate(seq.block_table):
             n = min(max(seq.num_computed_tokens - i * P, 0), P)
             if n > filled.get(page, 0):
                 filled[page] = n
         cached_per_seq += seq.num_computed_tokens
-        reserved += min(seq.num_prompt_tokens + seq.params.max_new_tokens, engine.config.max_model_len)
-    pages_used = sum(1 for c in bm.ref_count if c > 0)
+        reserved += row_reservation(engine, seq)
+    pages_used = len(held)
     pages_free = bm.num_pages - pages_used
-    allocatable = bm.num_free_pages  # pages the allocator would actually hand out
+    allocatable = (
+        bm.num_free_pages
+    )  # pages on the allocator's free lists: counted apart from the block tables
     tokens_stored = sum(filled.values())
     plan = step.plan
     return {
@@ -261,7 +266,7 @@ def check_snapshot(engine: Engine, row: dict) -> None:
     """Debug mode: recount every statistic by brute force, slot by slot, and compare with the snapshot."""
     bm = engine.block_manager
     P = bm.page_size
-    running = [s for s in engine.scheduler.running if s.status is SequenceStatus.RUNNING]
+    running = engine.scheduler.running
     slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
     for seq in running:
         for pos in range(seq.num_computed_tokens):

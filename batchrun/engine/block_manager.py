@@ -115,18 +115,23 @@ class BlockManager:
             prev = h
         return pages, hashes
 
-    def num_new_pages_for_admission(self, seq: Sequence) -> int:
+    def num_new_pages_for_admission(
+        self, seq: Sequence, match: tuple[list[int], list[int]] | None = None
+    ) -> int:
         """Free pages that admitting `seq` (all its uncomputed tokens) takes, prefix-cache hits deducted.
-        A hit on a free cached page still takes that page off the free list."""
-        pages, _ = self.match_prefix(seq)
+        A hit on a free cached page still takes that page off the free list. `match`: match_prefix(seq), when
+        the caller has it already."""
+        pages, _ = match if match is not None else self.match_prefix(seq)
         revived = sum(1 for p in pages if self.ref_count[p] == 0)
         return self.pages_needed(seq.num_tokens) - len(pages) + revived
 
-    def allocate_sequence(self, seq: Sequence, max_new_tokens: int) -> int:
+    def allocate_sequence(
+        self, seq: Sequence, max_new_tokens: int, match: tuple[list[int], list[int]] | None = None
+    ) -> int:
         """Admit a waiting sequence: reuse its cached prefix pages, then give it pages for its next uncomputed
         tokens, at most `max_new_tokens` of them (a chunk, or the whole prompt). Returns how many."""
         assert not seq.block_table
-        pages, hashes = self.match_prefix(seq)
+        pages, hashes = match if match is not None else self.match_prefix(seq)
         for p in pages:
             self.acquire_page(p)
         seq.block_table = list(pages)
@@ -186,8 +191,11 @@ class BlockManager:
         if not self.prefix_sharing:
             return
         P = self.page_size
+        full = min(num_tokens // P, len(seq.block_table))
+        if len(seq.block_hashes) >= full:
+            return  # the common case, every step of every decode: nothing newly full
         tokens = seq.token_ids
-        while len(seq.block_hashes) < min(num_tokens // P, len(seq.block_table)):
+        while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)
             chunk = tuple(tokens[i * P : (i + 1) * P])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
@@ -231,13 +239,14 @@ class BlockManager:
         seq.cpu_block_table = []
         # The swapped-in pages are private copies; re-register them only where the hash is not taken.
         hashes, seq.block_hashes = seq.block_hashes, []
+        tokens = seq.token_ids
         for h, page in zip(hashes, seq.block_table):
             seq.block_hashes.append(h)
             if self.prefix_sharing and h not in self.hash_to_page:
                 self.hash_to_page[h] = page
                 self.page_hash[page] = h
                 i = len(seq.block_hashes) - 1
-                self.page_tokens[page] = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+                self.page_tokens[page] = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
         return copies
 
     # ---- checks ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class ModelRunner:
         query_lens, context_lens, tables, logits_index = [], [], [], []
         for s in scheduled:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_slice(start, end)
             positions += range(start, end)
             bt = seq.block_table
             slots += [bt[p // P] * P + p % P for p in range(start, end)]

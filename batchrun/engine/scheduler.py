@@ -155,12 +155,13 @@ class Scheduler:
             seats = 1 + seq.num_siblings_to_fork
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
-            need = self.bm.num_new_pages_for_admission(seq)
+            match = self.bm.match_prefix(seq)  # hashes the whole prompt: once per admission attempt
+            need = self.bm.num_new_pages_for_admission(seq, match)
             reserve = self.config.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages:
                 break
             self.waiting.popleft()
-            n = self.bm.allocate_sequence(seq, budget)
+            n = self.bm.allocate_sequence(seq, budget, match)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._planned(seq, n, out)

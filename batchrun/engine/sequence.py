@@ -73,5 +73,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (the model runner asks every step)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
