@@ -1,4 +1,4 @@
-"""The `batchrun` command line (DESIGN.md, "Command line").
+"""The `batchrun` command line (README, "Commands").
 
 Exit codes: 0 done; 1 the job failed at run time; 2 bad job file, input or arguments; 3 stopped by a signal
 after writing every finished row (rerun the same command to resume).
@@ -48,21 +48,16 @@ def handle_errors(fn):
     return wrapper
 
 
-def parse_shard(text: str | None) -> tuple[int, int]:
-    """'I/N' -> (I, N); default from a Slurm array task's environment, else 0/1."""
+def default_shard(text: str | None):
+    """--shard I/N; by default a Slurm array task's own, else 0/1."""
+    from .sources import Shard
+
     if text is None:
         task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
-        if task is not None and count is not None:
-            text = f"{task}/{count}"
-        else:
-            return 0, 1
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.") from None
-    if not 0 <= i < n:
-        raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.")
-    return i, n
+        if task is None or count is None:
+            return Shard()
+        text = f"{task}/{count}"
+    return Shard.parse(text)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -92,21 +87,17 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet) ->
     from .config import load_job
     from .job import Job
     from .report import format_summary
-    from .sources import Shard
 
     spec = load_job(job_file, overrides)
-    index, count = parse_shard(shard)
-    if count > 1 and spec.output.stats is None:
-        spec.output.stats = str(spec.output_dir / f"stats-{index:05d}of{count:05d}.parquet")
-    job = Job(spec, Shard(index, count), resume=resume, overwrite=overwrite, limit=limit, progress=not quiet)
+    job = Job(spec, default_shard(shard), resume=resume, overwrite=overwrite, limit=limit, progress=not quiet)
     summary = job.run()
     if summary is None:
         click.echo(
-            f"nothing to do: every row of shard {index}/{count} already has its output in {spec.output_dir}/"
+            f"nothing to do: every row of shard {job.shard} already has its output in {spec.output_dir}/"
         )
         return
     click.echo(format_summary(summary))
-    click.echo(f"completions: {spec.output_dir}/  statistics: {spec.stats_path}")
+    click.echo(f"completions: {spec.output_dir}/  statistics: {job.stats_path}")
 
 
 @main.command()
@@ -116,13 +107,12 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet) ->
 def validate(job_file: Path, overrides) -> None:
     """Check JOB_FILE, its input and its model path without running anything."""
     from .config import load_job
-    from .job import check_duplicate_ids
     from .model_loader import check_model_path
     from .sources import InputSource
 
     spec = load_job(job_file, overrides)
     source = InputSource(spec.input, spec.source_file)
-    check_duplicate_ids(source, spec.input.limit, spec.source_file)
+    source.check_unique_ids(spec.input.limit)
     model = check_model_path(spec.model.path, spec.source_file)
     rows = source.num_rows()
     click.echo(

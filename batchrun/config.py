@@ -1,7 +1,8 @@
-"""The job file: typed dataclasses, parsing, `--set` overrides and validation (DESIGN.md, "Job file").
+"""The job file: typed dataclasses, parsing, `--set` overrides and validation (README, "The job file").
 
 Every mistake raises `BadInput` naming the file, the key and what was expected. Relative paths in a job file
-are resolved against the current working directory, like any command-line tool's arguments.
+are resolved against the current working directory, like any command-line tool's arguments. The `engine:` and
+`sampling:` sections are the engine's own `EngineConfig` and `SamplingParams`, built here without a copy.
 """
 
 from __future__ import annotations
@@ -10,86 +11,30 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
 import yaml
 
+from .checks import at_least, check_fields, field_error, one_of, parse_size
+from .engine.config import EngineConfig, SamplingParams
 from .errors import BadInput
 
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """'4GiB' -> 4294967296; an int is taken as bytes. Raises ValueError on anything else."""
-    if isinstance(text, bool):
-        raise ValueError(text)
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(text)
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _SIZE_UNITS:
-        raise ValueError(text)
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-
-
-def _one_of(*choices: str):
-    def check(v: Any) -> str | None:
-        return None if v in choices else f"one of {', '.join(choices)}"
-
-    return check
-
-
-def _at_least(lo: float, strict: bool = False):
-    def check(v: Any) -> str | None:
-        ok = v > lo if strict else v >= lo
-        return None if ok else f"a number {'>' if strict else '>='} {lo}"
-
-    return check
-
-
-def _power_of_two(v: int) -> str | None:
-    return None if v >= 1 and v & (v - 1) == 0 else "a power of two (8, 16, 32, ...)"
-
-
-def _size_or_fraction(v: Any) -> str | None:
-    if isinstance(v, float | int) and not isinstance(v, bool):
-        return None if 0 < v <= 1 else 'a fraction in (0, 1] or a size such as "2GiB"'
-    try:
-        parse_size(v)
-        return None
-    except ValueError:
-        return 'a fraction in (0, 1] or a size such as "2GiB"'
-
-
-def _size(v: Any) -> str | None:
-    try:
-        parse_size(v)
-        return None
-    except ValueError:
-        return 'a size such as "4GiB" or a number of bytes'
+__all__ = ["JobSpec", "ModelSpec", "load_job", "parse_job", "parse_size", "apply_overrides", "to_dict"]
 
 
 @dataclass
 class ModelSpec:
     path: str | None = None
-    dtype: str = field(default="auto", metadata={"check": _one_of("auto", "float32", "bfloat16", "float16")})
+    dtype: str = field(default="auto", metadata={"check": one_of("auto", "float32", "bfloat16", "float16")})
     chat_template: bool = True
     system_prompt: str | None = None
-    max_model_len: int | None = field(default=None, metadata={"check": _at_least(1)})
+    max_model_len: int | None = field(default=None, metadata={"check": at_least(1)})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass
@@ -107,52 +52,15 @@ class InputSpec:
     prompt_column: str = "prompt"
     id_column: str | None = None
     passthrough: list[str] = field(default_factory=list)
-    limit: int | None = field(default=None, metadata={"check": _at_least(0)})
-
-
-@dataclass
-class SamplingSpec:
-    max_new_tokens: int = field(default=256, metadata={"check": _at_least(1)})
-    temperature: float = field(default=0.0, metadata={"check": _at_least(0)})
-    top_p: float = field(
-        default=1.0, metadata={"check": lambda v: None if 0 < v <= 1 else "a number in (0, 1]"}
-    )
-    top_k: int = field(default=-1, metadata={"check": lambda v: None if v == -1 or v >= 1 else "-1 or >= 1"})
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    n: int = field(default=1, metadata={"check": _at_least(1)})
-    ignore_eos: bool = False
-
-
-@dataclass
-class EngineSpec:
-    device: str = field(
-        default="auto",
-        metadata={
-            "check": lambda v: (
-                None
-                if v in ("auto", "cpu", "cuda") or str(v).startswith("cuda:")
-                else "auto, cpu, cuda or cuda:N"
-            )
-        },
-    )
-    attention: str = field(default="auto", metadata={"check": _one_of("auto", "triton", "torch")})
-    page_size: int = field(default=16, metadata={"check": _power_of_two})
-    kv_cache_memory: Union[float, str] = field(default=0.9, metadata={"check": _size_or_fraction})  # noqa: UP007
-    num_pages: int | None = field(default=None, metadata={"check": _at_least(1)})
-    swap_space: Union[str, int] = field(default="4GiB", metadata={"check": _size})  # noqa: UP007
-    max_num_seqs: int = field(default=256, metadata={"check": _at_least(1)})
-    max_num_batched_tokens: int = field(default=8192, metadata={"check": _at_least(1)})
-    prefix_sharing: bool = True
-    preemption: str = field(default="swap", metadata={"check": _one_of("swap", "recompute")})
+    limit: int | None = field(default=None, metadata={"check": at_least(0)})
 
 
 @dataclass
 class OutputSpec:
     path: str | None = None  # default: out/<name>/
     stats: str | None = None  # default: <path>/stats.parquet
-    rows_per_part: int = field(default=1000, metadata={"check": _at_least(1)})  # a part file every N rows...
-    flush_seconds: float = field(default=30.0, metadata={"check": _at_least(0)})  # ...or every S seconds
+    rows_per_part: int = field(default=1000, metadata={"check": at_least(1)})  # a part file every N rows...
+    flush_seconds: float = field(default=30.0, metadata={"check": at_least(0)})  # ...or every S seconds
 
 
 @dataclass
@@ -169,8 +77,8 @@ class JobSpec:
     )
     model: ModelSpec = field(default_factory=ModelSpec)
     input: InputSpec = field(default_factory=InputSpec)
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    engine: EngineSpec = field(default_factory=EngineSpec)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSpec = field(default_factory=OutputSpec)
     source_file: str = field(default="<job>", metadata={"internal": True})
 
@@ -178,9 +86,14 @@ class JobSpec:
     def output_dir(self) -> Path:
         return Path(self.output.path or f"out/{self.name}")
 
-    @property
-    def stats_path(self) -> Path:
-        return Path(self.output.stats) if self.output.stats else self.output_dir / "stats.parquet"
+    def stats_path(self, shard_index: int = 0, shard_count: int = 1) -> Path:
+        """`output.stats`, or by default `stats.parquet` in the output directory (`stats-IofN.parquet` for a
+        shard of several, so shards writing into one directory never overwrite each other's statistics)."""
+        if self.output.stats:
+            return Path(self.output.stats)
+        if shard_count > 1:
+            return self.output_dir / f"stats-{shard_index:05d}of{shard_count:05d}.parquet"
+        return self.output_dir / "stats.parquet"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -195,7 +108,7 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
+    if origin in (list, tuple):
         return f"a list of {_type_name(typing.get_args(tp)[0])}s"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
@@ -217,13 +130,13 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
         raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, src)
-    if origin is list:
-        (elem,) = typing.get_args(tp)
+    if origin in (list, tuple):
+        elem = typing.get_args(tp)[0]
         if isinstance(value, str) and elem is str:
             value = [value]  # a single stop string / passthrough column is accepted as a one-item list
-        if not isinstance(value, list):
+        if not isinstance(value, list | tuple):
             raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
-        return [_coerce(v, elem, f"{key}[{i}]", src) for i, v in enumerate(value)]
+        return origin(_coerce(v, elem, f"{key}[{i}]", src) for i, v in enumerate(value))
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -256,13 +169,22 @@ def _build(cls: type, raw: Any, prefix: str, src: str) -> Any:
         if name not in raw:
             continue
         value = _coerce(raw[name], hints[name], key, src)
-        check = f.metadata.get("check")
-        if check is not None and value is not None:
-            expected = check(value)
-            if expected:
-                raise BadInput(f"{src}: key `{key}` must be {expected}, got {raw[name]!r}.")
+        expected = field_error(f, value)
+        if expected:
+            raise BadInput(f"{src}: key `{key}` must be {expected}, got {raw[name]!r}.")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def set_key(raw: dict, path: str, value: Any) -> None:
+    """raw["sampling"]["temperature"] = value for path `sampling.temperature`."""
+    keys = path.strip().split(".")
+    node = raw
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
 
 
 def apply_override(raw: dict, assignment: str, src: str = "--set") -> None:
@@ -274,13 +196,20 @@ def apply_override(raw: dict, assignment: str, src: str = "--set") -> None:
         value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
         value = text
-    keys = path.strip().split(".")
-    node = raw
-    for k in keys[:-1]:
-        if not isinstance(node.get(k), dict):
-            node[k] = {}
-        node = node[k]
-    node[keys[-1]] = value
+    set_key(raw, path, value)
+
+
+Overrides = Union[Mapping[str, Any], Sequence[str], None]  # noqa: UP007
+
+
+def apply_overrides(raw: dict, overrides: Overrides) -> None:
+    """`{"sampling.temperature": 0.7}` (values as they are) or `["sampling.temperature=0.7"]` (as YAML)."""
+    if isinstance(overrides, Mapping):
+        for path, value in overrides.items():
+            set_key(raw, path, value)
+    else:
+        for assignment in overrides or ():
+            apply_override(raw, assignment)
 
 
 def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
@@ -309,7 +238,7 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
     return spec
 
 
-def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+def load_job(path: str | Path, overrides: Overrides = ()) -> JobSpec:
     """Read a job YAML file, apply `--set` overrides, validate. Raises BadInput naming the file."""
     path = Path(path)
     src = str(path)
@@ -326,8 +255,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
     if raw is None:
         raw = {}
     if isinstance(raw, dict):
-        for a in overrides:
-            apply_override(raw, a)
+        apply_overrides(raw, overrides)
     return parse_job(raw, src)
 
 

@@ -179,12 +179,3 @@ def eos_token_ids(tokenizer, model) -> set[int]:
         elif source:
             ids.update(source)
     return ids
-
-
-def model_max_len(model) -> int:
-    cfg = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 8192

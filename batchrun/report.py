@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from .errors import BadInput
-from .stats import read_summary
+from .stats import SUMMARY_KEYS, read_summary
 
 
 def stats_files(path: Path) -> list[Path]:
@@ -33,46 +33,21 @@ def load_summary(path: Path) -> dict:
 
 
 def combine(summaries: list[dict]) -> dict:
-    """Shards ran side by side: counts add up; throughput is total tokens over the longest wall time; peaks are
-    maxima; means are weighted by each shard's steps."""
+    """Shards ran side by side: each key combines as `SUMMARY_KEYS` says (counts add up, peaks are maxima,
+    means are weighted by each shard's steps, throughput is total tokens over the longest wall time)."""
     out = dict(summaries[0])
-    add = [
-        "rows",
-        "steps",
-        "prompt_tokens",
-        "prompt_tokens_computed",
-        "generated_tokens",
-        "prefix_query_tokens",
-        "prefix_hit_tokens",
-        "cow_copies",
-        "preemptions",
-        "recomputations",
-        "swap_out_pages",
-        "swap_in_pages",
-        "swap_out_bytes",
-        "swap_in_bytes",
-        "peak_running",
-        "pages_total",
-        "peak_pages_used",
-        "contiguous_max_concurrency",
-    ]
-    peak = ["kv_utilization_peak", "external_fragmentation_max", "duplication_saved_peak"]
-    mean = [
-        "mean_running",
-        "kv_utilization_mean",
-        "internal_fragmentation_mean",
-        "contiguous_utilization_mean",
-    ]
-    for k in add:
-        out[k] = sum(s.get(k, 0) for s in summaries)
-    for k in peak:
-        out[k] = max(s.get(k, 0.0) for s in summaries)
     steps = sum(s.get("steps", 0) for s in summaries) or 1
-    for k in mean:
-        out[k] = sum(s.get(k, 0.0) * s.get("steps", 0) for s in summaries) / steps
-    out["wall_s"] = max(s.get("wall_s", 0.0) for s in summaries)
-    out["prompt_tokens_per_s"] = out["prompt_tokens"] / out["wall_s"] if out["wall_s"] else 0.0
-    out["generated_tokens_per_s"] = out["generated_tokens"] / out["wall_s"] if out["wall_s"] else 0.0
+    for key, how in SUMMARY_KEYS.items():
+        values = [s.get(key, 0) for s in summaries]
+        if how == "sum":
+            out[key] = sum(values)
+        elif how == "max":
+            out[key] = max(values)
+        elif how == "mean":
+            out[key] = sum(v * s.get("steps", 0) for v, s in zip(values, summaries)) / steps
+    wall = out["wall_s"]
+    out["prompt_tokens_per_s"] = out["prompt_tokens"] / wall if wall else 0.0
+    out["generated_tokens_per_s"] = out["generated_tokens"] / wall if wall else 0.0
     out["shards"] = len(summaries)
     return out
 

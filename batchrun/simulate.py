@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import pyarrow.parquet as pq
 
+from .engine.block_manager import cdiv
 from .errors import BadInput
 
 
@@ -176,10 +177,10 @@ class _Paged(_Allocator):
         return lv_tokens - self.shared_pages * self.P
 
     def need(self, r: Request) -> int:
-        return -(-(r.prompt + r.output) // self.P) * self.P
+        return cdiv(r.prompt + r.output, self.P) * self.P
 
     def _pages_for(self, tokens: int) -> int:
-        return -(-self._private_tokens(tokens) // self.P)
+        return cdiv(self._private_tokens(tokens), self.P)
 
     def admit(self, live: _Live) -> bool:
         pages = self._pages_for(live.req.prompt + live.generated)

@@ -9,16 +9,18 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import JobSpec, to_dict
 from .errors import BadInput
-from .sources import Shard
+
+if TYPE_CHECKING:
+    from .sources import Shard
 
 FINGERPRINT_KEY = b"batchrun.fingerprint"
 JOB_KEY = b"batchrun.job"
@@ -33,33 +35,33 @@ def fingerprint(spec: JobSpec, shard: Shard) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _column(arrow_type: pa.DataType | None):
+    return field(metadata={"arrow": arrow_type})
+
+
 @dataclass
 class OutputRow:
-    id: Any
-    sample: int
-    completion: str | None
-    finish_reason: str
-    error: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    num_preemptions: int
-    passthrough: dict
+    """One output row: its fields are the output columns, in order (the one list of them), then passthrough."""
+
+    id: Any = _column(None)  # the input's id type
+    sample: int = _column(pa.int32())
+    completion: str | None = _column(pa.string())
+    finish_reason: str = _column(pa.string())
+    error: str | None = _column(pa.string())
+    prompt_tokens: int = _column(pa.int32())
+    completion_tokens: int = _column(pa.int32())
+    num_preemptions: int = _column(pa.int32())
+    passthrough: dict = field(default_factory=dict)  # input columns copied as they are
+
+
+OUTPUT_COLUMNS = [f.name for f in fields(OutputRow) if "arrow" in f.metadata]
 
 
 def output_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schema:
-    return pa.schema(
-        [
-            pa.field("id", id_type),
-            pa.field("sample", pa.int32()),
-            pa.field("completion", pa.string()),
-            pa.field("finish_reason", pa.string()),
-            pa.field("error", pa.string()),
-            pa.field("prompt_tokens", pa.int32()),
-            pa.field("completion_tokens", pa.int32()),
-            pa.field("num_preemptions", pa.int32()),
-            *passthrough,
-        ]
-    )
+    own = [
+        pa.field(f.name, f.metadata["arrow"] or id_type) for f in fields(OutputRow) if "arrow" in f.metadata
+    ]
+    return pa.schema([*own, *passthrough])
 
 
 def existing_parts(out_dir: Path) -> list[Path]:
@@ -143,14 +145,8 @@ class PartWriter:
             return
         cols: dict[str, list] = {f.name: [] for f in self.schema}
         for r in self.buffer:
-            cols["id"].append(r.id)
-            cols["sample"].append(r.sample)
-            cols["completion"].append(r.completion)
-            cols["finish_reason"].append(r.finish_reason)
-            cols["error"].append(r.error)
-            cols["prompt_tokens"].append(r.prompt_tokens)
-            cols["completion_tokens"].append(r.completion_tokens)
-            cols["num_preemptions"].append(r.num_preemptions)
+            for name in OUTPUT_COLUMNS:
+                cols[name].append(getattr(r, name))
             for k, v in r.passthrough.items():
                 cols[k].append(v)
         table = pa.table(cols, schema=self.schema)
@@ -161,3 +157,53 @@ class PartWriter:
         self.num_parts += 1
         self.rows_written += len(self.buffer)
         self.buffer = []
+
+
+class OutputSink:
+    """The completions directory of one shard of a job: which (id, sample) pairs are done already, and the
+    part writer for the rows that finish. Opening it checks everything a run needs of the directory (writable,
+    no parts of another job, --no-resume without --overwrite on a used directory) before any model loads."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        shard: Shard,
+        id_type: pa.DataType,
+        passthrough: list[pa.Field],
+        resume: bool = True,
+        overwrite: bool = False,
+    ):
+        src = spec.source_file
+        self.dir = spec.output_dir
+        self.fingerprint = fingerprint(spec, shard)
+        check_writable(self.dir, "output.path", src)
+        if overwrite:
+            remove_parts(self.dir)
+        if not resume and not overwrite and existing_parts(self.dir):
+            raise BadInput(
+                f"{src}: output.path {self.dir} already holds part files and --no-resume was given; use "
+                f"--overwrite to start over, or --resume to finish the job."
+            )
+        self.done: set[tuple] = done_keys(self.dir, self.fingerprint, src) if resume else set()
+        self.writer = PartWriter(
+            self.dir,
+            output_schema(id_type, passthrough),
+            self.fingerprint,
+            spec.name,
+            shard,
+            rows_per_part=spec.output.rows_per_part,
+            max_wait_s=spec.output.flush_seconds,
+        )
+
+    def is_done(self, row_id: Any, num_samples: int) -> bool:
+        return all((row_id, i) in self.done for i in range(num_samples))
+
+    def add(self, rows: list[OutputRow]) -> None:
+        self.writer.add(rows)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    @property
+    def rows_written(self) -> int:
+        return self.writer.rows_written

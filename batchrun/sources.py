@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from .config import InputSpec
 from .errors import BadInput
+from .sinks import OUTPUT_COLUMNS
 
 BATCH_ROWS = 1024
 
@@ -35,6 +36,17 @@ class InputRow:
 class Shard:
     index: int = 0
     count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """'I/N' -> Shard(I, N); BadInput unless 0 <= I < N."""
+        try:
+            i, n = (int(x) for x in text.split("/"))
+        except ValueError:
+            i, n = 0, 0
+        if not 0 <= i < n:
+            raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.")
+        return cls(i, n)
 
     def owns(self, row_index: int) -> bool:
         return row_index % self.count == self.index
@@ -79,18 +91,8 @@ class InputSource:
                     f"{self.source}: key `{key}`: column {col!r} is not in {what}; "
                     f"its columns are: {', '.join(sorted(names))}."
                 )
-        reserved = {
-            "sample",
-            "completion",
-            "finish_reason",
-            "error",
-            "prompt_tokens",
-            "completion_tokens",
-            "num_preemptions",
-            "id",
-        }
         for i, col in enumerate(self.spec.passthrough):
-            if col in reserved and col != self.spec.id_column:
+            if col in OUTPUT_COLUMNS and col != self.spec.id_column:
                 raise BadInput(
                     f"{self.source}: key `input.passthrough[{i}]`: column {col!r} clashes with an output "
                     f"column of the same name; rename it in the input."
@@ -131,6 +133,19 @@ class InputSource:
                         passthrough={c: data[c][j] for c in self.spec.passthrough},
                     )
                 index += 1
+
+    def check_unique_ids(self, limit: int | None = None) -> None:
+        """Ids must be unique: outputs and resume are keyed on (id, sample). Reads the id column only."""
+        if not self.spec.id_column:
+            return
+        seen: set = set()
+        for index, row_id in enumerate(self.ids(limit)):
+            if row_id in seen:
+                raise BadInput(
+                    f"{self.source}: key `input.id_column`: id {row_id!r} appears more than once (row "
+                    f"{index}); ids must be unique, since outputs and resume are keyed on (id, sample)."
+                )
+            seen.add(row_id)
 
     def ids(self, limit: int | None = None) -> Iterator[Any]:
         """The id column alone, in input order (for the duplicate check)."""

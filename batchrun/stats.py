@@ -1,7 +1,9 @@
 """Memory statistics: one snapshot per engine step, the job summary, and `stats.parquet`.
 
-Definitions follow DESIGN.md ("Statistics"). A snapshot is taken after the step's forward pass; P is the page
-size; sums run over the sequences holding accelerator pages (`num_running`).
+Definitions are the README's ("Outputs", statistics). A snapshot is taken after the step's forward pass from
+the engine's `memory_snapshot()`; P is the page size; sums run over the sequences holding accelerator pages
+(`num_running`). `COLUMNS` and `SUMMARY_KEYS` are the one list of each: the writer, `batchrun stats` and the
+README's lists (checked by a test) follow them.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .engine.engine import Engine, StepResult
+from .engine import Engine, StepResult
 
 SUMMARY_KEY = b"batchrun.summary"
 
@@ -46,62 +48,88 @@ COLUMNS = [
     "cow_copies",
     "generated_tokens",
 ]
+FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
+
+# Every key of the summary, and how `batchrun stats DIR` combines the shards' values: "sum"; "max"; "mean"
+# (weighted by steps); "rate" (the summed tokens over the longest wall time); "first" (the same for every shard).
+SUMMARY_KEYS = {
+    "wall_s": "max",
+    "rows": "sum",
+    "steps": "sum",
+    "prompt_tokens": "sum",
+    "prompt_tokens_computed": "sum",
+    "generated_tokens": "sum",
+    "prompt_tokens_per_s": "rate",
+    "generated_tokens_per_s": "rate",
+    "peak_running": "sum",
+    "mean_running": "mean",
+    "kv_utilization_mean": "mean",
+    "kv_utilization_peak": "max",
+    "internal_fragmentation_mean": "mean",
+    "external_fragmentation_max": "max",
+    "duplication_saved_peak": "max",
+    "prefix_query_tokens": "sum",
+    "prefix_hit_tokens": "sum",
+    "cow_copies": "sum",
+    "preemptions": "sum",
+    "recomputations": "sum",
+    "swap_out_pages": "sum",
+    "swap_in_pages": "sum",
+    "swap_out_bytes": "sum",
+    "swap_in_bytes": "sum",
+    "contiguous_utilization_mean": "mean",
+    "contiguous_max_concurrency": "sum",
+    "page_size": "first",
+    "pages_total": "sum",
+    "peak_pages_used": "sum",
+    "bytes_per_page": "first",
+}
 
 
-def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float) -> dict:
-    """The statistics row for the state right after a step (DESIGN.md definitions)."""
-    bm = engine.block_manager
-    P = bm.page_size
-    running = engine.scheduler.running
-    filled: dict[int, int] = {}  # physical page -> computed tokens in it (each physical slot once)
-    held: set[int] = (
-        set()
-    )  # physical pages in use: the running sequences' pages (swapped ones hold CPU pages)
-    logical_pages = 0
-    reserved = 0
-    cached_per_seq = 0
-    for seq in running:
-        logical_pages += len(seq.block_table)
-        held.update(seq.block_table)
-        for i, page in enumerate(seq.block_table):
-            n = min(max(seq.num_computed_tokens - i * P, 0), P)
-            if n > filled.get(page, 0):
-                filled[page] = n
-        cached_per_seq += seq.num_computed_tokens
-        reserved += row_reservation(engine, seq)
-    pages_used = len(held)
-    pages_free = bm.num_pages - pages_used
-    allocatable = (
-        bm.num_free_pages
-    )  # pages on the allocator's free lists: counted apart from the block tables
-    tokens_stored = sum(filled.values())
+def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, recount: bool = False) -> dict:
+    """The statistics row for the state right after a step (README definitions). `recount`: also recount
+    every statistic slot by slot and fail on a mismatch (BATCHRUN_DEBUG_STATS=1)."""
+    m = engine.memory_snapshot()
+    if recount:
+        check_snapshot(engine, m)
     plan = step.plan
     return {
         "step": step_index,
         "time_s": time_s,
-        "num_running": len(running),
-        "num_waiting": len(engine.scheduler.waiting),
-        "num_swapped": len(engine.scheduler.swapped),
+        "num_running": m.num_running,
+        "num_waiting": m.num_waiting,
+        "num_swapped": m.num_swapped,
         "batch_tokens": plan.num_batched_tokens,
-        "pages_total": bm.num_pages,
-        "pages_used": pages_used,
-        "pages_free": pages_free,
-        "tokens_stored": tokens_stored,
-        "slots_allocated": pages_used * P,
-        "internal_waste_slots": pages_used * P - tokens_stored,
-        "logical_pages": logical_pages,
-        "shared_pages_saved": logical_pages - pages_used,
+        "pages_total": m.pages_total,
+        "pages_used": m.pages_used,
+        "pages_free": m.pages_free,
+        "tokens_stored": m.tokens_stored,
+        "slots_allocated": m.slots_allocated,
+        "internal_waste_slots": m.internal_waste_slots,
+        "logical_pages": m.logical_pages,
+        "shared_pages_saved": m.shared_pages_saved,
         "swap_out_pages": len(plan.swap_out),
         "swap_in_pages": len(plan.swap_in),
         "preemptions": len(plan.preempted),
         "recomputations": len(plan.recomputed),
-        "reserved_slots_contiguous": reserved,
-        "tokens_cached_per_sequence": cached_per_seq,
-        "external_fragmentation": (pages_free - allocatable) / pages_free if pages_free else 0.0,
-        "prefix_hit_tokens": bm.prefix_hit_tokens,
-        "cow_copies": bm.num_cow_copies,
+        "reserved_slots_contiguous": m.reserved_slots_contiguous,
+        "tokens_cached_per_sequence": m.tokens_cached_per_sequence,
+        "external_fragmentation": m.external_fragmentation,
+        "prefix_hit_tokens": m.prefix_hit_tokens,
+        "cow_copies": m.cow_copies,
         "generated_tokens": step.num_generated,
     }
+
+
+def check_snapshot(engine: Engine, counted) -> None:
+    """Debug mode: the brute-force recount must equal the count from the block tables, field for field."""
+    recounted = engine.memory_snapshot(recount=True)
+    for key, value in asdict(recounted).items():
+        assert getattr(counted, key) == value, (
+            f"stat {key}: snapshot {getattr(counted, key)} != recount {value}"
+        )
+    assert 0 <= counted.internal_waste_slots <= counted.slots_allocated
+    engine.check_integrity()
 
 
 @dataclass
@@ -138,12 +166,14 @@ class StatsCollector:
         self,
         path: Path | None,
         engine: Engine,
+        extra: dict | None = None,
         min_interval_s: float = 0.1,
         refresh_s: float = 10.0,
         debug_recount: bool = False,
     ):
         self.path = Path(path) if path else None
         self.engine = engine
+        self.extra = dict(extra or {})  # facts about the run (job, device, dtype...) added to the summary
         self.min_interval_s = min_interval_s
         self.refresh_s = refresh_s
         self.debug_recount = debug_recount or os.environ.get("BATCHRUN_DEBUG_STATS") == "1"
@@ -158,22 +188,19 @@ class StatsCollector:
         self.prompt_tokens = 0  # prompt tokens of the rows finished
         self.prompt_tokens_computed = 0  # prefix-cache hits excluded, recomputation included
         self.generated_tokens = 0
-        self.extra: dict = {}
 
     def record(self, step: StepResult) -> dict:
         now = time.perf_counter() - self.start
-        row = snapshot(self.engine, step, self.step_index, now)
-        if self.debug_recount:
-            check_snapshot(self.engine, row)
+        row = snapshot(self.engine, step, self.step_index, now, recount=self.debug_recount)
         self.step_index += 1
         self.generated_tokens += step.num_generated
         self.prompt_tokens_computed += step.num_prompt_tokens
         self.prompt_tokens += sum(s.num_prompt_tokens for s in step.finished if s.sample_index == 0)
         self._aggregate(row)
-        for seq in self.engine.scheduler.running:
+        for seq in self.engine.running_sequences():
             if seq.seq_id not in self.agg.seen_reservations:
                 self.agg.seen_reservations.add(seq.seq_id)
-                self.agg.reservation_sum += row_reservation(self.engine, seq)
+                self.agg.reservation_sum += self.engine.reservation(seq)
                 self.agg.reservation_n += 1
         if not self.rows or row["preemptions"] or now - self._last_kept >= self.min_interval_s:
             self.rows.append(row)
@@ -211,9 +238,9 @@ class StatsCollector:
     def summary(self) -> dict:
         a = self.agg
         wall = time.perf_counter() - self.start
-        bm = self.engine.block_manager
+        m = self.engine.memory_snapshot()
         bytes_per_page = self.engine.kv_shape.bytes_per_page
-        total_slots = bm.num_pages * bm.page_size
+        total_slots = m.pages_total * m.page_size
         mean_reservation = a.reservation_sum / a.reservation_n if a.reservation_n else 0
         s = {
             "wall_s": wall,
@@ -231,9 +258,9 @@ class StatsCollector:
             "internal_fragmentation_mean": a.frag_sum / a.util_n if a.util_n else 0.0,
             "external_fragmentation_max": a.ext_frag_max,
             "duplication_saved_peak": a.dup_peak,
-            "prefix_query_tokens": bm.prefix_query_tokens,
-            "prefix_hit_tokens": bm.prefix_hit_tokens,
-            "cow_copies": bm.num_cow_copies,
+            "prefix_query_tokens": m.prefix_query_tokens,
+            "prefix_hit_tokens": m.prefix_hit_tokens,
+            "cow_copies": m.cow_copies,
             "preemptions": a.preemptions,
             "recomputations": a.recomputations,
             "swap_out_pages": a.swap_out_pages,
@@ -242,11 +269,12 @@ class StatsCollector:
             "swap_in_bytes": a.swap_in_pages * bytes_per_page,
             "contiguous_utilization_mean": a.contig_util_sum / a.contig_util_n if a.contig_util_n else 0.0,
             "contiguous_max_concurrency": int(total_slots // mean_reservation) if mean_reservation else 0,
-            "page_size": bm.page_size,
-            "pages_total": bm.num_pages,
+            "page_size": m.page_size,
+            "pages_total": m.pages_total,
             "peak_pages_used": a.peak_pages_used,
             "bytes_per_page": bytes_per_page,
         }
+        assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
         s.update(self.extra)
         return s
 
@@ -258,49 +286,12 @@ class StatsCollector:
         self._last_write = time.perf_counter()
 
 
-def row_reservation(engine: Engine, seq) -> int:
-    return min(seq.num_prompt_tokens + seq.params.max_new_tokens, engine.config.max_model_len)
-
-
-def check_snapshot(engine: Engine, row: dict) -> None:
-    """Debug mode: recount every statistic by brute force, slot by slot, and compare with the snapshot."""
-    bm = engine.block_manager
-    P = bm.page_size
-    running = engine.scheduler.running
-    slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
-    for seq in running:
-        for pos in range(seq.num_computed_tokens):
-            slot_holds_token[seq.block_table[pos // P]][pos % P] = True
-    holders: dict[int, int] = {}
-    for seq in running:
-        for page in seq.block_table:
-            holders[page] = holders.get(page, 0) + 1
-    used = len(holders)
-    stored = sum(sum(slots) for slots in slot_holds_token)
-    expected = {
-        "pages_used": used,
-        "pages_free": bm.num_pages - used,
-        "tokens_stored": stored,
-        "slots_allocated": used * P,
-        "internal_waste_slots": used * P - stored,
-        "logical_pages": sum(holders.values()),
-        "shared_pages_saved": sum(holders.values()) - used,
-        "num_running": len(running),
-        "tokens_cached_per_sequence": sum(s.num_computed_tokens for s in running),
-        "reserved_slots_contiguous": sum(row_reservation(engine, s) for s in running),
-    }
-    for key, value in expected.items():
-        assert row[key] == value, f"stat {key}: snapshot {row[key]} != recount {value}"
-    assert 0 <= row["internal_waste_slots"] <= row["slots_allocated"]
-    bm.check_integrity(engine.scheduler.live_sequences())
-
-
 def write_stats(path: Path, rows: list[dict], summary: dict) -> None:
     """Write rows + summary (JSON in key-value metadata) to a temporary name, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = {c: [r[c] for r in rows] for c in COLUMNS}
     schema = pa.schema(
-        [(c, pa.float64() if c in ("time_s", "external_fragmentation") else pa.int64()) for c in COLUMNS],
+        [(c, pa.float64() if c in FLOAT_COLUMNS else pa.int64()) for c in COLUMNS],
         metadata={SUMMARY_KEY: json.dumps(summary).encode()},
     )
     table = pa.table(columns, schema=schema)

@@ -47,7 +47,7 @@ def copy_bandwidth() -> float:
 
 
 def time_decode(batch: int, ctx: int, bw: float) -> dict:
-    from batchrun_kernels import paged_attention
+    from batchrun_kernels import paged_attention, plan_query_blocks
 
     Hq, Hkv, D, P = 32, 8, 128, 16
     dtype = torch.bfloat16
@@ -61,9 +61,10 @@ def time_decode(batch: int, ctx: int, bw: float) -> dict:
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     scale = D**-0.5
+    grid = plan_query_blocks([1] * batch, Hq // Hkv, "cuda")  # built once, as the engine does per step
 
     def kernel():
-        paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, 1, ctx, out=out)
+        paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, grid, out=out)
 
     def gather_sdpa():
         k = k_cache[tables.long()].view(batch, ctx, Hkv, D).transpose(1, 2)

@@ -4,7 +4,14 @@ The folder is `kernels/` in the repository but never importable as `kernels`: tr
 of that name (Hugging Face's hub-kernels library) and would take this one for it.
 """
 
-from .paged_attention import paged_attention, write_kv_cache
+from .paged_attention import QueryBlocks, paged_attention, plan_query_blocks, write_kv_cache
 from .reference import ref_paged_attention, ref_write_kv_cache
 
-__all__ = ["paged_attention", "write_kv_cache", "ref_paged_attention", "ref_write_kv_cache"]
+__all__ = [
+    "QueryBlocks",
+    "plan_query_blocks",
+    "paged_attention",
+    "write_kv_cache",
+    "ref_paged_attention",
+    "ref_write_kv_cache",
+]

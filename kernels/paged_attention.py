@@ -11,6 +11,7 @@ the last key its latest query may see (causal: a query at position p sees contex
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -210,14 +211,32 @@ def _paged_attention_kernel(
     )
 
 
-def query_blocks(query_start_loc: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each program along the grid's first axis: its sequence and its query block within that sequence."""
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    per_seq = (q_lens + block_q - 1) // block_q
-    seq = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), per_seq)
-    first = torch.cumsum(per_seq, 0) - per_seq
-    index = torch.arange(seq.numel(), device=q_lens.device) - torch.repeat_interleave(first, per_seq)
-    return seq.to(torch.int32), index.to(torch.int32)
+@dataclass(frozen=True)
+class QueryBlocks:
+    """The attention grid's first axis, built on the host once per step: program i takes query block
+    `index_of_block[i]` (of BLOCK_Q tokens) of sequence `seq_of_block[i]`."""
+
+    seq_of_block: torch.Tensor  # [num programs] int32
+    index_of_block: torch.Tensor  # [num programs] int32
+    block_m: int  # rows of a program: BLOCK_Q query tokens x GQA heads
+    block_q: int
+
+
+def plan_query_blocks(query_lens: list[int], gqa: int, device: torch.device | str) -> QueryBlocks:
+    """The grid mapping for sequences with `query_lens` query tokens each, from host integers (no device sync)."""
+    # rows of a program: BLOCK_Q query tokens x GQA heads, at least 16 (tl.dot's minimum on NVIDIA GPUs)
+    block_m = max(16, triton.next_power_of_2(gqa))
+    if max(query_lens, default=1) * gqa > 16:
+        block_m = max(block_m, 64)
+    block_q = max(1, block_m // gqa)
+    seq_of_block: list[int] = []
+    index_of_block: list[int] = []
+    for s, n in enumerate(query_lens):
+        blocks = triton.cdiv(n, block_q)
+        seq_of_block += [s] * blocks
+        index_of_block += range(blocks)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
+    return QueryBlocks(as_tensor(seq_of_block), as_tensor(index_of_block), block_m, block_q)
 
 
 def paged_attention(
@@ -228,15 +247,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
+    query_blocks: QueryBlocks | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's pages; returns [T, Hq, D].
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]: the last tokens of its seq_lens[s]-token
     context, whose K/V (new tokens included) are already in k_cache/v_cache [num_pages, page_size, Hkv, D] at the
-    pages block_tables[s] lists in order.
+    pages block_tables[s] lists in order. `query_blocks`: the grid mapping (plan_query_blocks), built once per
+    step by the caller; without it the launcher builds it here, reading the query lengths back from the device.
     """
     T, num_heads, head_dim = query.shape
     num_pages, page_size, num_kv_heads, head_dim_k = k_cache.shape
@@ -262,16 +281,11 @@ def paged_attention(
     if T == 0:
         return out
     gqa = num_heads // num_kv_heads
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    # rows of a program: BLOCK_Q query tokens x GQA heads, at least 16 (tl.dot's minimum on NVIDIA GPUs)
-    block_m = max(16, triton.next_power_of_2(gqa))
-    if max_query_len * gqa > 16:
-        block_m = max(block_m, 64)
-    block_q = block_m // gqa
+    if query_blocks is None:
+        query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+        query_blocks = plan_query_blocks(query_lens, gqa, query.device)
     block_n = max(page_size, 16)
-    seq_of_block, index_of_block = query_blocks(query_start_loc, block_q)
-    grid = (seq_of_block.numel(), num_kv_heads)
+    grid = (query_blocks.seq_of_block.numel(), num_kv_heads)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -280,8 +294,8 @@ def paged_attention(
         block_tables,
         query_start_loc,
         seq_lens,
-        seq_of_block,
-        index_of_block,
+        query_blocks.seq_of_block,
+        query_blocks.index_of_block,
         scale,
         *query.stride()[:2],  # token, head
         *out.stride()[:2],
@@ -291,8 +305,8 @@ def paged_attention(
         GQA=gqa,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
+        BLOCK_Q=query_blocks.block_q,
+        BLOCK_M=query_blocks.block_m,
         BLOCK_N=block_n,
         UPCAST=INTERPRETING or query.dtype == torch.float32,
         IEEE=query.dtype == torch.float32,

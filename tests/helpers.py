@@ -23,24 +23,29 @@ def chat_ids(tok, text: str, system: str | None = None) -> list[int]:
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
-def make_engine(tok_model, **overrides):
+def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192, **overrides):
+    """An engine on the CPU with the torch backend; `overrides` are EngineConfig keys (the job's engine:)."""
     from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine.kv_cache import KVCacheShape
     from batchrun.model_loader import eos_token_ids
 
     tok, model = tok_model
     cfg = dict(
+        device="cpu",
         num_pages=1024,
         page_size=16,
-        num_cpu_pages=1024,
         max_num_seqs=64,
         max_num_batched_tokens=4096,
         prefix_sharing=True,
         preemption="swap",
         attention="torch",
-        max_model_len=8192,
     )
     cfg.update(overrides)
-    return Engine(model, tok, EngineConfig(**cfg), torch.device("cpu"), eos_token_ids(tok, model))
+    shape = KVCacheShape.of_model(model.config, cfg["page_size"], next(model.parameters()).dtype)
+    cfg["swap_space"] = num_cpu_pages * shape.bytes_per_page
+    return Engine(
+        model, tok, EngineConfig(**cfg), torch.device("cpu"), eos_token_ids(tok, model), max_model_len
+    )
 
 
 def run_engine(engine, prompts, params, seeds=None, on_step=None):
@@ -58,6 +63,20 @@ def run_engine(engine, prompts, params, seeds=None, on_step=None):
             by_request[s.request].append(s)
     assert all(len(v) == params.n for v in by_request.values())
     return [sorted(by_request[i], key=lambda s: s.sample_index) for i in range(len(prompts))], steps
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The reference: Hugging Face `generate`, greedy, fp32, stock attention, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref.eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :]
+            out.append(ids.tolist())
+    return out
 
 
 def write_prompts(path: Path, prompts: list, ids: list | None = None, extra: dict | None = None) -> Path:

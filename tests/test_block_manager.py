@@ -4,8 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.scheduler import Scheduler, SchedulerConfig
-from batchrun.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import Sequence
 
 
 def seq(i, tokens, max_new=8, n=1):
@@ -30,7 +31,7 @@ def test_allocate_free_roundtrip_and_lru_order():
     b = seq(1, list(range(8)) + [99, 98])
     assert bm.num_new_pages_for_admission(b) == 3
     bm.allocate_sequence(b, 100)
-    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
+    assert b.num_computed_tokens == 8 and bm.prefix_hit_tokens == 8
     # uncached pages are handed out before cached ones
     c = seq(2, range(100, 120))
     bm.allocate_sequence(c, 100)
@@ -56,7 +57,7 @@ def test_last_prompt_token_is_always_computed():
     bm.register_full_pages(a, a.num_computed_tokens)
     b = seq(1, range(8))
     bm.allocate_sequence(b, 100)
-    assert b.num_cached_tokens == 4 and b.num_uncomputed_tokens == 4
+    assert b.num_computed_tokens == 4 and b.num_uncomputed_tokens == 4
 
 
 def test_fork_shares_pages_and_copy_on_write():
@@ -196,20 +197,20 @@ def test_scheduler_never_deadlocks_or_leaks(
     biggest = max(-(-(p + m) // page_size) * n for p, m, n in lengths)
     bm = BlockManager(biggest + extra_pages, page_size, cpu_pages, prefix_sharing=sharing)
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption=preemption), bm
+        EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption=preemption), bm
     )
     for i, (p, m, n) in enumerate(lengths):
         sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
     done = drive(sched)
     assert len(done) == sum(n for _, _, n in lengths)
-    assert all(s.status is SequenceStatus.FINISHED for s in done)
+    assert all(not s.block_table and not s.cpu_block_table for s in done)
     bm.check_integrity([])
     assert bm.num_free_pages == bm.num_pages and bm.num_free_cpu_pages == cpu_pages
 
 
 def test_scheduler_preempts_under_pressure_and_swaps_back():
     bm = BlockManager(12, 4, num_cpu_pages=40)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), bm)
+    sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), bm)
     for i in range(6):
         sched.add(seq(i, [i] * 6, max_new=20))
     preempted, swapped_in = 0, 0
@@ -226,3 +227,25 @@ def test_scheduler_preempts_under_pressure_and_swaps_back():
     done = drive(sched)
     assert len(done) == 6 and preempted > 0 and swapped_in > 0
     assert all(s.num_preemptions >= 0 for s in done) and sum(s.num_preemptions for s in done) == preempted
+
+
+def test_abort_all_frees_running_swapped_and_waiting():
+    bm = BlockManager(12, 4, num_cpu_pages=40)
+    sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), bm)
+    for i in range(8):
+        sched.add(seq(i, [i] * 6, max_new=20))
+    swapped_seen = False
+    for _ in range(40):  # until some are running and some swapped out
+        plan = sched.schedule()
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.seq.append_token(7)
+        swapped_seen = bool(sched.swapped and sched.running)
+        if swapped_seen:
+            break
+    assert swapped_seen, "the workload should leave sequences swapped out next to running ones"
+    sched.abort_all()
+    assert not sched.has_unfinished()
+    bm.check_integrity([])
+    assert bm.num_free_pages == 12 and bm.num_free_cpu_pages == 40

@@ -1,22 +1,8 @@
 """The paged engine against Hugging Face `generate`, and seeded sampling independent of batch-mates."""
 
-import torch
-from helpers import make_engine, run_engine
+from helpers import hf_greedy, make_engine, run_engine
 
 from batchrun.engine import SamplingParams
-
-
-def hf_greedy(model_dir, prompts, max_new_tokens):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # stock attention
-    ref.eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :]
-            out.append(ids.tolist())
-    return out
 
 
 def test_prompt_lengths_cover_the_required_range(chat_prompts):
@@ -34,8 +20,8 @@ def test_greedy_equals_hf_generate_token_for_token(tok_model, model_dir, chat_pr
     assert any(s.plan.num_batched_tokens == 512 for s in steps), "chunked prefill was not exercised"
     mixed = [s for s in steps if {x.num_new_tokens == 1 for x in s.plan.scheduled} == {True, False}]
     assert mixed, "no step mixed prefill and decode"
-    engine.block_manager.check_integrity(engine.live_sequences())
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    engine.check_integrity()
+    assert engine.num_used_pages == 0
 
 
 def test_seeded_sample_is_the_same_alone_and_in_a_batch(tok_model, chat_prompts):
@@ -54,8 +40,8 @@ def test_no_step_uses_more_pages_than_exist(tok_model, chat_prompts):
     engine = make_engine(tok_model, num_pages=48, max_num_batched_tokens=1024)
 
     def check(eng, result):
-        bm = eng.block_manager
-        assert 0 <= bm.num_used_pages <= bm.num_pages
-        assert sum(len(s.block_table) for s in eng.scheduler.running) >= bm.num_used_pages
+        snap = eng.memory_snapshot()
+        assert 0 <= eng.num_used_pages == snap.pages_used <= eng.num_pages
+        assert snap.logical_pages >= snap.pages_used
 
     run_engine(engine, chat_prompts[:10], SamplingParams(max_new_tokens=20), on_step=check)

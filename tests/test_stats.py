@@ -11,7 +11,7 @@ from batchrun.job import Job
 from batchrun.simulate import Request, _Contiguous, _Paged, simulate_one
 from batchrun.stats import COLUMNS, read_summary
 
-DESIGN_SUMMARY_KEYS = [
+CONTRACT_SUMMARY_KEYS = [
     "wall_s",
     "rows",
     "prompt_tokens",
@@ -69,7 +69,7 @@ def test_stats_file_has_every_column_and_summary_key(stats_job):
     table = pq.read_table(path)
     assert set(COLUMNS) <= set(table.column_names)
     stored = read_summary(path)
-    for key in DESIGN_SUMMARY_KEYS:
+    for key in CONTRACT_SUMMARY_KEYS:
         assert key in stored, key
     assert stored["rows"] == 40 and stored["generated_tokens"] == summary["generated_tokens"]
     assert stored["preemptions"] > 0, "60 pages should force preemptions for this workload"

@@ -1,6 +1,20 @@
-"""The paged engine: sequence, block_manager, scheduler, kv_cache, model_runner, engine."""
+"""The paged engine: sequence, block_manager, scheduler, kv_cache, model_runner, attention, sampler, engine.
 
-from .engine import Engine, EngineConfig, StepResult
-from .sequence import SamplingParams, Sequence
+Names are imported on first use: the job-file parser needs `config` alone, without torch.
+"""
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "StepResult"]
+from .. import lazy_exports
+
+_EXPORTS = {
+    "Engine": ".engine",
+    "StepResult": ".engine",
+    "EngineConfig": ".config",
+    "SamplingParams": ".config",
+    "MemorySnapshot": ".memory",
+    "Sequence": ".sequence",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -3,19 +3,35 @@
 The model runs on one packed row of every token scheduled this step. `transformers` calls the function
 registered here once per layer, with q [1, Hq, T, D] and k/v [1, Hkv, T, D] after RoPE; the step's
 `AttentionMetadata` arrives as the `batchrun_attn` keyword. The function writes the new K/V into their page
-slots (slot mapping) and attends through the block tables, with one of two backends:
-- `torch`: gathers each group's pages into a padded batch and calls SDPA (the CPU default);
-- `triton`: the paged kernels in `batchrun_kernels`, which read K/V straight from the pages.
+slots (slot mapping) and attends through the block tables, with one of two backends, each an object chosen once
+per engine (`make_backend`):
+- `TorchAttention`: gathers each group's pages into a padded batch and calls SDPA (the CPU default);
+- `TritonAttention`: the paged kernels in `batchrun_kernels`, which read K/V straight from the pages.
+A backend builds its metadata once per step, before the forward (`prepare`, from host integers: nothing in
+the forward waits on the device to learn a shape), and every layer runs from it (`forward`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .block_manager import cdiv
+
 ATTENTION_NAME = "batchrun_paged"
+
+
+@dataclass
+class StepLayout:
+    """What every backend builds its metadata from: one entry per scheduled sequence, in packed order."""
+
+    query_lens: list[int]  # tokens computed for it this step
+    context_lens: list[int]  # its context after this step (new tokens included)
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
 
 
 @dataclass
@@ -58,17 +74,19 @@ class Workspace:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
-    query_start_loc: torch.Tensor  # [S + 1] int32: packed offsets of each sequence's query tokens
-    seq_lens: torch.Tensor  # [S] int32: context length of each sequence after this step
-    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
-    max_query_len: int
+    """One step's attention inputs, shared by every layer; `backend` runs them."""
+
+    backend: Any  # TorchAttention | TritonAttention
+    kv_cache: Any  # KVCache
+    slot_mapping: torch.Tensor  # [T] int64
     max_seq_len: int
-    kv_cache: object = None  # KVCache
-    backend: str = "torch"
-    decode: list[DecodeBatch] = field(default_factory=list)  # torch backend
-    prefills: list[PrefillSequence] = field(default_factory=list)  # torch backend
-    workspace: Workspace | None = None
+    plan: Any  # the backend's own per-step data: TorchPlan | TritonPlan
+
+
+@dataclass
+class TorchPlan:
+    decode: list[DecodeBatch]
+    prefills: list[PrefillSequence]
 
 
 def build_torch_plan(
@@ -88,7 +106,7 @@ def build_torch_plan(
         else:
             pages = mask = None
             if c > q:  # earlier tokens are in the cache: read them through the block table
-                num_blocks = -(-c // page_size)
+                num_blocks = cdiv(c, page_size)
                 pages = torch.tensor(block_tables[i][:num_blocks], device=device)
                 key_pos = torch.arange(num_blocks * page_size, device=device)
                 query_pos = torch.arange(c - q, c, device=device)
@@ -110,8 +128,8 @@ def _buckets_by_length(
     ordered = sorted(rows, key=lambda r: context_lens[r[1]], reverse=True)
     buckets: list[list[tuple[int, int]]] = []
     for r in ordered:
-        blocks = -(-context_lens[r[1]] // page_size)
-        if buckets and blocks >= slack * -(-context_lens[buckets[-1][0][1]] // page_size):
+        blocks = cdiv(context_lens[r[1]], page_size)
+        if buckets and blocks >= slack * cdiv(context_lens[buckets[-1][0][1]], page_size):
             buckets[-1].append(r)
         elif buckets and len(buckets) >= 6:
             buckets[-1].append(r)
@@ -127,7 +145,7 @@ def _decode_batch(
     page_size: int,
     device: torch.device,
 ) -> DecodeBatch:
-    num_blocks = max(-(-context_lens[i] // page_size) for _, i in rows)
+    num_blocks = max(cdiv(context_lens[i], page_size) for _, i in rows)
     flat = []
     for _, i in rows:
         bt = block_tables[i][:num_blocks]
@@ -227,27 +245,93 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
-    if meta.backend == "triton":
-        from batchrun_kernels import paged_attention, write_kv_cache
+    out = meta.backend.forward(meta, q, k, v, k_cache, v_cache, scale)
+    return out[None], None
 
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(
+
+class TorchAttention:
+    """Pages gathered into a reused workspace per decode group, then SDPA; prompts attend on their own K/V."""
+
+    name = "torch"
+
+    def __init__(self, page_size: int, device: torch.device):
+        self.page_size = page_size
+        self.device = device
+        self.workspace = Workspace()
+
+    def prepare(self, layout: StepLayout) -> TorchPlan:
+        decode, prefills = build_torch_plan(
+            layout.query_lens, layout.context_lens, layout.block_tables, self.page_size, self.device
+        )
+        return TorchPlan(decode, prefills)
+
+    def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan: TorchPlan = meta.plan
+        return torch_paged_attention(
+            q, k, v, k_cache, v_cache, plan.decode, plan.prefills, scale, self.workspace
+        )
+
+
+@dataclass
+class TritonPlan:
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    query_start_loc: torch.Tensor  # [S + 1] int32: packed offsets of each sequence's query tokens
+    seq_lens: torch.Tensor  # [S] int32
+    query_blocks: Any  # batchrun_kernels.QueryBlocks: the grid mapping
+
+
+class TritonAttention:
+    """The paged Triton kernels: K/V written and read in place; the grid mapping built once per step."""
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, device: torch.device):
+        import batchrun_kernels
+
+        self.kernels = batchrun_kernels
+        self.gqa = num_heads // num_kv_heads
+        self.device = device
+
+    def prepare(self, layout: StepLayout) -> TritonPlan:
+        dev = self.device
+        max_blocks = max(len(t) for t in layout.block_tables)
+        query_start = [0]
+        for n in layout.query_lens:
+            query_start.append(query_start[-1] + n)
+        return TritonPlan(
+            block_tables=torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in layout.block_tables], dtype=torch.int32, device=dev
+            ),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(layout.context_lens, dtype=torch.int32, device=dev),
+            query_blocks=self.kernels.plan_query_blocks(layout.query_lens, self.gqa, dev),
+        )
+
+    def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        plan: TritonPlan = meta.plan
+        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.kernels.paged_attention(
             q.contiguous(),
             k_cache,
             v_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
+            plan.block_tables,
+            plan.query_start_loc,
+            plan.seq_lens,
             scale,
-            meta.max_query_len,
-            meta.max_seq_len,
+            plan.query_blocks,
         )
-    else:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch_paged_attention(
-            q, k, v, k_cache, v_cache, meta.decode, meta.prefills, scale, meta.workspace
-        )
-    return out[None], None
+
+
+def make_backend(name: str, model_config: Any, page_size: int, device: torch.device):
+    """The attention backend for `engine.attention` (auto: triton on CUDA, torch elsewhere), chosen once."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        num_heads = model_config.num_attention_heads
+        num_kv_heads = getattr(model_config, "num_key_value_heads", None) or num_heads
+        return TritonAttention(num_heads, num_kv_heads, device)
+    return TorchAttention(page_size, device)
 
 
 def register() -> None:

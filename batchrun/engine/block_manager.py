@@ -21,6 +21,11 @@ class PageCopy(NamedTuple):
     dst: int
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the pages that `a` tokens fill at `b` tokens a page."""
+    return -(-a // b)
+
+
 def chain_hash(prev_hash: int | None, tokens: Iterable[int]) -> int:
     """Hash of a full page, chained over every token before it (through prev_hash) and in it."""
     return hash((prev_hash, tuple(tokens)))
@@ -93,7 +98,7 @@ class BlockManager:
 
     # ---- sequences ----------------------------------------------------------------------------------------
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Cached pages (and their hashes) that hold a prefix of seq's tokens. The last token is never matched:
@@ -136,10 +141,9 @@ class BlockManager:
             self.acquire_page(p)
         seq.block_table = list(pages)
         seq.block_hashes = list(hashes)
-        seq.num_cached_tokens = len(pages) * self.page_size
-        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_computed_tokens = len(pages) * self.page_size
         self.prefix_query_tokens += seq.num_tokens
-        self.prefix_hit_tokens += seq.num_cached_tokens
+        self.prefix_hit_tokens += seq.num_computed_tokens
         n = min(max_new_tokens, seq.num_uncomputed_tokens)
         cow = self.grow(seq, n)
         assert cow is None, "a new sequence never writes into a shared page"
@@ -248,6 +252,14 @@ class BlockManager:
                 i = len(seq.block_hashes) - 1
                 self.page_tokens[page] = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
         return copies
+
+    def free_cpu_pages(self, seq: Sequence) -> None:
+        """Drop a swapped sequence's CPU pages (an aborted request)."""
+        for cpu_page in seq.cpu_block_table:
+            self.cpu_ref_count[cpu_page] = 0
+            self._cpu_free.append(cpu_page)
+        seq.cpu_block_table = []
+        seq.block_hashes = []
 
     # ---- checks ----------------------------------------------------------------------------------------------
     def check_integrity(self, sequences: Iterable[Sequence] = ()) -> None:

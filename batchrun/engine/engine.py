@@ -1,32 +1,33 @@
-"""The step loop: schedule, move pages, run the model, sample, finish sequences."""
+"""The step loop: schedule, move pages, run the model, sample, finish sequences.
+
+`Engine` is the engine's public face: the job runner, the statistics and the Python API add prompts, step,
+read queue sizes and memory snapshots, and check integrity through it; nothing outside `engine/` touches the
+scheduler or the block manager.
+"""
 
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..checks import parse_size
+from ..errors import BadInput
+from . import memory
+from .attention import make_backend
 from .block_manager import BlockManager
+from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, KVCacheShape
+from .memory import MemorySnapshot
 from .model_runner import ModelRunner
 from .sampler import sample
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import SamplingParams, Sequence
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence
 
-
-@dataclass
-class EngineConfig:
-    num_pages: int
-    page_size: int = 16
-    num_cpu_pages: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    prefix_sharing: bool = True
-    preemption: str = "swap"
-    attention: str = "torch"  # torch | triton
-    max_model_len: int = 8192
+CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 
 
 @dataclass
@@ -37,7 +38,27 @@ class StepResult:
     num_prompt_tokens: int = 0  # prompt tokens computed this step (recomputed ones included)
 
 
+def available_ram() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def model_max_len(model_config) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(model_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 8192
+
+
 class Engine:
+    """A paged engine over one stock `transformers` model.
+
+    Errors in `config` that only show once the model is known (a KV budget that holds no page) raise
+    `BadInput` naming the `engine.*` key."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -45,44 +66,57 @@ class Engine:
         config: EngineConfig,
         device: torch.device,
         eos_token_ids: set[int] | None = None,
+        max_model_len: int | None = None,
     ):
         self.config = config
         self.tokenizer = tokenizer
         self.device = device
-        self.kv_shape = self.kv_shape_of(model, config.page_size)
-        self.block_manager = BlockManager(
-            config.num_pages, config.page_size, config.num_cpu_pages, config.prefix_sharing
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                preemption=config.preemption,
-                watermark_pages=max(1, config.num_pages // 100),
-            ),
-            self.block_manager,
-        )
-        self.kv_cache = KVCache(self.kv_shape, config.num_pages, config.num_cpu_pages, device)
-        self.runner = ModelRunner(model, self.kv_cache, config.page_size, config.attention, device)
         self.eos_token_ids = eos_token_ids or set()
-        self._seq_ids = itertools.count()
-        self.num_recomputations = 0
-        self.num_preemptions = 0
-
-    @staticmethod
-    def kv_shape_of(model: torch.nn.Module, page_size: int) -> KVCacheShape:
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return KVCacheShape(
-            cfg.num_hidden_layers, num_kv_heads, head_dim, page_size, next(model.parameters()).dtype
+        self.max_model_len = min(model_max_len(model.config), max_model_len or 1 << 62)
+        dtype = next(model.parameters()).dtype
+        self.kv_shape = KVCacheShape.of_model(model.config, config.page_size, dtype)
+        self.num_pages = self._num_pages()
+        num_cpu_pages = parse_size(config.swap_space) // self.kv_shape.bytes_per_page
+        self.block_manager = BlockManager(
+            self.num_pages, config.page_size, num_cpu_pages, config.prefix_sharing
         )
+        self.scheduler = Scheduler(config, self.block_manager, watermark_pages=max(1, self.num_pages // 100))
+        if self.admission_error(1, SamplingParams(max_new_tokens=1)):
+            raise BadInput(
+                f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "
+                f"sequence; give it more pages or memory."
+            )
+        self.kv_cache = KVCache(self.kv_shape, self.num_pages, num_cpu_pages, device)
+        self.attention = make_backend(config.attention, model.config, config.page_size, device)
+        self.runner = ModelRunner(model, self.kv_cache, self.attention, device)
+        self._seq_ids = itertools.count()
+
+    def _num_pages(self) -> int:
+        """`engine.num_pages`, or as many pages as `engine.kv_cache_memory` holds."""
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        mem = self.config.kv_cache_memory
+        if isinstance(mem, float | int):
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * mem)
+            else:
+                budget = int(available_ram() * CPU_KV_SHARE * mem)
+        else:
+            budget = parse_size(mem)
+        pages = budget // self.kv_shape.bytes_per_page
+        if pages < 1:
+            raise BadInput(
+                f"key `engine.kv_cache_memory`: {mem!r} leaves room for no KV page "
+                f"({self.kv_shape.bytes_per_page} bytes each); give more memory or set engine.num_pages."
+            )
+        return pages
 
     # ---- requests -------------------------------------------------------------------------------------------
     def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
         """Why a prompt can never run here, or None. Checked before a row enters the queue, so no row waits
         forever for pages that do not exist."""
-        limit = self.config.max_model_len
+        limit = self.max_model_len
         if num_prompt_tokens == 0:
             return "the prompt has no tokens"
         if num_prompt_tokens >= limit:
@@ -91,11 +125,11 @@ class Engine:
                 f"{limit} (prompt + at least one generated token)"
             )
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
-        capacity = self.config.num_pages * self.config.page_size
+        capacity = self.num_pages * self.config.page_size
         if total > capacity:
             return (
                 f"prompt of {num_prompt_tokens} tokens + {params.max_new_tokens} new tokens needs {total} KV "
-                f"slots; the whole KV cache holds {capacity} ({self.config.num_pages} pages)"
+                f"slots; the whole KV cache holds {capacity} ({self.num_pages} pages)"
             )
         return None
 
@@ -125,12 +159,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_all(self) -> None:
+        """Drop every queued, running and swapped request and free its pages."""
+        self.scheduler.abort_all()
+
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
         plan = self.scheduler.schedule()
         result = StepResult(plan)
-        self.num_preemptions += len(plan.preempted)
-        self.num_recomputations += len(plan.recomputed)
         self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
         if plan.is_empty:
             if self.scheduler.has_unfinished() and not plan.preempted:
@@ -189,9 +225,7 @@ class Engine:
             seq.finish_reason = "eos"
         elif params.stop and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
-        elif (
-            len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.config.max_model_len
-        ):
+        elif len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
@@ -209,6 +243,42 @@ class Engine:
             text = text[:cut]
         return text
 
+    # ---- the public face: queues, memory, integrity --------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.scheduler.swapped)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.block_manager.num_used_pages
+
+    def running_sequences(self) -> list[Sequence]:
+        """Sequences holding accelerator pages, in admission order (do not modify the list)."""
+        return self.scheduler.running
+
     def live_sequences(self) -> list[Sequence]:
         """Sequences holding pages: running ones (accelerator pages) and swapped ones (CPU pages)."""
         return self.scheduler.live_sequences()
+
+    def reservation(self, seq: Sequence) -> int:
+        """The KV slots a contiguous allocator reserving prompt + max_new_tokens would hold for `seq`."""
+        return min(seq.num_prompt_tokens + seq.params.max_new_tokens, self.max_model_len)
+
+    def memory_snapshot(self, recount: bool = False) -> MemorySnapshot:
+        """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""
+        counter = memory.recount if recount else memory.count
+        return counter(
+            self.block_manager, self.scheduler.running, self.num_waiting, self.num_swapped, self.reservation
+        )
+
+    def check_integrity(self) -> None:
+        """Page bookkeeping agrees with every live block table (AssertionError otherwise)."""
+        self.block_manager.check_integrity(self.scheduler.live_sequences())

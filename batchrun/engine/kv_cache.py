@@ -27,6 +27,14 @@ class KVCacheShape:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
+    @classmethod
+    def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheShape:
+        """The page shape a `transformers` model config needs."""
+        cfg = model_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, page_size, dtype)
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeroed pages. On the CPU through calloc (numpy), whose large blocks the OS zeroes lazily: the process
@@ -54,8 +62,6 @@ class KVCache:
         # never read before written, so not zeroed (zeroing gigabytes costs seconds at start-up); the accelerator
         # pool is zeroed: masked-out slots of a page are still multiplied by zero, and garbage could be NaN
         self.cpu_pages = torch.empty(*dims, num_cpu_pages, *page, dtype=shape.dtype, pin_memory=pin)
-        self.swapped_out_bytes = 0
-        self.swapped_in_bytes = 0
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
@@ -67,12 +73,10 @@ class KVCache:
             src = torch.tensor([c.src for c in swap_out], device=self.device)
             dst = torch.tensor([c.dst for c in swap_out])
             self.cpu_pages[:, :, dst] = self.pages[:, :, src].to("cpu")
-            self.swapped_out_bytes += len(swap_out) * self.shape.bytes_per_page
         if swap_in:
             src = torch.tensor([c.src for c in swap_in])
             dst = torch.tensor([c.dst for c in swap_in], device=self.device)
             self.pages[:, :, dst] = self.cpu_pages[:, :, src].to(self.device, non_blocking=True)
-            self.swapped_in_bytes += len(swap_in) * self.shape.bytes_per_page
         if copy_on_write:
             src = torch.tensor([c.src for c in copy_on_write], device=self.device)
             dst = torch.tensor([c.dst for c in copy_on_write], device=self.device)

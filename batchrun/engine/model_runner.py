@@ -1,29 +1,27 @@
 """Turns a scheduler plan into tensors, runs the stock `transformers` model on them, returns logits.
 
 One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], the slot mapping
-(where each token's K/V goes), block tables and sequence bounds for attention, and the indices of the tokens
-whose logits are needed (the last token of each sequence that samples this step).
+(where each token's K/V goes), the attention backend's metadata (built once here, before the forward, and
+shared by every layer), and the indices of the tokens whose logits are needed (the last token of each sequence
+that samples this step).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, Workspace, build_torch_plan
+from .attention import AttentionMetadata, StepLayout
 from .kv_cache import KVCache
 from .scheduler import ScheduledSequence
 
 
 class ModelRunner:
-    def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, page_size: int, backend: str, device: torch.device
-    ):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend, device: torch.device):
         self.model = model
         self.kv_cache = kv_cache
-        self.page_size = page_size
-        self.backend = backend
+        self.page_size = kv_cache.shape.page_size
+        self.backend = backend  # attention.TorchAttention | attention.TritonAttention
         self.device = device
-        self.workspace = Workspace()
 
     def prepare(
         self, scheduled: list[ScheduledSequence]
@@ -45,25 +43,16 @@ class ModelRunner:
             if s.samples:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
-        query_start = [0]
-        for q in query_lens:
-            query_start.append(query_start[-1] + q)
-        max_blocks = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            max_query_len=max(query_lens),
-            max_seq_len=max(context_lens),
-            kv_cache=self.kv_cache,
-            backend=self.backend,
+        layout = StepLayout(
+            query_lens, context_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev)
         )
-        if self.backend == "torch":
-            meta.decode, meta.prefills = build_torch_plan(query_lens, context_lens, tables, P, dev)
-            meta.workspace = self.workspace
+        meta = AttentionMetadata(
+            backend=self.backend,
+            kv_cache=self.kv_cache,
+            slot_mapping=layout.slot_mapping,
+            max_seq_len=max(context_lens),
+            plan=self.backend.prepare(layout),
+        )
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
         return ids, pos, meta, torch.tensor(logits_index, dtype=torch.long, device=dev)

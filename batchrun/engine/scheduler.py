@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, PageCopy
-from .sequence import Sequence, SequenceStatus
+from .config import EngineConfig
+from .sequence import Sequence
 
 
 @dataclass
@@ -50,25 +51,19 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    preemption: str = "swap"  # swap | recompute
-    watermark_pages: int = 0  # free pages admission leaves untouched, so decodes do not preempt at once
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
-        self.config = config
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, watermark_pages: int = 0):
+        self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
+        self.watermark_pages = (
+            watermark_pages  # free pages admission leaves, so decodes do not preempt at once
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.swapped: deque[Sequence] = deque()  # in preemption order
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -79,8 +74,17 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
-        seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
+
+    def abort_all(self) -> None:
+        """Drop every request and free its pages (the caller gave up on them)."""
+        for seq in self.running:
+            self.bm.free_sequence(seq)
+        for seq in self.swapped:
+            self.bm.free_cpu_pages(seq)
+        self.waiting.clear()
+        self.running.clear()
+        self.swapped.clear()
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -124,12 +128,10 @@ class Scheduler:
         out.preempted.append(seq)
         if self.config.preemption == "swap" and self.bm.can_swap_out(seq):
             out.swap_out.extend(self.bm.swap_out(seq))
-            seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
         else:
             self.bm.free_sequence(seq)
             seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
             out.recomputed.append(seq)
             self.waiting.appendleft(seq)
 
@@ -143,7 +145,6 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.swap_in.extend(self.bm.swap_in(seq))
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(seq, n, out)
             budget -= n
@@ -157,12 +158,11 @@ class Scheduler:
                 break
             match = self.bm.match_prefix(seq)  # hashes the whole prompt: once per admission attempt
             need = self.bm.num_new_pages_for_admission(seq, match)
-            reserve = self.config.watermark_pages if self.running else 0
+            reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages:
                 break
             self.waiting.popleft()
             n = self.bm.allocate_sequence(seq, budget, match)
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._planned(seq, n, out)
             budget -= n
@@ -171,5 +171,4 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add a parallel sample that shares every page of its parent."""
         self.bm.fork(parent, child)
-        child.status = SequenceStatus.RUNNING
         self.running.append(child)

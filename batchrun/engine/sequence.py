@@ -1,33 +1,11 @@
-"""One sequence being generated: its token ids, status, block table and counters."""
+"""One sequence being generated: its token ids, block table and counters."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # no accelerator pages; will be (re)prefilled
-    RUNNING = "running"  # holds accelerator pages
-    SWAPPED = "swapped"  # its pages live in the CPU pool
-    FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    n: int = 1
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from .config import SamplingParams
 
 
 @dataclass(eq=False)
@@ -45,12 +23,10 @@ class Sequence:
     request: Any = None  # the job's handle for the row this sequence answers
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full page, in order
     cpu_block_table: list[int] = field(default_factory=list)  # CPU pages while swapped
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the last admission
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
     sibling_seeds: list[int] = field(default_factory=list)  # the generator seed of each sample 0 .. n-1

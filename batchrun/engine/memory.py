@@ -1,0 +1,121 @@
+"""What the KV cache holds right now, counted two ways: from the block tables (every step) and slot by slot
+(`BATCHRUN_DEBUG_STATS=1`, to prove the first). P is the page size; sums run over the running sequences, the
+ones holding accelerator pages (swapped sequences hold CPU pages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    page_size: int
+    pages_total: int
+    pages_used: int  # physical pages in the running sequences' block tables, each once
+    pages_allocatable: int  # pages on the allocator's free lists (counted apart from the block tables)
+    tokens_stored: int  # tokens whose K/V is in the cache, each physical slot once
+    logical_pages: int  # sum of block-table lengths
+    tokens_cached_per_sequence: int  # sum of computed tokens, shared ones counted for every sequence
+    reserved_slots_contiguous: int  # what prompt + max_new_tokens reservations would hold for them
+    prefix_query_tokens: int  # counters since the engine started
+    prefix_hit_tokens: int
+    cow_copies: int
+
+    @property
+    def pages_free(self) -> int:
+        return self.pages_total - self.pages_used
+
+    @property
+    def slots_allocated(self) -> int:
+        return self.pages_used * self.page_size
+
+    @property
+    def internal_waste_slots(self) -> int:
+        return self.slots_allocated - self.tokens_stored
+
+    @property
+    def shared_pages_saved(self) -> int:
+        return self.logical_pages - self.pages_used
+
+    @property
+    def external_fragmentation(self) -> float:
+        """Free pages the allocator could not hand out, over free pages: 0 for paging, counted, not assumed."""
+        return (self.pages_free - self.pages_allocatable) / self.pages_free if self.pages_free else 0.0
+
+
+def count(
+    bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+) -> MemorySnapshot:
+    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens."""
+    P = bm.page_size
+    filled: dict[int, int] = {}  # physical page -> computed tokens in it
+    logical_pages = cached = reserved = 0
+    for seq in running:
+        logical_pages += len(seq.block_table)
+        for i, page in enumerate(seq.block_table):
+            n = min(max(seq.num_computed_tokens - i * P, 0), P)
+            if n >= filled.get(page, 0):
+                filled[page] = n
+        cached += seq.num_computed_tokens
+        reserved += reservation(seq)
+    return _snapshot(
+        bm,
+        running,
+        num_waiting,
+        num_swapped,
+        pages_used=len(filled),
+        pages_allocatable=bm.num_free_pages,
+        tokens_stored=sum(filled.values()),
+        logical_pages=logical_pages,
+        tokens_cached_per_sequence=cached,
+        reserved_slots_contiguous=reserved,
+    )
+
+
+def recount(
+    bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+) -> MemorySnapshot:
+    """The same by brute force: mark every slot that holds a computed token, count holders page by page."""
+    P = bm.page_size
+    slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
+    holders: dict[int, int] = {}
+    for seq in running:
+        for pos in range(seq.num_computed_tokens):
+            slot_holds_token[seq.block_table[pos // P]][pos % P] = True
+        for page in seq.block_table:
+            holders[page] = holders.get(page, 0) + 1
+    return _snapshot(
+        bm,
+        running,
+        num_waiting,
+        num_swapped,
+        pages_used=len(holders),
+        pages_allocatable=sum(1 for c in bm.ref_count if c == 0),
+        tokens_stored=sum(sum(slots) for slots in slot_holds_token),
+        logical_pages=sum(holders.values()),
+        tokens_cached_per_sequence=sum(s.num_computed_tokens for s in running),
+        reserved_slots_contiguous=sum(reservation(s) for s in running),
+    )
+
+
+def _snapshot(
+    bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, **counted: int
+) -> MemorySnapshot:
+    """A snapshot of what was counted, with the queue sizes and the block manager's own counters."""
+    return MemorySnapshot(
+        num_running=len(running),
+        num_waiting=num_waiting,
+        num_swapped=num_swapped,
+        page_size=bm.page_size,
+        pages_total=bm.num_pages,
+        prefix_query_tokens=bm.prefix_query_tokens,
+        prefix_hit_tokens=bm.prefix_hit_tokens,
+        cow_copies=bm.num_cow_copies,
+        **counted,
+    )

@@ -1,0 +1,210 @@
+"""The Python API: `LLM`, a model on its paged engine, with the shape vLLM's users know.
+
+    from batchrun import LLM, SamplingParams
+    llm = LLM(model=None, dtype="auto", device="auto", num_pages=512)    # engine options as in the job file
+    outs = llm.generate(["Once upon a time"], SamplingParams(max_new_tokens=32))   # raw text, no chat template
+    outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_new_tokens=32, n=2))
+    outs[0].outputs[0].text, .token_ids, .finish_reason
+
+The job runner (`job.py`) loads the same `LLM` from a job file and drives its engine row by row, so a prompt
+gives the same completion from either. Sample i of prompt k draws from a generator seeded from
+(seed, k, i), as a job's row with index k and no id column does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ModelSpec
+from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .errors import BadInput
+
+Conversation = list[dict[str, str]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # the sample, 0 .. n-1
+    text: str  # stop string excluded
+    token_ids: list[int]  # the eos token included when the sequence ended on it
+    finish_reason: str  # stop | eos | length
+    logprobs: list | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: int  # the prompt's position in the call
+    prompt: str | Conversation | list[int]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def row_seed(seed: int, row_id: Any, sample: int) -> int:
+    """The generator seed of one sample of one row: its output depends on nothing else."""
+    digest = hashlib.sha256(f"{seed}:{row_id!r}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class LLM:
+    """A model and its paged engine. Keyword arguments beyond model, dtype, device and max_model_len are the
+    job file's `engine:` keys (num_pages, kv_cache_memory, max_num_seqs, prefix_sharing, preemption, ...)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        **engine_options: Any,
+    ):
+        try:
+            model_spec = ModelSpec(path=model, dtype=dtype, max_model_len=max_model_len)
+            engine_config = EngineConfig(device=device, **engine_options)
+        except (TypeError, ValueError) as e:  # an unknown keyword, or a value its field's check refuses
+            raise BadInput(f"LLM(...): {e}") from None
+        self._load(model_spec, engine_config, "LLM(...)")
+
+    @classmethod
+    def from_spec(cls, model: ModelSpec, engine: EngineConfig, source: str) -> LLM:
+        """The model and engine of a job file's `model:` and `engine:` sections; errors name `source`."""
+        llm = cls.__new__(cls)
+        llm._load(model, engine, source)
+        return llm
+
+    def _load(self, model: ModelSpec, engine: EngineConfig, source: str) -> None:
+        from . import model_loader
+
+        self.device = model_loader.pick_device(engine.device)
+        self.dtype = model_loader.pick_dtype(model.dtype, self.device)
+        self.model_dir = model_loader.resolve_model_dir(model.path, source)
+        self.tokenizer, hf_model = model_loader.load_model(self.model_dir, self.dtype, self.device)
+        try:
+            self.engine = Engine(
+                hf_model,
+                self.tokenizer,
+                engine,
+                self.device,
+                model_loader.eos_token_ids(self.tokenizer, hf_model),
+                model.max_model_len,
+            )
+        except BadInput as e:
+            raise BadInput(f"{source}: {e}") from None
+
+    # ---- prompts -> token ids ---------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Raw text, as the tokenizer encodes it (its special tokens, such as a BOS, included)."""
+        return self.tokenizer(text)["input_ids"]
+
+    def encode_chat(self, messages: Conversation) -> list[int]:
+        """A conversation rendered with the tokenizer's chat template, ready for the assistant's turn.
+        ValueError when the template fails."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:
+            raise ValueError(f"chat template failed: {e}") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ---- whole batches ------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete raw prompts (text, or token ids), no chat template; outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [list(p) if not isinstance(p, str) else self.encode(p) for p in prompts]
+        return self._run(list(prompts), ids, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: Conversation | list[Conversation],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer conversations (lists of {role, content}) through the chat template; outputs in input order."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.encode_chat(c) for c in conversations]
+        return self._run(list(conversations), ids, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list, ids: list[list[int]], sampling_params, use_tqdm: bool
+    ) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        params = _params_per_prompt(sampling_params, len(prompts))
+        engine = self.engine
+        if engine.has_unfinished():
+            raise RuntimeError("this LLM's engine is busy with another batch")
+        for i, (token_ids, p) in enumerate(zip(ids, params)):
+            reason = engine.admission_error(len(token_ids), p)
+            if reason:
+                raise ValueError(f"prompt {i}: {reason}")
+        outputs = [
+            RequestOutput(i, prompt, token_ids) for i, (prompt, token_ids) in enumerate(zip(prompts, ids))
+        ]
+        samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params]
+        bar = tqdm(total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun")
+        try:
+            for i, (token_ids, p) in enumerate(zip(ids, params)):
+                engine.add(token_ids, p, request=i, seeds=[row_seed(p.seed, i, s) for s in range(p.n)])
+            while engine.has_unfinished():
+                for seq in engine.step().finished:
+                    row = samples[seq.request]
+                    row[seq.sample_index] = self.completion(seq)
+                    if all(c is not None for c in row):
+                        outputs[seq.request].outputs = list(row)
+                        bar.update(1)
+        finally:
+            bar.close()
+            engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
+        return outputs
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        """A finished sequence as one sample's output."""
+        return CompletionOutput(
+            index=seq.sample_index,
+            text=self.engine.completion_text(seq),
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            num_preemptions=seq.num_preemptions,
+        )
+
+
+def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if not isinstance(sampling_params, SequenceOf) or len(sampling_params) != count:
+        raise ValueError(f"sampling_params: one SamplingParams, or a list of {count} (one per prompt)")
+    return list(sampling_params)
+
+
+def run_job(job, overrides=None, **options: Any) -> dict | None:
+    """Run a job (a job-file path, or the job as a dict) to the end, as `batchrun submit` does; returns its
+    summary, or None when every row already had its output. `overrides`: {"sampling.temperature": 0.7} or
+    ["sampling.temperature=0.7"]. `options`: shard ("I/N"), resume, overwrite, limit, progress.
+    Raises BadInput (a ValueError) for a bad job, JobStopped when a signal stopped it."""
+    import copy
+
+    from .config import apply_overrides, load_job, parse_job
+    from .job import Job
+    from .sources import Shard
+
+    if isinstance(job, dict):
+        raw = copy.deepcopy(job)
+        apply_overrides(raw, overrides)
+        spec = parse_job(raw, "<job dict>")
+    else:
+        spec = load_job(job, overrides)
+    shard = options.pop("shard", None)
+    if isinstance(shard, str):
+        shard = Shard.parse(shard)
+    return Job(spec, shard, **options).run()

@@ -1,0 +1,136 @@
+"""The Python API (`LLM`, `SamplingParams`, `run_job`) against Hugging Face `generate` and the job runner."""
+
+import pyarrow.parquet as pq
+import pytest
+from helpers import ROOT, hf_greedy, read_outputs, write_prompts
+
+from batchrun import LLM, BadInput, SamplingParams, run_job
+
+CONVERSATIONS = [
+    [{"role": "user", "content": f"Write one sentence about {topic}."}]
+    for topic in ["the sea", "bread", "owls", "glass", "trains", "coffee"]
+] + [
+    [
+        {"role": "system", "content": "You answer in French."},
+        {"role": "user", "content": "What is a cat?"},
+    ],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Name another one."},
+    ],
+    [{"role": "user", "content": "Count to five. " * 20}],
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 + 3?"},
+    ],
+    [{"role": "user", "content": "Describe a map of a city in detail, street by street."}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", dtype="float32", num_pages=512, max_num_seqs=32, swap_space="64MiB")
+
+
+def test_chat_equals_hf_generate_token_for_token(llm, model_dir):
+    assert len(CONVERSATIONS) == 12
+    outs = llm.chat(CONVERSATIONS, SamplingParams(max_new_tokens=24), use_tqdm=False)
+    tok = llm.tokenizer
+    want_prompts = [
+        tok(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for c in CONVERSATIONS
+    ]
+    expected = hf_greedy(model_dir, want_prompts, 24)
+    assert [o.request_id for o in outs] == list(range(12)), "outputs come back in input order"
+    for i, (out, want_prompt, want) in enumerate(zip(outs, want_prompts, expected)):
+        assert out.prompt == CONVERSATIONS[i]
+        assert out.prompt_token_ids == want_prompt
+        assert len(out.outputs) == 1
+        assert out.outputs[0].token_ids == want, f"conversation {i} differs"
+        assert out.outputs[0].text == tok.decode(want, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason in ("eos", "length")
+        assert out.outputs[0].logprobs is None
+    assert not llm.engine.has_unfinished() and llm.engine.num_used_pages == 0
+
+
+def test_generate_is_raw_text_without_chat_template(llm, model_dir):
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=16), use_tqdm=False)
+    ids = [llm.tokenizer(p)["input_ids"] for p in prompts]
+    expected = hf_greedy(model_dir, ids, 16)
+    for p, out, want_ids, want in zip(prompts, outs, ids, expected):
+        assert out.prompt == p and out.prompt_token_ids == want_ids
+        assert out.outputs[0].token_ids == want
+    # token ids are taken as they are
+    again = llm.generate([ids[0]], SamplingParams(max_new_tokens=16), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == expected[0]
+
+
+def test_n_samples_and_per_prompt_params(llm, model_dir):
+    conv = CONVERSATIONS[:2]
+    greedy = llm.chat(conv, SamplingParams(max_new_tokens=12, n=2), use_tqdm=False)
+    for out in greedy:
+        assert [c.index for c in out.outputs] == [0, 1]
+        assert out.outputs[0].token_ids == out.outputs[1].token_ids  # greedy samples agree
+    sampled = llm.chat(conv, SamplingParams(max_new_tokens=12, n=2, temperature=1.0, seed=3), use_tqdm=False)
+    assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in sampled)
+    # the same call again draws the same samples: each sample's generator is seeded from (seed, prompt, sample)
+    again = llm.chat(conv, SamplingParams(max_new_tokens=12, n=2, temperature=1.0, seed=3), use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in again] == [
+        [c.token_ids for c in o.outputs] for o in sampled
+    ]
+    per_prompt = [
+        SamplingParams(max_new_tokens=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=7, ignore_eos=True),
+    ]
+    outs = llm.chat(conv, per_prompt, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_api_mistakes_are_clear(llm):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(BadInput, match="max_num_seqs"):
+        LLM(device="cpu", max_num_seqs=0)
+    with pytest.raises(BadInput, match="unexpected keyword"):
+        LLM(device="cpu", num_pagez=3)
+    with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):
+        llm.generate(["hi", "word " * 9000], SamplingParams(max_new_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    assert not llm.engine.has_unfinished(), "a refused batch leaves nothing queued"
+
+
+def test_run_job_and_api_agree(llm, tmp_path):
+    prompts = [f"Tell me about {t}." for t in ["rain", "jazz", "chess"]]
+    data = write_prompts(tmp_path / "p.parquet", prompts, ids=[0, 1, 2])
+    job = {
+        "name": "api",
+        "input": {"parquet": str(data), "id_column": "id"},
+        "sampling": {"max_new_tokens": 10},
+        "engine": {"device": "cpu", "num_pages": 256},
+        "model": {"dtype": "float32"},
+        "output": {"path": str(tmp_path / "out"), "stats": str(tmp_path / "stats.parquet")},
+    }
+    summary = run_job(job, overrides={"sampling.temperature": 0.8, "sampling.n": 2}, progress=False)
+    assert summary["rows"] == 3 and summary["generated_tokens"] > 0
+    rows = read_outputs(tmp_path / "out")
+    assert len(rows) == 6
+    # the job's row with id k is the API's prompt k: the same seeded draws
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    outs = llm.chat(msgs, SamplingParams(max_new_tokens=10, temperature=0.8, n=2), use_tqdm=False)
+    for k, out in enumerate(outs):
+        for c in out.outputs:
+            assert rows[(k, c.index)]["completion"] == c.text
+    assert run_job(job, overrides={"sampling.temperature": 0.8, "sampling.n": 2}, progress=False) is None
+    with pytest.raises(BadInput, match="sampling.top_p"):
+        run_job(job, overrides={"sampling.top_p": 2})
+    with pytest.raises(BadInput, match="unknown key"):
+        run_job(ROOT / "jobs" / "demo.yaml", overrides=["engine.nope=1"])
+    assert pq.read_table(tmp_path / "out").num_rows == 6

@@ -1,0 +1,54 @@
+"""The README states the contract; these facts have one source in the code, and the README must agree."""
+
+import re
+import subprocess
+
+from helpers import ROOT
+
+from batchrun.sinks import OUTPUT_COLUMNS
+from batchrun.stats import COLUMNS, SUMMARY_KEYS
+
+README = (ROOT / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end >= 0 else None]
+
+
+def test_readme_lists_exactly_the_summary_keys():
+    m = re.search(r"Summary keys: `([^`]*)`", README)
+    assert m, "the README's 'Summary keys:' list"
+    listed = [k.strip() for k in m.group(1).replace("\n", " ").split(",") if k.strip()]
+    assert listed == list(SUMMARY_KEYS), "README summary keys differ from stats.SUMMARY_KEYS (order included)"
+
+
+def test_readme_output_table_has_exactly_the_output_columns():
+    lines = _section("Outputs").splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| column"))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    names = []
+    for line in table:
+        cell = line.split("|")[1].strip() if line.startswith("|") else ""
+        if cell and cell not in ("column", "passthrough columns") and not set(cell) <= set("- "):
+            names += [c.strip() for c in cell.split(",")]
+    assert names == OUTPUT_COLUMNS
+
+
+def test_readme_names_every_statistics_column():
+    section = _section("Outputs")
+    missing = [c for c in COLUMNS if not re.search(rf"[`, ]{c}[`,]", section)]
+    assert not missing, f"statistics columns the README does not name: {missing}"
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    citing = [
+        f for f in files if f != "tests/test_docs.py" and "DESIGN.md" in (ROOT / f).read_text(errors="ignore")
+    ]
+    assert not citing, citing
