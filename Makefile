@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/batchrun submit jobs/demo.yaml
-	$(BIN)/batchrun stats out/demo/stats.parquet --plot out/demo/memory.png
+	$(BIN)/batchrun stats out/demo --plot out/demo/.batchrun/memory.png
 
 test: install
 	$(BIN)/pytest -q tests

@@ -85,6 +85,15 @@ def size(v: Any) -> str | None:
         return 'a size such as "4GiB" or a number of bytes'
 
 
+class FieldError(ValueError):
+    """A value a dataclass refuses, naming the field (a check across fields, made in `__post_init__`)."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 def field_error(f: dataclasses.Field, value: Any) -> str | None:
     """What field `f` expected, when `value` fails its check; None when it passes (or has no check)."""
     check = f.metadata.get("check")

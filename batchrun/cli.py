@@ -108,10 +108,10 @@ def validate(job_file: Path, overrides) -> None:
     """Check JOB_FILE, its input and its model path without running anything."""
     from .config import load_job
     from .model_loader import check_model_path
-    from .sources import InputSource
+    from .sources import open_source
 
     spec = load_job(job_file, overrides)
-    source = InputSource(spec.input, spec.source_file)
+    source = open_source(spec.input, spec.source_file)
     source.check_unique_ids(spec.input.limit)
     model = check_model_path(spec.model.path, spec.source_file)
     rows = source.num_rows()
@@ -250,7 +250,7 @@ def _range(text: str, option: str) -> tuple[int, int]:
     "script_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Where to write the sbatch script (default: <output>/slurm/<name>.sbatch).",
+    help="Where to write the sbatch script (default: <output>/.batchrun/slurm/<name>.sbatch).",
 )
 @click.option("--submit", "do_submit", is_flag=True, help="Submit it with sbatch and print the job id.")
 @handle_errors

@@ -18,9 +18,11 @@ from typing import Any, Union
 
 import yaml
 
-from .checks import at_least, check_fields, field_error, one_of, parse_size
+from .checks import FieldError, at_least, check_fields, field_error, one_of, parse_size
 from .engine.config import EngineConfig, SamplingParams
 from .errors import BadInput
+
+STATE_DIR = ".batchrun"
 
 __all__ = ["JobSpec", "ModelSpec", "load_job", "parse_job", "parse_size", "apply_overrides", "to_dict"]
 
@@ -37,6 +39,30 @@ class ModelSpec:
         check_fields(self)
 
 
+# the sampling keys a row may set for itself (input.sampling_columns, or an OpenAI batch request's body)
+ROW_SAMPLING_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "logprobs",
+    "response_format",
+    "ignore_eos",
+)
+
+
+def _row_sampling_keys(v: dict) -> str | None:
+    bad = [k for k in v if k not in ROW_SAMPLING_KEYS]
+    return (
+        f"a mapping whose keys are among {', '.join(ROW_SAMPLING_KEYS)} (not {', '.join(bad)})"
+        if bad
+        else None
+    )
+
+
 @dataclass
 class DatasetSpec:
     path: str = ""
@@ -49,16 +75,21 @@ class DatasetSpec:
 class InputSpec:
     parquet: str | None = None
     dataset: DatasetSpec | None = None
-    prompt_column: str = "prompt"
+    openai_batch: str | None = None  # an OpenAI Batch API input file (JSONL), or a glob of them
+    prompt_column: str = "prompt"  # strings, or conversations (lists of {role, content})
     id_column: str | None = None
     passthrough: list[str] = field(default_factory=list)
     limit: int | None = field(default=None, metadata={"check": at_least(0)})
+    # per-row sampling: {sampling key: input column}; a null cell takes the job's value
+    sampling_columns: dict[str, str] = field(default_factory=dict, metadata={"check": _row_sampling_keys})
 
 
 @dataclass
 class OutputSpec:
-    path: str | None = None  # default: out/<name>/
-    stats: str | None = None  # default: <path>/stats.parquet
+    path: str | None = None  # default: out/<name>/ -- completions only
+    stats: str | None = None  # default: <path>/.batchrun/stats.parquet
+    format: str = field(default="auto", metadata={"check": one_of("auto", "parquet", "jsonl")})
+    token_ids: bool = False  # add prompt_token_ids and completion_token_ids columns
     rows_per_part: int = field(default=1000, metadata={"check": at_least(1)})  # a part file every N rows...
     flush_seconds: float = field(default=30.0, metadata={"check": at_least(0)})  # ...or every S seconds
 
@@ -86,14 +117,27 @@ class JobSpec:
     def output_dir(self) -> Path:
         return Path(self.output.path or f"out/{self.name}")
 
+    @property
+    def state_dir(self) -> Path:
+        """Where everything but the completions lives: statistics, plots, Slurm scripts and logs. A folder whose
+        name starts with '.' inside the output directory: pandas, pyarrow and datasets all skip it."""
+        return self.output_dir / STATE_DIR
+
+    @property
+    def output_format(self) -> str:
+        """parquet or jsonl (auto: jsonl for an OpenAI batch input, else parquet)."""
+        if self.output.format != "auto":
+            return self.output.format
+        return "jsonl" if self.input.openai_batch else "parquet"
+
     def stats_path(self, shard_index: int = 0, shard_count: int = 1) -> Path:
-        """`output.stats`, or by default `stats.parquet` in the output directory (`stats-IofN.parquet` for a
-        shard of several, so shards writing into one directory never overwrite each other's statistics)."""
+        """`output.stats`, or by default `stats.parquet` in the state folder (`stats-IofN.parquet` for a shard
+        of several, so shards writing into one directory never overwrite each other's statistics)."""
         if self.output.stats:
             return Path(self.output.stats)
         if shard_count > 1:
-            return self.output_dir / f"stats-{shard_index:05d}of{shard_count:05d}.parquet"
-        return self.output_dir / "stats.parquet"
+            return self.state_dir / f"stats-{shard_index:05d}of{shard_count:05d}.parquet"
+        return self.state_dir / "stats.parquet"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -110,6 +154,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
         return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a mapping"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
@@ -130,6 +176,14 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
         raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, src)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
+        k_tp, v_tp = typing.get_args(tp)
+        return {
+            _coerce(k, k_tp, key, src): (v if v_tp is Any else _coerce(v, v_tp, f"{key}.{k}", src))
+            for k, v in value.items()
+        }
     if origin in (list, tuple):
         elem = typing.get_args(tp)[0]
         if isinstance(value, str) and elem is str:
@@ -163,17 +217,16 @@ def _build(cls: type, raw: Any, prefix: str, src: str) -> Any:
                 f"{src}: unknown key `{prefix + '.' if prefix else ''}{k}` in {where}; "
                 f"known keys there: {known}."
             )
-    kwargs = {}
-    for name, f in fields.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if name not in raw:
-            continue
-        value = _coerce(raw[name], hints[name], key, src)
-        expected = field_error(f, value)
-        if expected:
-            raise BadInput(f"{src}: key `{key}` must be {expected}, got {raw[name]!r}.")
-        kwargs[name] = value
-    return cls(**kwargs)
+    kwargs = {
+        name: _coerce_field(f, hints[name], raw[name], f"{prefix}.{name}" if prefix else name, src)
+        for name, f in fields.items()
+        if name in raw
+    }
+    try:
+        return cls(**kwargs)
+    except FieldError as e:  # a check across fields, made by the dataclass itself
+        key = f"{prefix}.{e.field}" if prefix else e.field
+        raise BadInput(f"{src}: key `{key}`: {e.reason}.") from None
 
 
 def set_key(raw: dict, path: str, value: Any) -> None:
@@ -185,6 +238,20 @@ def set_key(raw: dict, path: str, value: Any) -> None:
             node[k] = {}
         node = node[k]
     node[keys[-1]] = value
+
+
+def coerce_field(cls: type, name: str, value: Any, key: str, src: str) -> Any:
+    """One field of a config dataclass, type-checked and checked as the job file's parser does (BadInput)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return _coerce_field(f, typing.get_type_hints(cls)[name], value, key, src)
+
+
+def _coerce_field(f: dataclasses.Field, tp: Any, value: Any, key: str, src: str) -> Any:
+    coerced = _coerce(value, tp, key, src)
+    expected = field_error(f, coerced)
+    if expected:
+        raise BadInput(f"{src}: key `{key}` must be {expected}, got {value!r}.")
+    return coerced
 
 
 def apply_override(raw: dict, assignment: str, src: str = "--set") -> None:
@@ -224,12 +291,20 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
     if not spec.name:
         raise BadInput(f"{source}: key `name` is missing; expected a short job name such as `demo`.")
     inp = spec.input
-    if (inp.parquet is None) == (inp.dataset is None):
+    kinds = [k for k in ("parquet", "dataset", "openai_batch") if getattr(inp, k) is not None]
+    if len(kinds) != 1:
         raise BadInput(
             f"{source}: key `input` must have exactly one of `input.parquet` (a file, directory or "
-            f"glob) or `input.dataset` (path, name, split, data_dir); "
-            f"{'both' if inp.parquet else 'neither'} given."
+            f"glob), `input.dataset` (path, name, split, data_dir) or `input.openai_batch` (a JSONL file or "
+            f"glob); {'both ' + ' and '.join(kinds) if kinds else 'neither'} given."
         )
+    if inp.openai_batch is not None:
+        for key in ("id_column", "passthrough", "sampling_columns"):
+            if getattr(inp, key):
+                raise BadInput(
+                    f"{source}: key `input.{key}` does not apply to `input.openai_batch` (a request's id is its "
+                    f"custom_id, its sampling its body)."
+                )
     if inp.dataset is not None and not inp.dataset.path:
         raise BadInput(
             f"{source}: key `input.dataset.path` is missing; expected a save_to_disk directory, "

@@ -9,24 +9,27 @@ writes every finished row and the statistics, and exits with code 3 ("stopped, r
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
-from .config import JobSpec
-from .errors import JobStopped
-from .llm import LLM, row_seed
-from .sinks import OutputRow, OutputSink, check_writable
-from .sources import InputRow, InputSource, Shard
+from .config import JobSpec, coerce_field
+from .engine import SamplingParams
+from .errors import BadInput, JobStopped
+from .llm import LLM, check_conversation, row_seed
+from .sinks import OutputRow, OutputSink, check_writable, move_legacy_state
+from .sources import InputRow, Shard, open_source
 from .stats import StatsCollector
 
 
 @dataclass
 class RowState:
     row: InputRow
-    prompt_tokens: int
+    prompt_token_ids: list[int]
     results: list[OutputRow | None]
 
 
@@ -49,11 +52,12 @@ class Job:
         self.shard = shard or Shard()
         self.limit = limit if limit is not None else spec.input.limit
         self.progress = progress
-        self.source = InputSource(spec.input, src)
+        self.source = open_source(spec.input, src)
         self.source.check_unique_ids(self.limit)
         self.sink = OutputSink(
             spec, self.shard, self.source.id_type, self.source.passthrough_fields(), resume, overwrite
         )
+        move_legacy_state(spec)
         self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
         check_writable(self.stats_path.parent, "output.stats", src)
         # the run: set by run() once the model is loaded
@@ -147,61 +151,111 @@ class Job:
         """Queue rows until the engine has a full window waiting; returns False once the input is exhausted."""
         engine = self.llm.engine
         target = max(self.spec.engine.max_num_seqs, 16)
-        n = self.params.n
         while engine.num_waiting < target and not self.stop_requested:
             row = next(rows, None)
             if row is None:
                 return False
             try:
+                params = self._params(row)
                 ids = self._tokenize(row)
             except ValueError as e:
-                self._emit(self._error_rows(row, str(e), 0))
+                self._emit(self._error_rows(row, str(e), []))
                 continue
-            reason = engine.admission_error(len(ids), self.params)
+            reason = engine.admission_error(len(ids), params)
             if reason:
-                self._emit(self._error_rows(row, reason, len(ids)))
+                self._emit(self._error_rows(row, reason, ids))
                 continue
-            state = RowState(row, len(ids), [None] * n)
+            state = RowState(row, ids, [None] * params.n)
             self.in_flight[row.index] = state
-            seeds = [row_seed(self.params.seed, row.id, i) for i in range(n)]
-            engine.add(ids, self.params, request=state, seeds=seeds)
+            seeds = [row_seed(params.seed, row.id, i) for i in range(params.n)]
+            engine.add(ids, params, request=state, seeds=seeds)
         return True
 
+    def _samples(self, row: InputRow) -> int:
+        """How many output rows this input row has: its own n when it sets a valid one (an error row too)."""
+        n = row.sampling.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else self.params.n
+
+    def _params(self, row: InputRow) -> SamplingParams:
+        """The job's sampling with the row's own values (sampling_columns, or an OpenAI request's body);
+        ValueError naming the value for one that is not valid."""
+        if not row.sampling:
+            return self.params
+        columns = self.spec.input.sampling_columns
+        values = {}
+        for key, value in row.sampling.items():
+            where = f"body field for {key}" if row.request else f"column {columns.get(key)!r} ({key})"
+            if key == "response_format" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            if (
+                isinstance(value, float)
+                and value.is_integer()
+                and key in ("max_new_tokens", "top_k", "seed", "n")
+            ):
+                value = int(value)  # an integer column with nulls reads as floats
+            if key not in {f.name for f in dataclasses.fields(SamplingParams)}:
+                raise ValueError(f"{where}: {key} is not supported")
+            try:
+                values[key] = coerce_field(SamplingParams, key, value, key, where)
+            except BadInput as e:
+                raise ValueError(str(e).rstrip(".")) from None
+        try:
+            return dataclasses.replace(self.params, **values)
+        except ValueError as e:
+            raise ValueError(f"this row's sampling: {e}") from None
+
     def _tokenize(self, row: InputRow) -> list[int]:
-        """Token ids of the row's prompt; ValueError with the reason for a row that cannot be served."""
+        """Token ids of the row's prompt; ValueError with the reason for a row that cannot be served.
+        A conversation goes through the chat template (model.system_prompt first when it has no system turn);
+        a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt."""
+        if row.error:
+            raise ValueError(row.error)
         prompt = row.prompt
+        m = self.spec.model
+        system = [{"role": "system", "content": m.system_prompt}] if m.system_prompt else []
         if prompt is None:
             raise ValueError("prompt is null")
+        if isinstance(prompt, list | tuple):
+            messages = check_conversation(prompt)
+            if not any(t["role"] == "system" for t in messages):
+                messages = system + messages
+            return self.llm.encode_chat(messages)
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt is not a string (got {type(prompt).__name__})")
+            raise ValueError(f"prompt is neither a string nor a conversation (got {type(prompt).__name__})")
         if not prompt.strip():
             raise ValueError("prompt is empty")
-        m = self.spec.model
-        if not m.chat_template:
+        endpoint = row.request.get("endpoint") if row.request else None
+        if endpoint == "completion" or (endpoint is None and not m.chat_template):
             return self.llm.encode(prompt)
-        messages = [{"role": "system", "content": m.system_prompt}] if m.system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        return self.llm.encode_chat(messages)
+        return self.llm.encode_chat([*system, {"role": "user", "content": prompt}])
 
-    def _error_rows(self, row: InputRow, reason: str, prompt_tokens: int) -> list[OutputRow]:
+    def _error_rows(self, row: InputRow, reason: str, prompt_ids: list[int]) -> list[OutputRow]:
         return [
-            OutputRow(row.id, i, None, "error", reason, prompt_tokens, 0, 0, row.passthrough)
-            for i in range(self.params.n)
+            OutputRow(row.id, i, None, "error", reason, len(prompt_ids), 0, 0, row=row)
+            for i in range(self._samples(row))
         ]
 
     def _finish(self, seq) -> None:
         state: RowState = seq.request
         out = self.llm.completion(seq)
+        with_ids = self.spec.output.token_ids
         state.results[seq.sample_index] = OutputRow(
             state.row.id,
             seq.sample_index,
             out.text,
             out.finish_reason,
             None,
-            state.prompt_tokens,
+            len(state.prompt_token_ids),
             len(out.token_ids),
             out.num_preemptions,
-            state.row.passthrough,
+            logprobs=out.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
+            prompt_token_ids=state.prompt_token_ids if with_ids else None,
+            completion_token_ids=out.token_ids if with_ids else None,
+            row=state.row,
         )
         if all(r is not None for r in state.results):
             del self.in_flight[state.row.index]

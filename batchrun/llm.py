@@ -31,7 +31,9 @@ class CompletionOutput:
     text: str  # stop string excluded
     token_ids: list[int]  # the eos token included when the sequence ended on it
     finish_reason: str  # stop | eos | length
-    logprobs: list | None = None
+    # with SamplingParams(logprobs=K): per generated token {token_id, token, logprob, top: [{token_id, token,
+    # logprob}] * K}, from the raw logits
+    logprobs: list[dict] | None = None
     num_preemptions: int = 0
 
 
@@ -41,6 +43,33 @@ class RequestOutput:
     prompt: str | Conversation | list[int]
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=True)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_conversation(messages: Any) -> list[dict[str, str]]:
+    """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one."""
+    if not isinstance(messages, list | tuple):
+        raise ValueError(f"conversation is not a list of turns (got {type(messages).__name__})")
+    turns = []
+    for i, turn in enumerate(messages, 1):
+        if not isinstance(turn, dict):
+            raise ValueError(f"conversation turn {i} is not a {{role, content}} mapping")
+        role, content = turn.get("role"), turn.get("content")
+        if role is None:
+            raise ValueError(f"conversation turn {i} has no role")
+        if role not in ROLES:
+            raise ValueError(f"conversation turn {i} has unknown role {role!r} (expected {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise ValueError(f"conversation turn {i} ({role}) has no content (a string)")
+        turns.append({"role": role, "content": content})
+    if not any(t["role"] == "user" for t in turns) or turns[-1]["role"] == "assistant":
+        raise ValueError(
+            "conversation has nothing to answer (no user turn, or it ends with an assistant turn)"
+        )
+    return turns
 
 
 def row_seed(seed: int, row_id: Any, sample: int) -> int:
@@ -82,6 +111,7 @@ class LLM:
         self.dtype = model_loader.pick_dtype(model.dtype, self.device)
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         self.tokenizer, hf_model = model_loader.load_model(self.model_dir, self.dtype, self.device)
+        self._token_texts: dict[int, str] = {}
         try:
             self.engine = Engine(
                 hf_model,
@@ -101,7 +131,8 @@ class LLM:
 
     def encode_chat(self, messages: Conversation) -> list[int]:
         """A conversation rendered with the tokenizer's chat template, ready for the assistant's turn.
-        ValueError when the template fails."""
+        ValueError when the conversation is malformed or the template fails."""
+        messages = check_conversation(messages)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:
@@ -160,6 +191,7 @@ class LLM:
                     row[seq.sample_index] = self.completion(seq)
                     if all(c is not None for c in row):
                         outputs[seq.request].outputs = list(row)
+                        outputs[seq.request].prompt_logprobs = seq.prompt_logprobs
                         bar.update(1)
         finally:
             bar.close()
@@ -173,8 +205,28 @@ class LLM:
             text=self.engine.completion_text(seq),
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
+            logprobs=None if seq.logprobs is None else [self._logprob_entry(e) for e in seq.logprobs],
             num_preemptions=seq.num_preemptions,
         )
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it decodes alone (cached: a job asks for the same tokens again and again)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprob_entry(self, entry: tuple[int, float, list[int], list[float]]) -> dict:
+        token, logprob, top_ids, top_logprobs = entry
+        return {
+            "token_id": token,
+            "token": self.token_text(token),
+            "logprob": logprob,
+            "top": [
+                {"token_id": t, "token": self.token_text(t), "logprob": lp}
+                for t, lp in zip(top_ids, top_logprobs)
+            ],
+        }
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

@@ -4,7 +4,8 @@ file, or (when `model.path` is omitted) the embedded default, SmolLM2-135M-Instr
 
 A GGUF file is converted once into a safetensors directory under the cache folder (`$BATCHRUN_CACHE`, default
 `~/.cache/batchrun`); later loads read that directory, which takes about a second instead of half a minute.
-Nothing is downloaded: a hub id must already be in the local Hugging Face cache.
+A hub id (owner/name) is read from the local Hugging Face cache, or downloaded there (huggingface_hub) unless
+HF_HUB_OFFLINE=1, in which case the error says so.
 """
 
 from __future__ import annotations
@@ -62,20 +63,45 @@ def resolve_model_dir(path: str | None, source: str = "<job>") -> Path:
         )
     if p.exists():
         raise BadInput(f"{source}: key `model.path`: {p} is neither a model directory nor a .gguf file.")
-    if "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1:
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(path, local_files_only=True))
-        except Exception:
-            raise BadInput(
-                f"{source}: key `model.path`: {path!r} is not a local path and not in the local "
-                f"Hugging Face cache (batchrun never downloads)."
-            ) from None
+    if is_hub_id(path):
+        return _from_hub(path, source)
     raise BadInput(
         f"{source}: key `model.path`: {path} does not exist; expected a Hugging Face model "
-        f"directory, a hub id already in the local cache, or a .gguf file."
+        f"directory, a hub id (owner/name), or a .gguf file."
     )
+
+
+def is_hub_id(path: str) -> bool:
+    return "/" in path and not path.startswith((".", "/", "~")) and path.count("/") == 1
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _from_hub(repo_id: str, source: str) -> Path:
+    """A hub id: the local Hugging Face cache, else a download (huggingface_hub) unless HF_HUB_OFFLINE=1."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        pass
+    if hub_offline():
+        raise BadInput(
+            f"{source}: key `model.path`: {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 "
+            f"is set, so it is not downloaded; unset HF_HUB_OFFLINE to download it, or give a local path."
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadInput(
+            f"{source}: key `model.path`: cannot download {repo_id!r} from the hub: {reason}"
+        ) from None
+
+
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
 def check_model_path(path: str | None, source: str = "<job>") -> str:
@@ -87,6 +113,13 @@ def check_model_path(path: str | None, source: str = "<job>") -> str:
         return str(p)
     if p.is_dir() and ((p / "config.json").is_file() or len(list(p.glob("*.gguf"))) == 1):
         return str(p)
+    if not p.exists() and is_hub_id(path) and not hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+        return (
+            f"{path} ({'in the local cache' if isinstance(cached, str) else 'downloaded on the first run'})"
+        )
     return str(resolve_model_dir(path, source))  # raises BadInput with the reason
 
 

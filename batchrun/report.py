@@ -6,15 +6,18 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from .config import STATE_DIR
 from .errors import BadInput
 from .stats import SUMMARY_KEYS, read_summary
 
 
 def stats_files(path: Path) -> list[Path]:
+    """A stats file; or every shard's stats file in a directory, or in the state folder of an output
+    directory (`<output>/.batchrun/`)."""
     if path.is_dir():
-        files = sorted(p for p in path.glob("stats*.parquet"))
+        files = sorted(path.glob("stats*.parquet")) or sorted((path / STATE_DIR).glob("stats*.parquet"))
         if not files:
-            raise BadInput(f"{path}: no stats*.parquet files in this directory.")
+            raise BadInput(f"{path}: no stats*.parquet files in this directory or its {STATE_DIR}/ folder.")
         return files
     if not path.is_file():
         raise BadInput(f"{path}: no such stats file or directory.")

@@ -1,6 +1,8 @@
-"""Completions output: Parquet part files written as rows finish, each to a temporary name then renamed, so a
-crash never leaves a torn file. Every part records the job's fingerprint, which is how a rerun finds the
-(id, sample) pairs already done and refuses parts of a different job."""
+"""Completions output: part files written as rows finish, each to a temporary name then renamed, so a crash
+never leaves a torn file. Parquet parts (one row per input row and sample) or OpenAI Batch output JSONL parts
+(one line per request, its n choices inside). Every part records the job's fingerprint (Parquet: in its
+metadata; JSONL: in its name), which is how a rerun finds the rows already done and refuses parts of a
+different job. The output directory holds these parts and nothing else (statistics live in `.batchrun/`)."""
 
 from __future__ import annotations
 
@@ -16,22 +18,43 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import openai_batch
 from .config import JobSpec, to_dict
 from .errors import BadInput
 
 if TYPE_CHECKING:
-    from .sources import Shard
+    from .sources import InputRow, Shard
 
 FINGERPRINT_KEY = b"batchrun.fingerprint"
 JOB_KEY = b"batchrun.job"
 
+# keys added after the first release: left out of the fingerprint while they hold their default, so jobs
+# started before them keep resuming
+_LATER_KEYS = {
+    ("input", "openai_batch"): None,
+    ("input", "sampling_columns"): {},
+    ("sampling", "logprobs"): None,
+    ("sampling", "prompt_logprobs"): False,
+    ("sampling", "response_format"): None,
+    ("output", "format"): "auto",
+    ("output", "token_ids"): False,
+}
+
 
 def fingerprint(spec: JobSpec, shard: Shard) -> str:
-    """Hash of what changes the outputs: model, input (but its limit), sampling — and the shard count (a row's
-    shard depends on it). Engine settings (pages, batch sizes) and the shard index do not change any row."""
+    """Hash of what changes the outputs: model, input (but its limit), sampling, the output's format and columns
+    — and the shard count (a row's shard depends on it). Engine settings (pages, batch sizes) and the shard
+    index do not change any row."""
     d = to_dict(spec)
     d["input"].pop("limit", None)  # a larger limit continues the same job
-    keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "shards": shard.count}
+    output = {"format": d["output"]["format"], "token_ids": d["output"]["token_ids"]}
+    keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "output": output}
+    for (section, key), default in _LATER_KEYS.items():
+        if keep[section].get(key, default) == default:
+            keep[section].pop(key, None)
+    if not keep["output"]:
+        del keep["output"]
+    keep["shards"] = shard.count
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -39,9 +62,22 @@ def _column(arrow_type: pa.DataType | None):
     return field(metadata={"arrow": arrow_type})
 
 
+def _optional_column(arrow_type: pa.DataType):
+    return field(default=None, metadata={"arrow": arrow_type, "optional": True})
+
+
+_TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+LOGPROBS_TYPE = pa.list_(
+    pa.struct(
+        [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))]
+    )
+)
+
+
 @dataclass
 class OutputRow:
-    """One output row: its fields are the output columns, in order (the one list of them), then passthrough."""
+    """One output row (a sample of an input row): its fields with an Arrow type are the output columns, in
+    order (the one list of them); the optional ones are columns only when the job asks for them."""
 
     id: Any = _column(None)  # the input's id type
     sample: int = _column(pa.int32())
@@ -51,44 +87,176 @@ class OutputRow:
     prompt_tokens: int = _column(pa.int32())
     completion_tokens: int = _column(pa.int32())
     num_preemptions: int = _column(pa.int32())
-    passthrough: dict = field(default_factory=dict)  # input columns copied as they are
+    logprobs: list[dict] | None = _optional_column(LOGPROBS_TYPE)
+    prompt_logprobs: list[float | None] | None = _optional_column(pa.list_(pa.float32()))
+    prompt_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
+    completion_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
+    row: InputRow | None = None  # the input row: passthrough columns, the OpenAI request
 
 
 OUTPUT_COLUMNS = [f.name for f in fields(OutputRow) if "arrow" in f.metadata]
+OPTIONAL_COLUMNS = [f.name for f in fields(OutputRow) if f.metadata.get("optional")]
 
 
-def output_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schema:
+def optional_columns(spec: JobSpec) -> list[str]:
+    """The optional columns this job writes."""
+    wanted = []
+    if spec.sampling.logprobs is not None or "logprobs" in spec.input.sampling_columns:
+        wanted.append("logprobs")
+    if spec.sampling.prompt_logprobs:
+        wanted.append("prompt_logprobs")
+    if spec.output.token_ids:
+        wanted += ["prompt_token_ids", "completion_token_ids"]
+    return wanted
+
+
+def output_schema(id_type: pa.DataType, passthrough: list[pa.Field], optional: list[str] = ()) -> pa.Schema:
     own = [
-        pa.field(f.name, f.metadata["arrow"] or id_type) for f in fields(OutputRow) if "arrow" in f.metadata
+        pa.field(f.name, f.metadata["arrow"] or id_type)
+        for f in fields(OutputRow)
+        if "arrow" in f.metadata and (not f.metadata.get("optional") or f.name in optional)
     ]
     return pa.schema([*own, *passthrough])
 
 
+# ---- part formats ------------------------------------------------------------------------------------------
+@dataclass
+class Done:
+    """What earlier runs wrote: (id, sample) pairs (Parquet) and whole rows (JSONL: a line is a request)."""
+
+    pairs: set = field(default_factory=set)
+    rows: set = field(default_factory=set)
+
+    def has(self, row_id: Any, num_samples: int) -> bool:
+        return row_id in self.rows or all((row_id, i) in self.pairs for i in range(num_samples))
+
+    def __len__(self) -> int:
+        return len(self.pairs) + len(self.rows)
+
+
+class ParquetParts:
+    suffix = ".parquet"
+
+    def __init__(self, schema: pa.Schema, fp: str, job_name: str):
+        self.schema = schema.with_metadata({FINGERPRINT_KEY: fp.encode(), JOB_KEY: job_name.encode()})
+        self.columns = [c for c in OUTPUT_COLUMNS if c in schema.names]
+        self.passthrough = [n for n in schema.names if n not in OUTPUT_COLUMNS]
+
+    def name_tag(self) -> str:
+        return ""  # the fingerprint is in the metadata
+
+    def write(self, path: Path, rows: list[OutputRow]) -> None:
+        cols = {name: [getattr(r, name) for r in rows] for name in self.columns}
+        for name in self.passthrough:
+            cols[name] = [r.row.passthrough[name] for r in rows]
+        pq.write_table(pa.table(cols, schema=self.schema), path)
+
+    @staticmethod
+    def read_done(part: Path, fp: str, done: Done) -> str | None:
+        """Adds the part's rows to `done`; returns the part's fingerprint."""
+        meta = pq.read_schema(part).metadata or {}
+        theirs = meta.get(FINGERPRINT_KEY, b"").decode()
+        if theirs == fp:
+            table = pq.read_table(part, columns=["id", "sample"])
+            done.pairs.update(zip(table.column("id").to_pylist(), table.column("sample").to_pylist()))
+        return theirs
+
+
+class JsonlParts:
+    """OpenAI Batch output lines. The fingerprint is in the part's name (a JSONL file has no metadata)."""
+
+    suffix = ".jsonl"
+
+    def __init__(self, fp: str, model_name: str):
+        self.fp = fp
+        self.model_name = model_name
+
+    def name_tag(self) -> str:
+        return f"-fp{self.fp[:16]}"
+
+    def write(self, path: Path, rows: list[OutputRow]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for samples in _by_input_row(rows):
+                f.write(json.dumps(self.line(samples), ensure_ascii=False) + "\n")
+
+    def line(self, samples: list[OutputRow]) -> dict:
+        first = samples[0]
+        row = first.row
+        req_id = openai_batch.request_id(self.fp, row.index)
+        request = row.request or {
+            "custom_id": str(row.id),
+            "endpoint": "chat" if isinstance(row.prompt, list) else "completion",
+        }
+        if first.finish_reason == "error":
+            return openai_batch.error_line(req_id, request.get("custom_id"), first.error)
+        return openai_batch.response_line(req_id, request, samples, first.prompt_tokens, self.model_name)
+
+    @staticmethod
+    def read_done(part: Path, fp: str, done: Done) -> str | None:
+        tag = part.stem.split("-fp", 1)[1][:16] if "-fp" in part.stem else ""
+        if tag != fp[:16]:
+            return tag
+        with open(part, encoding="utf-8") as f:
+            for text in f:
+                line = json.loads(text)
+                key = line.get("custom_id")
+                if key is None:
+                    key = openai_batch.line_key(openai_batch.index_of_request_id(line["id"]))
+                done.rows.add(key)
+        return fp
+
+
+def _by_input_row(rows: list[OutputRow]) -> list[list[OutputRow]]:
+    groups: dict[int, list[OutputRow]] = {}
+    for r in rows:
+        groups.setdefault(r.row.index, []).append(r)
+    return [sorted(g, key=lambda r: r.sample) for g in groups.values()]
+
+
+FORMATS = {"parquet": ParquetParts, "jsonl": JsonlParts}
+
+
 def existing_parts(out_dir: Path) -> list[Path]:
-    return sorted(p for p in out_dir.glob("part-*.parquet")) if out_dir.is_dir() else []
+    if not out_dir.is_dir():
+        return []
+    return sorted(p for fmt in FORMATS.values() for p in out_dir.glob(f"part-*{fmt.suffix}"))
 
 
-def done_keys(out_dir: Path, fp: str, source: str) -> set[tuple]:
-    """(id, sample) pairs already written by this job; BadInput if the directory holds another job's parts."""
-    done: set[tuple] = set()
+def read_done(out_dir: Path, fp: str, source: str) -> Done:
+    """What this job wrote already; BadInput if the directory holds another job's parts."""
+    done = Done()
     for part in existing_parts(out_dir):
+        reader = ParquetParts if part.suffix == ".parquet" else JsonlParts
         try:
-            meta = pq.read_schema(part).metadata or {}
+            theirs = reader.read_done(part, fp, done)
         except Exception as e:
             raise BadInput(
-                f"{source}: output.path {out_dir}: {part.name} is not a readable Parquet file ({e}); "
+                f"{source}: output.path {out_dir}: {part.name} is not a readable part file ({e}); "
                 f"remove it or use --overwrite."
             ) from None
-        theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs != fp:
             raise BadInput(
                 f"{source}: output.path {out_dir} holds parts of a different job ({part.name}: "
-                f"fingerprint {theirs or 'none'}, this job {fp}); the model, input, sampling or "
-                f"shard count changed. Use another output.path, or --overwrite to start over."
+                f"fingerprint {theirs or 'none'}, this job {fp}); the model, input, sampling, output format "
+                f"or shard count changed. Use another output.path, or --overwrite to start over."
             )
-        table = pq.read_table(part, columns=["id", "sample"])
-        done.update(zip(table.column("id").to_pylist(), table.column("sample").to_pylist()))
     return done
+
+
+def move_legacy_state(spec: JobSpec) -> None:
+    """Output directories of earlier versions held stats*.parquet, memory.png and slurm/ next to the parts: move
+    them into the state folder, so the directory holds completions only (and the job keeps resuming)."""
+    out = spec.output_dir
+    if not out.is_dir():
+        return
+    legacy = (
+        [*out.glob("stats*.parquet"), out / "memory.png", out / "slurm"] if spec.output.stats is None else []
+    )
+    for path in legacy:
+        target = spec.state_dir / path.name
+        if path.exists() and not target.exists():
+            spec.state_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
 
 
 def check_writable(out_dir: Path, key: str, source: str) -> None:
@@ -113,19 +281,16 @@ class PartWriter:
     def __init__(
         self,
         out_dir: Path,
-        schema: pa.Schema,
-        fp: str,
-        job_name: str,
+        fmt: ParquetParts | JsonlParts,
         shard: Shard,
         rows_per_part: int = 1000,
         max_wait_s: float = 30.0,
     ):
         self.out_dir = out_dir
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.schema = schema.with_metadata({FINGERPRINT_KEY: fp.encode(), JOB_KEY: job_name.encode()})
+        self.fmt = fmt
         self.prefix = (
             f"part-{shard.index:05d}of{shard.count:05d}-{time.strftime('%Y%m%dT%H%M%S')}-"
-            f"{uuid.uuid4().hex[:6]}"
+            f"{uuid.uuid4().hex[:6]}{fmt.name_tag()}"
         )
         self.rows_per_part = rows_per_part
         self.max_wait_s = max_wait_s
@@ -135,6 +300,7 @@ class PartWriter:
         self._last_flush = time.monotonic()
 
     def add(self, rows: list[OutputRow]) -> None:
+        """All samples of one input row, together (a JSONL line holds them all)."""
         self.buffer.extend(rows)
         if len(self.buffer) >= self.rows_per_part or time.monotonic() - self._last_flush >= self.max_wait_s:
             self.flush()
@@ -143,16 +309,10 @@ class PartWriter:
         self._last_flush = time.monotonic()
         if not self.buffer:
             return
-        cols: dict[str, list] = {f.name: [] for f in self.schema}
-        for r in self.buffer:
-            for name in OUTPUT_COLUMNS:
-                cols[name].append(getattr(r, name))
-            for k, v in r.passthrough.items():
-                cols[k].append(v)
-        table = pa.table(cols, schema=self.schema)
-        name = f"{self.prefix}-{self.num_parts:05d}.parquet"
+        name = f"{self.prefix}-{self.num_parts:05d}{self.fmt.suffix}"
         tmp = self.out_dir / f".{name}.tmp"
-        pq.write_table(table, tmp)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.fmt.write(tmp, self.buffer)
         os.replace(tmp, self.out_dir / name)
         self.num_parts += 1
         self.rows_written += len(self.buffer)
@@ -160,9 +320,9 @@ class PartWriter:
 
 
 class OutputSink:
-    """The completions directory of one shard of a job: which (id, sample) pairs are done already, and the
-    part writer for the rows that finish. Opening it checks everything a run needs of the directory (writable,
-    no parts of another job, --no-resume without --overwrite on a used directory) before any model loads."""
+    """The completions directory of one shard of a job: which rows are done already, and the part writer for
+    the rows that finish. Opening it checks everything a run needs of the directory (writable, no parts of
+    another job, --no-resume without --overwrite on a used directory) before any model loads."""
 
     def __init__(
         self,
@@ -176,6 +336,7 @@ class OutputSink:
         src = spec.source_file
         self.dir = spec.output_dir
         self.fingerprint = fingerprint(spec, shard)
+        self.optional = optional_columns(spec)
         check_writable(self.dir, "output.path", src)
         if overwrite:
             remove_parts(self.dir)
@@ -184,19 +345,23 @@ class OutputSink:
                 f"{src}: output.path {self.dir} already holds part files and --no-resume was given; use "
                 f"--overwrite to start over, or --resume to finish the job."
             )
-        self.done: set[tuple] = done_keys(self.dir, self.fingerprint, src) if resume else set()
+        self.done = read_done(self.dir, self.fingerprint, src) if resume else Done()
+        if spec.output_format == "jsonl":
+            fmt = JsonlParts(self.fingerprint, spec.model.path or "batchrun-default-model")
+        else:
+            fmt = ParquetParts(
+                output_schema(id_type, passthrough, self.optional), self.fingerprint, spec.name
+            )
         self.writer = PartWriter(
             self.dir,
-            output_schema(id_type, passthrough),
-            self.fingerprint,
-            spec.name,
+            fmt,
             shard,
             rows_per_part=spec.output.rows_per_part,
             max_wait_s=spec.output.flush_seconds,
         )
 
     def is_done(self, row_id: Any, num_samples: int) -> bool:
-        return all((row_id, i) in self.done for i in range(num_samples))
+        return self.done.has(row_id, num_samples)
 
     def add(self, rows: list[OutputRow]) -> None:
         self.writer.add(rows)

@@ -33,7 +33,7 @@ class SlurmOptions:
 
 
 def render_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, batchrun: str) -> str:
-    logs = (spec.output_dir / "slurm").resolve()
+    logs = (spec.state_dir / "slurm").resolve()
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=batchrun-{spec.name}",
@@ -86,9 +86,9 @@ def _batchrun_executable() -> str:
 
 
 def write_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, path: Path | None = None) -> Path:
-    path = path or spec.output_dir / "slurm" / f"{spec.name}.sbatch"
+    path = path or spec.state_dir / "slurm" / f"{spec.name}.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
-    (spec.output_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    (spec.state_dir / "slurm").mkdir(parents=True, exist_ok=True)
     path.write_text(render_script(spec, job_file, opts, _batchrun_executable()))
     path.chmod(0o755)
     return path

@@ -10,13 +10,14 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import openai_batch
 from .config import InputSpec
 from .errors import BadInput
 from .sinks import OUTPUT_COLUMNS
@@ -28,8 +29,11 @@ BATCH_ROWS = 1024
 class InputRow:
     index: int  # position in the whole input
     id: Any
-    prompt: Any  # not yet checked: a bad prompt becomes an error row, not a crash
-    passthrough: dict
+    prompt: Any  # a string or a conversation, not yet checked: a bad prompt becomes an error row, not a crash
+    passthrough: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)  # this row's own sampling values (not yet checked)
+    request: dict | None = None  # an OpenAI batch request: custom_id, endpoint (chat | completion), model
+    error: str | None = None  # why the row cannot be served, known from reading it
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class InputSource:
         if self.spec.id_column:
             wanted.append(("input.id_column", self.spec.id_column))
         wanted += [(f"input.passthrough[{i}]", c) for i, c in enumerate(self.spec.passthrough)]
+        wanted += [(f"input.sampling_columns.{k}", c) for k, c in self.spec.sampling_columns.items()]
         for key, col in wanted:
             if col not in names:
                 raise BadInput(
@@ -116,21 +121,25 @@ class InputSource:
 
     def rows(self, shard: Shard = Shard(), limit: int | None = None) -> Iterator[InputRow]:
         """Rows of this shard among the first `limit` rows of the input, in input order."""
-        columns = [self.spec.prompt_column] + ([self.spec.id_column] if self.spec.id_column else [])
-        columns += [c for c in self.spec.passthrough if c not in columns]
+        spec = self.spec
+        columns = [spec.prompt_column] + ([spec.id_column] if spec.id_column else [])
+        columns += [c for c in [*spec.passthrough, *spec.sampling_columns.values()] if c not in columns]
         index = 0
         for batch in self._batches(columns):
             data = batch.to_pydict() if isinstance(batch, pa.RecordBatch) else batch
-            n = len(data[self.spec.prompt_column])
+            n = len(data[spec.prompt_column])
             for j in range(n):
                 if limit is not None and index >= limit:
                     return
                 if shard.owns(index):
                     yield InputRow(
                         index=index,
-                        id=data[self.spec.id_column][j] if self.spec.id_column else index,
-                        prompt=data[self.spec.prompt_column][j],
-                        passthrough={c: data[c][j] for c in self.spec.passthrough},
+                        id=data[spec.id_column][j] if spec.id_column else index,
+                        prompt=data[spec.prompt_column][j],
+                        passthrough={c: data[c][j] for c in spec.passthrough},
+                        sampling={
+                            k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None
+                        },
                     )
                 index += 1
 
@@ -169,27 +178,98 @@ class InputSource:
             yield from self._dataset.select_columns(columns).iter(batch_size=BATCH_ROWS)
 
 
-def _parquet_files(pattern: str, source: str) -> list[str]:
+class OpenAIBatchSource:
+    """OpenAI Batch API input files (JSONL), streamed a line at a time; blank lines are skipped and a row's
+    index counts the other lines across the files in order. A line that cannot be served is a row whose
+    `error` says why (it becomes an error line in the output)."""
+
+    id_type = pa.string()
+
+    def __init__(self, spec: InputSpec, source: str = "<job>"):
+        self.spec = spec
+        self.source = source
+        self.files = _matching_files(spec.openai_batch, "input.openai_batch", "JSONL", source, "*.jsonl")
+
+    def passthrough_fields(self) -> list[pa.Field]:
+        return []
+
+    def _lines(self) -> Iterator[tuple[str, int, str]]:
+        """(file, 1-based line number, text) of every non-blank line."""
+        for f in self.files:
+            try:
+                with open(f, encoding="utf-8") as fh:
+                    for number, text in enumerate(fh, 1):
+                        if text.strip():
+                            yield f, number, text
+            except (OSError, UnicodeDecodeError) as e:
+                raise BadInput(f"{self.source}: key `input.openai_batch`: cannot read {f} ({e}).") from None
+
+    def num_rows(self) -> int:
+        return sum(1 for _ in self._lines())
+
+    def rows(self, shard: Shard = Shard(), limit: int | None = None) -> Iterator[InputRow]:
+        for index, (f, number, text) in enumerate(self._lines()):
+            if limit is not None and index >= limit:
+                return
+            if not shard.owns(index):
+                continue
+            row_id, request = openai_batch.parse_line(text, index)
+            error = request.get("error")
+            yield InputRow(
+                index=index,
+                id=row_id,
+                prompt=request.get("prompt"),
+                sampling=request.get("sampling", {}),
+                request=request,  # with its error, when it has one: the output line needs its custom_id
+                error=f"{Path(f).name} line {number}: {error}" if error else None,
+            )
+
+    def ids(self, limit: int | None = None) -> Iterator[Any]:
+        for row in self.rows(Shard(), limit):
+            yield row.id
+
+    def check_unique_ids(self, limit: int | None = None) -> None:
+        seen: set = set()
+        for row in self.rows(Shard(), limit):
+            if row.id in seen:
+                raise BadInput(
+                    f"{self.source}: key `input.openai_batch`: custom_id {row.id!r} appears more than once (row "
+                    f"{row.index}); custom ids must be unique, since outputs and resume are keyed on them."
+                )
+            seen.add(row.id)
+
+
+def open_source(spec: InputSpec, source: str = "<job>") -> InputSource | OpenAIBatchSource:
+    """The job's input, opened and checked."""
+    if spec.openai_batch is not None:
+        return OpenAIBatchSource(spec, source)
+    return InputSource(spec, source)
+
+
+def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob: str) -> list[str]:
     p = Path(pattern).expanduser()
     if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*.parquet") if not f.name.startswith("."))
+        files = sorted(str(f) for f in p.rglob(suffix_glob) if not f.name.startswith("."))
     elif p.is_file():
         files = [str(p)]
     else:
         files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
     if not files:
         raise BadInput(
-            f"{source}: key `input.parquet`: no Parquet files match {pattern!r} "
-            f"(expected a file, a directory of .parquet files, or a glob)."
+            f"{source}: key `{key}`: no {kind} files match {pattern!r} "
+            f"(expected a file, a directory of {suffix_glob} files, or a glob)."
         )
     return files
+
+
+def _parquet_files(pattern: str, source: str) -> list[str]:
+    return _matching_files(pattern, "input.parquet", "Parquet", source, "*.parquet")
 
 
 def _open_dataset(spec: InputSpec, source: str):
     """A save_to_disk directory, local data files through load_dataset, or a dataset in the local cache."""
     ds = spec.dataset
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the network
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
     path = Path(ds.path).expanduser()

@@ -7,9 +7,11 @@ Each measurement runs in its own subprocess (so its peak memory is its own), on 
    default max_num_seqs vs HF `generate` padded in batches of 16 and of 60;
 3. preemption: 64 short prompts generating 64 tokens each, with a quarter of the KV pages they peak at — swap
    vs recompute vs unconstrained;
-4. sharing: 32 rows behind a common ~220-token system prompt — prefix sharing on vs off.
+4. sharing: 32 rows behind a common ~220-token system prompt — prefix sharing on vs off;
+5. logprobs: the reference workload with `sampling.logprobs: 5` vs without, alternated, twice each.
 
-Usage: python bench/run_bench.py [--quick] [--only throughput,bar,preemption,sharing] [--out bench/last.json]
+Usage: python bench/run_bench.py [--quick] [--only throughput,bar,preemption,sharing,logprobs]
+       [--out bench/last.json]
 """
 
 from __future__ import annotations
@@ -79,7 +81,6 @@ def run_batchrun(args) -> dict:
     overrides = [
         f"input.parquet={data}",
         f"output.path={out}",
-        f"output.stats={out}/stats.parquet",
         f"sampling.max_new_tokens={args.max_new_tokens}",
         f"engine.max_num_seqs={args.batch}",
         "input.id_column=id",
@@ -205,7 +206,7 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="smaller workloads (a smoke run, not for RESULTS.md)"
     )
-    ap.add_argument("--only", default="throughput,bar,preemption,sharing")
+    ap.add_argument("--only", default="throughput,bar,preemption,sharing,logprobs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "last.json"))
     args = ap.parse_args()
     if args.one == "batchrun":
@@ -309,6 +310,18 @@ def main() -> None:
             "peak_pages_ratio": on["peak_pages_used"] / off["peak_pages_used"],
         }
 
+    if "logprobs" in only:
+        print("logprobs: the reference workload (60 prompts, 64 new tokens) with logprobs 5 vs without")
+        work = prepare(base / "logprobs", make_prompts(tok, 60, 15, 450, seed=5))
+        runs = {"plain": [], "logprobs": []}
+        for i in range(2):
+            runs["plain"].append(measure("batchrun", f"plain-{i}", work, 256, 64))
+            runs["logprobs"].append(
+                measure("batchrun", f"logprobs5-{i}", work, 256, 64, ["sampling.logprobs=5"])
+            )
+        mean = {k: sum(x["tokens_per_s"] for x in v) / len(v) for k, v in runs.items()}
+        report["logprobs"] = {**runs, "ratio": mean["logprobs"] / mean["plain"]}
+
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(format_report(report))
 
@@ -380,6 +393,12 @@ def format_report(r: dict) -> str:
         lines.append(
             f"sharing on / off: {s['speedup']:.2f}x tokens/s, {s['peak_pages_ratio']:.2f}x peak pages"
         )
+    if "logprobs" in r:
+        g = r["logprobs"]
+        lines += ["", "| run | tok/s | generated tokens |", "|---|---|---|"]
+        for x in [*g["plain"], *g["logprobs"]]:
+            lines.append(f"| {x['label']} | {x['tokens_per_s']:.1f} | {x['generated_tokens']} |")
+        lines.append(f"logprobs 5 / plain: {g['ratio']:.2f}x tokens/s (means of the runs)")
     return "\n".join(lines)
 
 

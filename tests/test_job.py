@@ -86,7 +86,7 @@ def test_non_string_prompt_column_gives_error_rows(tmp_path):
     )
     rows = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
     assert [r["finish_reason"] for r in rows.values()] == ["error", "error"]
-    assert all("not a string" in r["error"] for r in rows.values())
+    assert all("neither a string nor a conversation" in r["error"] for r in rows.values())
     assert pq.read_schema(next((tmp_path / "out").glob("part-*.parquet"))).field("id").type == pa.int64()
 
 

@@ -95,7 +95,7 @@ def test_sigterm_stops_cleanly_with_code_3_then_resumes(job, reference):
     assert "resume" in err and "Traceback" not in err
     partial = read_outputs(out)
     assert 0 < len(partial) < N_ROWS
-    assert (out / "stats.parquet").exists()
+    assert (out / ".batchrun" / "stats.parquet").exists()
     r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}")
     assert r.returncode == 0, r.stderr
     assert {k: v["completion"] for k, v in read_outputs(out).items()} == reference
@@ -108,7 +108,7 @@ def test_shards_together_equal_the_unsharded_run(job, reference):
         r = run_cli("submit", str(job_file), "--quiet", "--shard", f"{i}/3", "--set", f"output.path={out}")
         assert r.returncode == 0, r.stderr
     assert {k: v["completion"] for k, v in read_outputs(out).items()} == reference
-    assert len(list(out.glob("stats-*.parquet"))) == 3
+    assert len(list((out / ".batchrun").glob("stats-*.parquet"))) == 3
     s = run_cli("stats", str(out), "--json")
     assert s.returncode == 0, s.stderr
     import json

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import time
 
+import pyarrow.parquet as pq
 import pytest
 from helpers import ROOT, read_outputs, run_cli, write_job, write_prompts
 
@@ -47,7 +48,7 @@ output:
     r = run_cli("slurm", str(job), "--array", "3", "--time", "00:10:00", "--submit", env=slurm, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job_id = re.search(r"submitted array job (\d+)", r.stdout).group(1)
-    script = (tmp_path / "out" / "slurm" / "slurmdemo.sbatch").read_text()
+    script = (tmp_path / "out" / ".batchrun" / "slurm" / "slurmdemo.sbatch").read_text()
     assert "--array=0-2" in script and "--signal=B:TERM@" in script and "--requeue" in script
     env = {**os.environ, **slurm}
     deadline = time.time() + 300
@@ -61,9 +62,10 @@ output:
     rows = read_outputs(tmp_path / "out")  # asserts no (id, sample) twice
     assert sorted(rows) == sorted((f"r{i}", 0) for i in range(n)), sorted(rows)
     assert all(r["finish_reason"] in ("eos", "length") for r in rows.values())
-    logs = list((tmp_path / "out" / "slurm").glob("*.err"))
+    logs = list((tmp_path / "out" / ".batchrun" / "slurm").glob("*.err"))
     assert len(logs) == 3, logs
-    assert len(list((tmp_path / "out").glob("stats-*of00003.parquet"))) == 3
+    assert len(list((tmp_path / "out" / ".batchrun").glob("stats-*of00003.parquet"))) == 3
+    assert pq.read_table(tmp_path / "out").num_rows == n, "the output directory holds completions only"
 
 
 def test_slurm_script_without_sbatch_is_written_and_submit_explains(tmp_path):
@@ -76,7 +78,7 @@ def test_slurm_script_without_sbatch_is_written_and_submit_explains(tmp_path):
         "slurm", str(job), "--array", "4", "--partition", "gpu", "--gpus-per-task", "1", "--mem", "32G"
     )
     assert r.returncode == 0, r.stderr
-    text = (tmp_path / "out" / "slurm" / "s.sbatch").read_text()
+    text = (tmp_path / "out" / ".batchrun" / "slurm" / "s.sbatch").read_text()
     for line in (
         "#SBATCH --array=0-3",
         "#SBATCH --partition=gpu",

@@ -103,8 +103,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Cached pages (and their hashes) that hold a prefix of seq's tokens. The last token is never matched:
         its logits are needed, so at least one token of the prompt is always computed."""
-        if not self.prefix_sharing:
-            return [], []
+        if not self.prefix_sharing or seq.prompt_logprobs is not None:
+            return [], []  # a sequence scoring its prompt computes all of it
         tokens = seq.token_ids
         P = self.page_size
         pages, hashes = [], []

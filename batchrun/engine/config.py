@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from ..checks import at_least, check_fields, in_range, one_of, power_of_two, size, size_or_fraction
+from ..checks import (
+    FieldError,
+    at_least,
+    check_fields,
+    in_range,
+    one_of,
+    power_of_two,
+    size,
+    size_or_fraction,
+)
 
 
 def _device(v: str) -> str | None:
@@ -38,7 +47,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = field(default=256, metadata={"check": at_least(1)})
+    max_new_tokens: int = field(default=256, metadata={"check": at_least(0)})  # 0: score the prompt only
     temperature: float = field(default=0.0, metadata={"check": at_least(0)})
     top_p: float = field(default=1.0, metadata={"check": in_range(0, 1, open_low=True)})
     top_k: int = field(default=-1, metadata={"check": lambda v: None if v == -1 or v >= 1 else "-1 or >= 1"})
@@ -46,6 +55,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, cut from the completion
     n: int = field(default=1, metadata={"check": at_least(1)})  # samples per prompt, sharing its pages
     ignore_eos: bool = False
+    # log-probabilities of each generated token and of the K most likely there, from the raw logits
+    logprobs: int | None = field(default=None, metadata={"check": in_range(0, 20)})
+    prompt_logprobs: bool = False  # log p(token_i | tokens before it) for every prompt token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +65,10 @@ class SamplingParams:
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
         check_fields(self)
+        if self.max_new_tokens == 0 and not (self.prompt_logprobs and self.n == 1):
+            raise FieldError(
+                "max_new_tokens", "0 makes a scoring job: it needs prompt_logprobs: true and n: 1"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -23,7 +23,7 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, KVCacheShape
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import prompt_logprobs, sample, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 
@@ -143,6 +143,10 @@ class Engine:
         """Queue a prompt; with params.n > 1 the other samples are forked once the prompt is prefilled.
         `seeds[i]` seeds sample i's generator (sampled rows only)."""
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params, request=request)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs:
+            seq.prompt_logprobs = [None]
         seq.num_siblings_to_fork = params.n - 1
         seq.sibling_seeds = list(seeds) if seeds else [params.seed + i for i in range(params.n)]
         assert len(seq.sibling_seeds) == params.n, "one seed per sample"
@@ -174,23 +178,41 @@ class Engine:
                     "scheduler made no progress: nothing is running and nothing can be admitted"
                 )
             return result
+        # positions scoring prompt tokens, fixed before the forward (scoring them changes what is left)
+        scoring = [s.prompt_logprob_positions for s in plan.scheduled]
         logits = self.runner.execute(plan.scheduled)
+        if any(scoring):
+            self._score_prompts(plan, scoring, logits)
         sampling, rows = [], []  # sequences that sample, and the logits row each samples from
-        num_logit_rows = 0
-        for s in plan.scheduled:
+        row = 0
+        for s, positions in zip(plan.scheduled, scoring):
             seq = s.seq
             result.num_prompt_tokens += max(
                 0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start
             )
             seq.num_computed_tokens += s.num_new_tokens
-            if s.samples:
+            row += len(positions)
+            if s.needs_sample_logits:
                 for member in [seq, *self._fork_siblings(seq)]:
                     sampling.append(member)
-                    rows.append(num_logit_rows)
-                num_logit_rows += 1
+                    rows.append(row)
+                row += 1
+            elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                result.finished.append(seq)
         if sampling:
-            row_index = torch.tensor(rows, device=logits.device)
-            tokens = sample(logits[row_index], sampling)
+            sample_logits = logits[torch.tensor(rows, device=logits.device)]
+            tokens = sample(sample_logits, sampling)
+            want = [j for j, seq in enumerate(sampling) if seq.logprobs is not None]
+            if want:
+                entries = token_logprobs(
+                    sample_logits[want],
+                    [tokens[j] for j in want],
+                    [sampling[j].params.logprobs for j in want],
+                )
+                for j, entry in zip(want, entries):
+                    sampling[j].logprobs.append(entry)
             for seq, token in zip(sampling, tokens):
                 seq.append_token(token)
                 result.num_generated += 1
@@ -198,6 +220,20 @@ class Engine:
                     self.scheduler.finish(seq)
                     result.finished.append(seq)
         return result
+
+    def _score_prompts(self, plan: SchedulerOutput, scoring: list[range], logits: torch.Tensor) -> None:
+        """Prompt logprobs of this step's scoring positions. Logits rows come per sequence: its scoring
+        positions, then its sampling position."""
+        rows, targets = [], []
+        row = 0
+        for s, positions in zip(plan.scheduled, scoring):
+            rows += range(row, row + len(positions))
+            targets += [s.seq.prompt_token_ids[p + 1] for p in positions]
+            row += len(positions) + s.needs_sample_logits
+        scores = iter(prompt_logprobs(logits[torch.tensor(rows, device=logits.device)], targets))
+        for s, positions in zip(plan.scheduled, scoring):
+            if positions:
+                s.seq.prompt_logprobs += [next(scores) for _ in positions]
 
     def _fork_siblings(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: once the prompt is prefilled, the other samples share every page of it."""
@@ -211,6 +247,10 @@ class Engine:
                 sample_index=i,
             )
             child.output_token_ids = list(parent.output_token_ids)
+            if parent.prompt_logprobs is not None:
+                child.prompt_logprobs = list(parent.prompt_logprobs)
+            if parent.logprobs is not None:
+                child.logprobs = list(parent.logprobs)
             if not parent.params.greedy:
                 child.generator = self._generator(parent.sibling_seeds[i])
             self.scheduler.fork(parent, child)

@@ -3,7 +3,7 @@
 One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], the slot mapping
 (where each token's K/V goes), the attention backend's metadata (built once here, before the forward, and
 shared by every layer), and the indices of the tokens whose logits are needed (the last token of each sequence
-that samples this step).
+that samples this step, and the prompt positions of sequences that asked for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class ModelRunner:
         query_lens, context_lens, tables, logits_index = [], [], [], []
         for s in scheduled:
             seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
+            logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
             input_ids += seq.token_slice(start, end)
             positions += range(start, end)
             bt = seq.block_table
@@ -40,7 +41,7 @@ class ModelRunner:
             query_lens.append(s.num_new_tokens)
             context_lens.append(end)
             tables.append(bt)
-            if s.samples:
+            if s.needs_sample_logits:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
         layout = StepLayout(
@@ -59,7 +60,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step; returns logits [num sampling sequences, vocab] in `scheduled` order."""
+        """Run one step; returns logits [rows, vocab] in `scheduled` order: for each sequence, its prompt-logprob
+        positions (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
         ids, pos, meta, logits_index = self.prepare(scheduled)
         if logits_index.numel() == 0:
             # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V

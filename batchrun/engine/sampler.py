@@ -1,4 +1,5 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, each row with its own seeded generator.
+"""Next-token sampling (greedy, temperature, top-k, top-p, each row with its own seeded generator) and the
+log-probabilities rows ask for.
 
 A row's random draws come only from its own `torch.Generator`, so its completion does not depend on which
 rows share its batch.
@@ -41,3 +42,25 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     for j, i in enumerate(random_rows):
         tokens[i] = int(torch.multinomial(probs[j], 1, generator=seqs[i].generator).item())
     return tokens
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int]) -> list[float]:
+    """logits [N, V] -> log-softmax of row i at targets[i] (the raw logits: no temperature, no mask)."""
+    logp = logits.float().log_softmax(dim=-1)
+    index = torch.tensor(targets, device=logits.device)[:, None]
+    return logp.gather(1, index)[:, 0].tolist()
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], ks: list[int]
+) -> list[tuple[int, float, list[int], list[float]]]:
+    """For each row: (the chosen token, its logprob, the k most likely tokens, their logprobs), computed from
+    the raw logits (before temperature, top-k, top-p and any grammar mask), most likely first."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    k_max = max(ks)
+    top_lp, top_ids = logp.topk(k_max, dim=-1) if k_max else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [
+        (token, lp, ids[:k], lps[:k]) for token, lp, ids, lps, k in zip(tokens, chosen, top_ids, top_lp, ks)
+    ]

@@ -27,8 +27,25 @@ class ScheduledSequence:
 
     @property
     def samples(self) -> bool:
-        """Whether this step ends at the sequence's last token, so a next token is sampled."""
+        """Whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
+        sequence with max_new_tokens 0, the sequence is done)."""
         return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def needs_sample_logits(self) -> bool:
+        return self.samples and self.seq.params.max_new_tokens > 0
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this step whose logits score the next prompt token and are not scored yet (a
+        recomputed prompt is not scored twice). Position p scores prompt token p + 1."""
+        scored = self.seq.prompt_logprobs
+        if scored is None:
+            return range(0)
+        return range(
+            max(self.start, len(scored) - 1),
+            min(self.start + self.num_new_tokens, self.seq.num_prompt_tokens - 1),
+        )
 
 
 @dataclass

@@ -32,6 +32,10 @@ class Sequence:
     sibling_seeds: list[int] = field(default_factory=list)  # the generator seed of each sample 0 .. n-1
     finish_reason: str | None = None
     generator: Any = None  # torch.Generator for sampled rows
+    # with params.logprobs: one (token_id, logprob, top token ids, top logprobs) per generated token
+    logprobs: list[tuple[int, float, list[int], list[float]]] | None = None
+    # with params.prompt_logprobs: log p(prompt token i | tokens before it); None for the first token
+    prompt_logprobs: list[float | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
