@@ -81,15 +81,34 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Delete the output directory's part files and start over.")
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="Only the first N input rows.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--replicas",
+    default=None,
+    metavar="N|auto",
+    help="Engine processes on this machine sharing the rows (default: engine.replicas; auto: one per GPU).",
+)
+@click.option(
+    "--wait", is_flag=True, help="If another run holds this shard, wait for it instead of exiting 2."
+)
 @handle_errors
-def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet) -> None:
+def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, replicas, wait) -> None:
     """Run JOB_FILE in the foreground; exit 0 once every row has an output row."""
     from .config import load_job
     from .job import Job
     from .report import format_summary
 
+    if replicas is not None:
+        overrides = (*overrides, f"engine.replicas={replicas}")
     spec = load_job(job_file, overrides)
-    job = Job(spec, default_shard(shard), resume=resume, overwrite=overwrite, limit=limit, progress=not quiet)
+    job = Job(
+        spec,
+        default_shard(shard),
+        resume=resume,
+        overwrite=overwrite,
+        limit=limit,
+        progress=not quiet,
+        wait=wait,
+    )
     summary = job.run()
     if summary is None:
         click.echo(
@@ -141,6 +160,19 @@ def stats(path: Path, plot_path, as_json) -> None:
     if plot_path:
         plot(path, plot_path)
         click.echo(f"plot: {plot_path}")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@handle_errors
+def status(out_dir: Path, as_json) -> None:
+    """How far the job writing OUT_DIR is: rows done and total per shard and overall, rate, ETA, and which
+    shards are running, finished, failed or stale (during a run or after)."""
+    from .status import format_status, job_status
+
+    st = job_status(out_dir)
+    click.echo(json.dumps(st, indent=2) if as_json else format_status(st))
 
 
 @main.command()

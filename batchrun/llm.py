@@ -20,6 +20,7 @@ from typing import Any
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .engine.engine import check_memory_budget
 from .errors import BadInput
 
 Conversation = list[dict[str, str]]
@@ -110,6 +111,10 @@ class LLM:
         self.device = model_loader.pick_device(engine.device)
         self.dtype = model_loader.pick_dtype(model.dtype, self.device)
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
+        try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
+            check_memory_budget(engine, model_loader.load_config(self.model_dir), self.dtype, self.device)
+        except BadInput as e:
+            raise BadInput(f"{source}: {e}") from None
         self.tokenizer, hf_model = model_loader.load_model(self.model_dir, self.dtype, self.device)
         self._token_texts: dict[int, str] = {}
         try:

@@ -183,6 +183,16 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return getattr(torch, requested)
 
 
+def load_config(model_dir: Path):
+    """The model's config alone (no weights)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as e:
+        raise BadInput(f"model.path: cannot read the model's config in {model_dir}: {e}") from None
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from .config import STATE_DIR
 from .errors import BadInput
-from .stats import SUMMARY_KEYS, read_summary
+from .stats import combine, read_summary
 
 
 def stats_files(path: Path) -> list[Path]:
@@ -32,25 +32,9 @@ def load_summary(path: Path) -> dict:
             summaries.append(read_summary(f))
         except Exception as e:
             raise BadInput(f"{f}: not a batchrun stats file ({e}).") from None
-    return summaries[0] if len(summaries) == 1 else combine(summaries)
-
-
-def combine(summaries: list[dict]) -> dict:
-    """Shards ran side by side: each key combines as `SUMMARY_KEYS` says (counts add up, peaks are maxima,
-    means are weighted by each shard's steps, throughput is total tokens over the longest wall time)."""
-    out = dict(summaries[0])
-    steps = sum(s.get("steps", 0) for s in summaries) or 1
-    for key, how in SUMMARY_KEYS.items():
-        values = [s.get(key, 0) for s in summaries]
-        if how == "sum":
-            out[key] = sum(values)
-        elif how == "max":
-            out[key] = max(values)
-        elif how == "mean":
-            out[key] = sum(v * s.get("steps", 0) for v, s in zip(values, summaries)) / steps
-    wall = out["wall_s"]
-    out["prompt_tokens_per_s"] = out["prompt_tokens"] / wall if wall else 0.0
-    out["generated_tokens_per_s"] = out["generated_tokens"] / wall if wall else 0.0
+    if len(summaries) == 1:
+        return summaries[0]
+    out = combine(summaries)
     out["shards"] = len(summaries)
     return out
 
@@ -65,7 +49,12 @@ def _bytes(n: float) -> str:
 
 def format_summary(s: dict) -> str:
     lines = [
-        ("wall time", f"{s['wall_s']:.1f} s" + (f" ({s['shards']} shards)" if s.get("shards") else "")),
+        (
+            "wall time",
+            f"{s['wall_s']:.1f} s"
+            + (f" over {s['runs']} runs" if s.get("runs", 1) > 1 else "")
+            + (f" ({s['shards']} shards)" if s.get("shards") else ""),
+        ),
         ("rows", f"{s['rows']}"),
         (
             "prompt tokens",

@@ -126,12 +126,32 @@ class Done:
 
     pairs: set = field(default_factory=set)
     rows: set = field(default_factory=set)
+    rows_per_shard: dict[str, int] = field(default_factory=dict)  # "I/N" (from the part's name) -> input rows
 
     def has(self, row_id: Any, num_samples: int) -> bool:
         return row_id in self.rows or all((row_id, i) in self.pairs for i in range(num_samples))
 
     def __len__(self) -> int:
         return len(self.pairs) + len(self.rows)
+
+    def count(self, part: Path, input_rows: int) -> None:
+        shard = part_shard(part)
+        self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) + input_rows
+
+
+def rows_in_part(part: Path) -> int:
+    """Input rows a part holds: Parquet rows of sample 0 (a row's samples are written together), JSONL lines."""
+    if part.suffix == ".parquet":
+        return sum(1 for s in pq.read_table(part, columns=["sample"]).column("sample").to_pylist() if s == 0)
+    with open(part, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def part_shard(part: Path) -> str:
+    """'I/N' of a part file, from its name (part-IIIIIofNNNNN-...)."""
+    head = part.name.split("-")[1]
+    index, count = head.split("of")
+    return f"{int(index)}/{int(count)}"
 
 
 class ParquetParts:
@@ -158,7 +178,9 @@ class ParquetParts:
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs == fp:
             table = pq.read_table(part, columns=["id", "sample"])
-            done.pairs.update(zip(table.column("id").to_pylist(), table.column("sample").to_pylist()))
+            samples = table.column("sample").to_pylist()
+            done.pairs.update(zip(table.column("id").to_pylist(), samples))
+            done.count(part, sum(1 for s in samples if s == 0))  # a row's samples are written together
         return theirs
 
 
@@ -196,6 +218,7 @@ class JsonlParts:
         tag = part.stem.split("-fp", 1)[1][:16] if "-fp" in part.stem else ""
         if tag != fp[:16]:
             return tag
+        lines = 0
         with open(part, encoding="utf-8") as f:
             for text in f:
                 line = json.loads(text)
@@ -203,6 +226,8 @@ class JsonlParts:
                 if key is None:
                     key = openai_batch.line_key(openai_batch.index_of_request_id(line["id"]))
                 done.rows.add(key)
+                lines += 1
+        done.count(part, lines)
         return fp
 
 

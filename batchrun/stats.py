@@ -21,8 +21,11 @@ import pyarrow.parquet as pq
 from .engine import Engine, StepResult
 
 SUMMARY_KEY = b"batchrun.summary"
+FINGERPRINT_KEY = b"batchrun.fingerprint"
 
 COLUMNS = [
+    "run",  # 1 for the first run of the job, 2 for its first resume, ...
+    "replica",  # the engine process that took the step (0 without replicas)
     "step",
     "time_s",
     "num_running",
@@ -50,40 +53,65 @@ COLUMNS = [
 ]
 FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
 
-# Every key of the summary, and how `batchrun stats DIR` combines the shards' values: "sum"; "max"; "mean"
-# (weighted by steps); "rate" (the summed tokens over the longest wall time); "first" (the same for every shard).
+# Every key of the summary, and how summaries combine: (side by side -- shards, replicas; one after another --
+# resumed runs). "sum"; "max"; "mean" (weighted by steps); "rate" (summed tokens over the combined wall time);
+# "first" (the same for all).
 SUMMARY_KEYS = {
-    "wall_s": "max",
-    "rows": "sum",
-    "steps": "sum",
-    "prompt_tokens": "sum",
-    "prompt_tokens_computed": "sum",
-    "generated_tokens": "sum",
-    "prompt_tokens_per_s": "rate",
-    "generated_tokens_per_s": "rate",
-    "peak_running": "sum",
-    "mean_running": "mean",
-    "kv_utilization_mean": "mean",
-    "kv_utilization_peak": "max",
-    "internal_fragmentation_mean": "mean",
-    "external_fragmentation_max": "max",
-    "duplication_saved_peak": "max",
-    "prefix_query_tokens": "sum",
-    "prefix_hit_tokens": "sum",
-    "cow_copies": "sum",
-    "preemptions": "sum",
-    "recomputations": "sum",
-    "swap_out_pages": "sum",
-    "swap_in_pages": "sum",
-    "swap_out_bytes": "sum",
-    "swap_in_bytes": "sum",
-    "contiguous_utilization_mean": "mean",
-    "contiguous_max_concurrency": "sum",
-    "page_size": "first",
-    "pages_total": "sum",
-    "peak_pages_used": "sum",
-    "bytes_per_page": "first",
+    "wall_s": ("max", "sum"),
+    "runs": ("max", "sum"),
+    "rows": ("sum", "sum"),
+    "steps": ("sum", "sum"),
+    "prompt_tokens": ("sum", "sum"),
+    "prompt_tokens_computed": ("sum", "sum"),
+    "generated_tokens": ("sum", "sum"),
+    "prompt_tokens_per_s": ("rate", "rate"),
+    "generated_tokens_per_s": ("rate", "rate"),
+    "peak_running": ("sum", "max"),
+    "mean_running": ("mean", "mean"),
+    "kv_utilization_mean": ("mean", "mean"),
+    "kv_utilization_peak": ("max", "max"),
+    "internal_fragmentation_mean": ("mean", "mean"),
+    "external_fragmentation_max": ("max", "max"),
+    "duplication_saved_peak": ("max", "max"),
+    "prefix_query_tokens": ("sum", "sum"),
+    "prefix_hit_tokens": ("sum", "sum"),
+    "cow_copies": ("sum", "sum"),
+    "preemptions": ("sum", "sum"),
+    "recomputations": ("sum", "sum"),
+    "swap_out_pages": ("sum", "sum"),
+    "swap_in_pages": ("sum", "sum"),
+    "swap_out_bytes": ("sum", "sum"),
+    "swap_in_bytes": ("sum", "sum"),
+    "contiguous_utilization_mean": ("mean", "mean"),
+    "contiguous_max_concurrency": ("sum", "max"),
+    "page_size": ("first", "first"),
+    "pages_total": ("sum", "max"),
+    "peak_pages_used": ("sum", "max"),
+    "bytes_per_page": ("first", "first"),
+    "structured_rows": ("sum", "sum"),
+    "structured_complete": ("sum", "sum"),
+    "grammar_compile_s": ("sum", "sum"),
+    "grammar_mask_s": ("sum", "sum"),
 }
+
+
+def combine(summaries: list[dict], sequential: bool = False) -> dict:
+    """One summary from several: side by side (shards, replicas of one run) or one after another (runs)."""
+    out = dict(summaries[0])
+    steps = sum(s.get("steps", 0) for s in summaries) or 1
+    for key, rules in SUMMARY_KEYS.items():
+        how = rules[sequential]
+        values = [s.get(key, 0) for s in summaries]
+        if how == "sum":
+            out[key] = sum(values)
+        elif how == "max":
+            out[key] = max(values)
+        elif how == "mean":
+            out[key] = sum(v * s.get("steps", 0) for v, s in zip(values, summaries)) / steps
+    wall = out["wall_s"]
+    out["prompt_tokens_per_s"] = out["prompt_tokens"] / wall if wall else 0.0
+    out["generated_tokens_per_s"] = out["generated_tokens"] / wall if wall else 0.0
+    return out
 
 
 def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, recount: bool = False) -> dict:
@@ -158,59 +186,68 @@ class _Running:
 
 
 class StatsCollector:
-    """Keeps per-step rows (thinned to about 10 a second; first, last and preemption steps always kept),
-    running aggregates for the summary, and writes `stats.parquet` atomically — at the end and every
-    `refresh_s` seconds, so a killed job still leaves statistics for what it did."""
+    """One engine's statistics: per-step rows (thinned to about 10 a second; first, last and preemption steps
+    always kept) and running aggregates for its summary. `StatsFile` writes them."""
 
     def __init__(
         self,
-        path: Path | None,
         engine: Engine,
         extra: dict | None = None,
+        replica: int = 0,
         min_interval_s: float = 0.1,
-        refresh_s: float = 10.0,
         debug_recount: bool = False,
     ):
-        self.path = Path(path) if path else None
         self.engine = engine
         self.extra = dict(extra or {})  # facts about the run (job, device, dtype...) added to the summary
+        self.replica = replica
         self.min_interval_s = min_interval_s
-        self.refresh_s = refresh_s
         self.debug_recount = debug_recount or os.environ.get("BATCHRUN_DEBUG_STATS") == "1"
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # kept rows not yet taken
         self.agg = _Running()
         self.start = time.perf_counter()
         self._last_kept = -math.inf
-        self._last_write = time.perf_counter()
         self._pending: dict | None = None  # the latest unkept row, so the last step is always written
         self.step_index = 0
         self.rows_done = 0
         self.prompt_tokens = 0  # prompt tokens of the rows finished
         self.prompt_tokens_computed = 0  # prefix-cache hits excluded, recomputation included
         self.generated_tokens = 0
+        self.structured_rows = 0  # output rows with a response format, and those whose grammar completed
+        self.structured_complete = 0
 
     def record(self, step: StepResult) -> dict:
         now = time.perf_counter() - self.start
         row = snapshot(self.engine, step, self.step_index, now, recount=self.debug_recount)
+        row["replica"] = self.replica
         self.step_index += 1
         self.generated_tokens += step.num_generated
         self.prompt_tokens_computed += step.num_prompt_tokens
         self.prompt_tokens += sum(s.num_prompt_tokens for s in step.finished if s.sample_index == 0)
+        for seq in step.finished:
+            if seq.grammar is not None:
+                self.structured_rows += 1
+                self.structured_complete += seq.grammar.is_terminated()
         self._aggregate(row)
         for seq in self.engine.running_sequences():
             if seq.seq_id not in self.agg.seen_reservations:
                 self.agg.seen_reservations.add(seq.seq_id)
                 self.agg.reservation_sum += self.engine.reservation(seq)
                 self.agg.reservation_n += 1
-        if not self.rows or row["preemptions"] or now - self._last_kept >= self.min_interval_s:
+        if self.step_index == 1 or row["preemptions"] or now - self._last_kept >= self.min_interval_s:
             self.rows.append(row)
             self._last_kept = now
             self._pending = None
         else:
             self._pending = row
-        if self.path and time.perf_counter() - self._last_write >= self.refresh_s:
-            self.write()
         return row
+
+    def take_rows(self, final: bool = False) -> list[dict]:
+        """The rows kept since the last call (the last step's too when `final`)."""
+        rows, self.rows = self.rows, []
+        if final and self._pending is not None:
+            rows.append(self._pending)
+            self._pending = None
+        return rows
 
     def _aggregate(self, row: dict) -> None:
         a = self.agg
@@ -239,11 +276,13 @@ class StatsCollector:
         a = self.agg
         wall = time.perf_counter() - self.start
         m = self.engine.memory_snapshot()
+        compile_s, mask_s = self.engine.grammar_times()
         bytes_per_page = self.engine.kv_shape.bytes_per_page
         total_slots = m.pages_total * m.page_size
         mean_reservation = a.reservation_sum / a.reservation_n if a.reservation_n else 0
         s = {
             "wall_s": wall,
+            "runs": 1,
             "rows": self.rows_done,
             "steps": a.steps,
             "prompt_tokens": self.prompt_tokens,
@@ -273,26 +312,82 @@ class StatsCollector:
             "pages_total": m.pages_total,
             "peak_pages_used": a.peak_pages_used,
             "bytes_per_page": bytes_per_page,
+            "structured_rows": self.structured_rows,
+            "structured_complete": self.structured_complete,
+            "grammar_compile_s": compile_s,
+            "grammar_mask_s": mask_s,
         }
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
         s.update(self.extra)
         return s
 
-    def write(self) -> None:
-        if self.path is None:
-            return
-        rows = self.rows + ([self._pending] if self._pending else [])
-        write_stats(self.path, rows, self.summary())
+
+class StatsFile:
+    """One shard's `stats.parquet` across the job's runs: the earlier runs' rows and summary (kept when the file
+    belongs to this job), then this run's rows (from every replica) and summary. Written atomically, every
+    `refresh_s` seconds while the run goes and at its end, so a killed run still leaves its statistics."""
+
+    def __init__(self, path: Path, fingerprint: str, fresh: bool = False, refresh_s: float = 10.0):
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self.refresh_s = refresh_s
+        self.earlier_rows: list[dict] = []
+        self.earlier: dict | None = None
+        if not fresh and self.path.is_file():
+            self._load_earlier()
+        self.run = (self.earlier or {}).get("runs", 0) + 1
+        self.rows: list[dict] = []
         self._last_write = time.perf_counter()
 
+    def _load_earlier(self) -> None:
+        try:
+            meta = pq.read_schema(self.path).metadata or {}
+            theirs = meta.get(
+                FINGERPRINT_KEY, self.fingerprint.encode()
+            ).decode()  # files before fingerprints
+            if theirs != self.fingerprint:
+                return  # another job's statistics: this job starts its own
+            table = pq.read_table(self.path)
+            summary = json.loads(meta[SUMMARY_KEY])
+        except Exception:
+            return  # unreadable: start afresh rather than fail the run
+        summary.setdefault("runs", 1)
+        rows = table.to_pylist()
+        for r in rows:
+            r.setdefault("run", 1)
+            r.setdefault("replica", 0)
+        self.earlier, self.earlier_rows = summary, rows
 
-def write_stats(path: Path, rows: list[dict], summary: dict) -> None:
+    def add(self, rows: list[dict]) -> None:
+        for r in rows:
+            r["run"] = self.run
+        self.rows.extend(rows)
+
+    def due(self) -> bool:
+        return time.perf_counter() - self._last_write >= self.refresh_s
+
+    def start(self) -> None:
+        """Count this run at once: a run killed before its first refresh is still one of the job's runs."""
+        self.write({key: 0 for key in SUMMARY_KEYS} | {"runs": 1})
+
+    def write(self, run_summary: dict, job_rows: int | None = None) -> dict:
+        """Write everything; returns the whole job's summary (this run folded into the earlier ones).
+        `job_rows`: the rows the output directory holds (every run's, a killed run's too)."""
+        whole = combine([self.earlier, run_summary], sequential=True) if self.earlier else dict(run_summary)
+        if job_rows is not None:
+            whole["rows"] = job_rows
+        write_stats(self.path, self.earlier_rows + self.rows, whole, self.fingerprint)
+        self._last_write = time.perf_counter()
+        return whole
+
+
+def write_stats(path: Path, rows: list[dict], summary: dict, fingerprint: str = "") -> None:
     """Write rows + summary (JSON in key-value metadata) to a temporary name, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = {c: [r[c] for r in rows] for c in COLUMNS}
     schema = pa.schema(
         [(c, pa.float64() if c in FLOAT_COLUMNS else pa.int64()) for c in COLUMNS],
-        metadata={SUMMARY_KEY: json.dumps(summary).encode()},
+        metadata={SUMMARY_KEY: json.dumps(summary).encode(), FINGERPRINT_KEY: fingerprint.encode()},
     )
     table = pa.table(columns, schema=schema)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

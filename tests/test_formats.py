@@ -191,8 +191,18 @@ def openai_lines():
         "",
         json.dumps(chat("c-penalty", "Hi", frequency_penalty=1.0)),
     ]
-    for i in range(8):
+    for i in range(7):
         lines.append(json.dumps(chat(f"bulk-{i}", f"Say the number {i}.", max_tokens=10)))
+    lines.append(
+        json.dumps(
+            chat(
+                "c-json",
+                "Give a fruit and its colour as JSON.",
+                max_tokens=40,
+                response_format={"type": "json_object"},
+            )
+        )
+    )
     return lines
 
 
@@ -261,6 +271,10 @@ def test_openai_batch_file_both_endpoints(tmp_path, tok_model):
     assert "line 5" in broken[0]["error"]["message"]
     assert "messages" in lines["c-nomsg"]["error"]["message"] and lines["c-nomsg"]["response"] is None
     assert "frequency_penalty" in lines["c-penalty"]["error"]["message"]
+    structured = lines["c-json"]["response"]["body"]["choices"][0]
+    assert structured["finish_reason"] == "stop" and isinstance(
+        json.loads(structured["message"]["content"]), dict
+    )
     assert not list((tmp_path / "out").glob("*.parquet")), "the output directory holds the JSONL parts only"
 
 

@@ -99,6 +99,17 @@ def test_sigterm_stops_cleanly_with_code_3_then_resumes(job, reference):
     r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}")
     assert r.returncode == 0, r.stderr
     assert {k: v["completion"] for k, v in read_outputs(out).items()} == reference
+    # the statistics cover the whole job: both runs, every row, each step row tagged with its run
+    import json
+
+    import pyarrow.parquet as pq
+
+    summary = json.loads(run_cli("stats", str(out), "--json").stdout)
+    assert summary["runs"] == 2 and summary["rows"] == N_ROWS
+    table = pq.read_table(out / ".batchrun" / "stats.parquet", columns=["run", "generated_tokens"])
+    assert set(table.column("run").to_pylist()) == {1, 2}
+    assert sum(table.column("generated_tokens").to_pylist()) <= summary["generated_tokens"]
+    assert "over 2 runs" in run_cli("stats", str(out)).stdout
 
 
 def test_shards_together_equal_the_unsharded_run(job, reference):

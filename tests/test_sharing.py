@@ -22,7 +22,7 @@ def rows(tok_model):
 
 
 def run_with_stats(engine, prompts, params, **kw):
-    stats = StatsCollector(None, engine, debug_recount=True)
+    stats = StatsCollector(engine, debug_recount=True)
     seqs, steps = run_engine(engine, prompts, params, on_step=lambda eng, r: stats.record(r), **kw)
     return seqs, stats
 

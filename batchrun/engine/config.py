@@ -8,7 +8,7 @@ reads them as they are. A new option is one new field here, with its check; noth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from ..checks import (
     FieldError,
@@ -26,6 +26,38 @@ def _device(v: str) -> str | None:
     return None if v in ("auto", "cpu", "cuda") or str(v).startswith("cuda:") else "auto, cpu, cuda or cuda:N"
 
 
+FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
+
+
+def check_response_format(rf: Any) -> str | None:
+    """The shape of a response format (no compiling): None when fine, else what was expected."""
+    if not isinstance(rf, dict) or rf.get("type") not in FORMAT_TYPES:
+        return (
+            "a mapping {type: text | json_object | json_schema | regex | choice | grammar, ...}: json_schema with "
+            "json_schema: {name, schema, strict}, regex with regex: '...', choice with choices: [...], grammar "
+            "with grammar: '<EBNF>'"
+        )
+    kind = rf["type"]
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+            return "a json_schema format with json_schema: {name, schema: {...}, strict}"
+    elif kind == "regex" and not isinstance(rf.get("regex"), str):
+        return "a regex format with regex: '<a regular expression>'"
+    elif kind == "choice":
+        choices = rf.get("choices")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            return "a choice format with choices: a non-empty list of non-empty strings"
+    elif kind == "grammar" and not isinstance(rf.get("grammar"), str):
+        return "a grammar format with grammar: '<EBNF, root rule first>'"
+    return None
+
+
+def _replicas(v: int | str) -> str | None:
+    ok = v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+    return None if ok else "a number >= 1 or auto"
+
+
 @dataclass
 class EngineConfig:
     device: str = field(default="auto", metadata={"check": _device})
@@ -40,6 +72,9 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=8192, metadata={"check": at_least(1)})
     prefix_sharing: bool = True
     preemption: str = field(default="swap", metadata={"check": one_of("swap", "recompute")})
+    # engine processes on this machine sharing a run's rows (the job runner's, not one engine's): a count, or
+    # auto = one per visible GPU
+    replicas: Union[int, str] = field(default=1, metadata={"check": _replicas})  # noqa: UP007
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -58,6 +93,8 @@ class SamplingParams:
     # log-probabilities of each generated token and of the K most likely there, from the raw logits
     logprobs: int | None = field(default=None, metadata={"check": in_range(0, 20)})
     prompt_logprobs: bool = False  # log p(token_i | tokens before it) for every prompt token
+    # structured output (engine/structured.py): the allowed-token mask of a grammar, before sampling
+    response_format: dict[str, Any] | None = field(default=None, metadata={"check": check_response_format})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,3 +110,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def structured(self) -> bool:
+        return self.response_format is not None and self.response_format.get("type") != "text"

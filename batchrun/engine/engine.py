@@ -26,6 +26,7 @@ from .model_runner import ModelRunner
 from .sampler import prompt_logprobs, sample, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .structured import Grammars
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 
@@ -39,10 +40,51 @@ class StepResult:
 
 
 def available_ram() -> int:
+    """Memory a new allocation can get without swapping (MemAvailable), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 8 << 30
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> None:
+    """A KV budget larger than the memory there is: BadInput naming the key and what is available, before the
+    model loads (rather than a MemoryError, or the OOM killer, minutes later)."""
+    bytes_per_page = KVCacheShape.of_model(model_config, config.page_size, dtype).bytes_per_page
+    ram = available_ram()
+    if device.type == "cuda":
+        accelerator, _ = torch.cuda.mem_get_info(device)
+        where = f"free on {device}"
+    else:
+        accelerator, where = ram, "of available RAM"
+    wanted = []
+    if config.num_pages is not None:
+        wanted.append(("engine.num_pages", config.num_pages * bytes_per_page, accelerator, where))
+    elif not isinstance(config.kv_cache_memory, float | int):
+        wanted.append(("engine.kv_cache_memory", parse_size(config.kv_cache_memory), accelerator, where))
+    wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of available RAM"))
+    for key, need, have, what in wanted:
+        if need > have:
+            raise BadInput(
+                f"key `{key}`: asks for {_gib(need)} but only {_gib(have)} is {what}; lower it "
+                f"({bytes_per_page} bytes per KV page)."
+            )
+    if device.type == "cpu" and len(wanted) == 2 and wanted[0][1] + wanted[1][1] > ram:
+        raise BadInput(
+            f"keys `{wanted[0][0]}` and `engine.swap_space`: together ask for {_gib(wanted[0][1] + wanted[1][1])} "
+            f"of RAM but only {_gib(ram)} is available; lower one of them."
+        )
 
 
 def model_max_len(model_config) -> int:
@@ -89,6 +131,8 @@ class Engine:
         self.kv_cache = KVCache(self.kv_shape, self.num_pages, num_cpu_pages, device)
         self.attention = make_backend(config.attention, model.config, config.page_size, device)
         self.runner = ModelRunner(model, self.kv_cache, self.attention, device)
+        self.vocab_size = model.config.vocab_size
+        self._grammars: Grammars | None = None  # made on the first structured request
         self._seq_ids = itertools.count()
 
     def _num_pages(self) -> int:
@@ -114,8 +158,9 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
-        """Why a prompt can never run here, or None. Checked before a row enters the queue, so no row waits
-        forever for pages that do not exist."""
+        """Why a prompt can never run here, or None: too long, a response format that does not compile, more
+        pages than exist. Checked before a row enters the queue, so no row waits forever for pages that do not
+        exist."""
         limit = self.max_model_len
         if num_prompt_tokens == 0:
             return "the prompt has no tokens"
@@ -124,6 +169,11 @@ class Engine:
                 f"prompt of {num_prompt_tokens} tokens does not fit the model's context: max_model_len is "
                 f"{limit} (prompt + at least one generated token)"
             )
+        if params.structured:
+            try:
+                self.grammars.compile(params.response_format)
+            except ValueError as e:
+                return str(e)
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         capacity = self.num_pages * self.config.page_size
         if total > capacity:
@@ -147,6 +197,8 @@ class Engine:
             seq.logprobs = []
         if params.prompt_logprobs:
             seq.prompt_logprobs = [None]
+        if params.structured:
+            seq.grammar = self.grammars.matcher(params.response_format)
         seq.num_siblings_to_fork = params.n - 1
         seq.sibling_seeds = list(seeds) if seeds else [params.seed + i for i in range(params.n)]
         assert len(seq.sibling_seeds) == params.n, "one seed per sample"
@@ -202,8 +254,14 @@ class Engine:
                 self.scheduler.finish(seq)
                 result.finished.append(seq)
         if sampling:
-            sample_logits = logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample(sample_logits, sampling)
+            sample_logits = logits[torch.tensor(rows, device=logits.device)]  # a copy: siblings share rows
+            grammars = [seq.grammar for seq in sampling]
+            if any(g is not None for g in grammars):
+                masked = sample_logits.clone()  # logprobs come from the raw logits
+                self.grammars.apply(masked, grammars)
+                tokens = sample(masked, sampling)
+            else:
+                tokens = sample(sample_logits, sampling)
             want = [j for j, seq in enumerate(sampling) if seq.logprobs is not None]
             if want:
                 entries = token_logprobs(
@@ -214,6 +272,8 @@ class Engine:
                 for j, entry in zip(want, entries):
                     sampling[j].logprobs.append(entry)
             for seq, token in zip(sampling, tokens):
+                if seq.grammar is not None:
+                    seq.grammar.accept_token(token)
                 seq.append_token(token)
                 result.num_generated += 1
                 if self._check_finished(seq):
@@ -251,6 +311,8 @@ class Engine:
                 child.prompt_logprobs = list(parent.prompt_logprobs)
             if parent.logprobs is not None:
                 child.logprobs = list(parent.logprobs)
+            if parent.grammar is not None:
+                child.grammar = self.grammars.matcher(parent.params.response_format, parent.output_token_ids)
             if not parent.params.greedy:
                 child.generator = self._generator(parent.sibling_seeds[i])
             self.scheduler.fork(parent, child)
@@ -261,7 +323,9 @@ class Engine:
     def _check_finished(self, seq: Sequence) -> bool:
         params = seq.params
         token = seq.output_token_ids[-1]
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            seq.finish_reason = "stop"  # the grammar is complete (it accepted the end of sequence)
+        elif not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "eos"
         elif params.stop and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
@@ -282,6 +346,18 @@ class Engine:
             cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=len(text))
             text = text[:cut]
         return text
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler and cache, made on first use (xgrammar loads only for structured jobs)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def grammar_times(self) -> tuple[float, float]:
+        """Seconds spent compiling grammars and masking logits so far."""
+        g = self._grammars
+        return (g.compile_s, g.mask_s) if g else (0.0, 0.0)
 
     # ---- the public face: queues, memory, integrity --------------------------------------------------------
     @property

@@ -36,6 +36,7 @@ class Sequence:
     logprobs: list[tuple[int, float, list[int], list[float]]] | None = None
     # with params.prompt_logprobs: log p(prompt token i | tokens before it); None for the first token
     prompt_logprobs: list[float | None] | None = None
+    grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
 
     @property
     def token_ids(self) -> list[int]:
