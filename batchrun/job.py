@@ -290,7 +290,6 @@ class Job:
         total = self.total_rows()
         self.heartbeat.start(self.input_rows(), total, self.rows_before, count)
         stats_file = StatsFile(self.stats_path, self.sink.fingerprint, fresh=self.overwrite)
-        stats_file.start()
         self.bar = tqdm(
             total=None if total is None else max(0, total - self.rows_before),
             unit="row",
@@ -332,6 +331,7 @@ class Job:
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
         worker, facts = load_worker(self.spec)
+        stats_file.start()
         stats = StatsCollector(worker.engine, extra=facts)
         rows = self.pending_rows()
         more = True

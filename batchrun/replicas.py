@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .job import Job
 
 REPORT_EVERY_S = 1.0
+PREFETCH = 16  # rows a replica keeps waiting in its engine
 
 
 def replica_count(replicas: int | str, device: str) -> int:
@@ -87,7 +88,10 @@ def _replica_main(r: int, spec, device: str, threads: int, rows_q, out_q, stop, 
             torch.set_num_threads(threads)
         spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device))
         worker, facts = load_worker(spec)
+        # a replica keeps few rows waiting, so rows spread over the replicas as each can take them
+        worker.window = min(worker.window, PREFETCH)
         stats = StatsCollector(worker.engine, extra=facts, replica=r)
+        out_q.put(("ready", r, None))
         exhausted = False
         last_report = time.monotonic()
         while not stop.is_set():
@@ -144,6 +148,7 @@ def run_replicas(job: Job, count: int, stats_file: StatsFile) -> tuple[dict, str
     summaries: dict[int, dict] = {}
     generated: dict[int, int] = {}
     ended: set[int] = set()
+    ready: set[int] = set()
     failure = None
     rows = job.pending_rows()
     held = None  # a row taken from the input that did not fit in the queue yet
@@ -152,8 +157,8 @@ def run_replicas(job: Job, count: int, stats_file: StatsFile) -> tuple[dict, str
     t0 = time.monotonic()
     try:
         while len(ended) < count:
-            # feed the shared queue
-            while (more or held is not None or sentinels) and not stop.is_set():
+            # feed the shared queue, once every replica is ready (the first to load would take every row)
+            while (more or held is not None or sentinels) and len(ready) == count and not stop.is_set():
                 if held is None and more:
                     held = next(rows, None)
                     if held is None:
@@ -170,7 +175,11 @@ def run_replicas(job: Job, count: int, stats_file: StatsFile) -> tuple[dict, str
                 kind, r, payload = out_q.get(timeout=0.1)
             except queue.Empty:
                 kind = None
-            if kind == "rows":
+            if kind == "ready":
+                ready.add(r)
+                if len(ready) == count:
+                    stats_file.start()  # every model loaded: this run counts from here
+            elif kind == "rows":
                 for group in payload:
                     job.emit(group)
             elif kind in ("stats", "done"):
@@ -182,6 +191,7 @@ def run_replicas(job: Job, count: int, stats_file: StatsFile) -> tuple[dict, str
                     ended.add(r)
             elif kind == "failed":
                 ended.add(r)
+                ready.add(r)
                 failure = failure or f"replica {r} ({devices[r]}) failed: {payload}"
             for r, p in enumerate(procs):
                 if r not in ended and not p.is_alive() and out_q.empty():

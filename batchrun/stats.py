@@ -367,7 +367,8 @@ class StatsFile:
         return time.perf_counter() - self._last_write >= self.refresh_s
 
     def start(self) -> None:
-        """Count this run at once: a run killed before its first refresh is still one of the job's runs."""
+        """Count this run once its model is loaded: a run killed before its first refresh is still one of the
+        job's runs."""
         self.write({key: 0 for key in SUMMARY_KEYS} | {"runs": 1})
 
     def write(self, run_summary: dict, job_rows: int | None = None) -> dict:
