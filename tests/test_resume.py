@@ -157,3 +157,37 @@ def test_parts_of_another_job_are_refused(job):
         "sampling.max_new_tokens=5",
     )
     assert r.returncode == 2 and "different job" in r.stderr and "--overwrite" in r.stderr
+
+
+def test_jobs_started_before_the_new_keys_keep_their_fingerprint():
+    """Parts written by the first release carry a fingerprint over its keys only; a job that uses none of the
+    keys added since must hash the same, or it could not resume."""
+    import hashlib
+    import json
+
+    from helpers import ROOT
+
+    from batchrun.config import load_job
+    from batchrun.sinks import fingerprint
+    from batchrun.sources import Shard
+
+    first_release = {
+        "model": ["path", "dtype", "chat_template", "system_prompt", "max_model_len"],
+        "input": ["parquet", "dataset", "prompt_column", "id_column", "passthrough"],
+        "sampling": ["max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos"],
+    }
+    spec = load_job(ROOT / "jobs" / "demo.yaml", ["sampling.stop=[END]", "sampling.n=2"])
+    for count in (1, 3):
+        old = {
+            section: {
+                k: json.loads(json.dumps(getattr(getattr(spec, section), k), default=str)) for k in keys
+            }
+            for section, keys in first_release.items()
+        }
+        old["input"]["dataset"] = None
+        old["shards"] = count
+        want = hashlib.sha256(json.dumps(old, sort_keys=True, default=str).encode()).hexdigest()[:32]
+        assert fingerprint(spec, Shard(0, count)) == want
+    assert fingerprint(
+        load_job(ROOT / "jobs" / "demo.yaml", ["sampling.logprobs=2"]), Shard()
+    ) != fingerprint(spec, Shard())
