@@ -188,6 +188,7 @@ def test_jobs_started_before_the_new_keys_keep_their_fingerprint():
         old["shards"] = count
         want = hashlib.sha256(json.dumps(old, sort_keys=True, default=str).encode()).hexdigest()[:32]
         assert fingerprint(spec, Shard(0, count)) == want
-    assert fingerprint(
-        load_job(ROOT / "jobs" / "demo.yaml", ["sampling.logprobs=2"]), Shard()
-    ) != fingerprint(spec, Shard())
+    # and a key added since changes it once set
+    plain = load_job(ROOT / "jobs" / "demo.yaml")
+    with_logprobs = load_job(ROOT / "jobs" / "demo.yaml", ["sampling.logprobs=2"])
+    assert fingerprint(with_logprobs, Shard()) != fingerprint(plain, Shard())
