@@ -55,9 +55,11 @@ def render_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, batchrun: s
     if opts.mem:
         lines.append(f"#SBATCH --mem={opts.mem}")
     sets = " ".join(f"--set {shlex.quote(o)}" for o in opts.overrides)
+    # several GPUs per task: one replica on each (the task sees exactly its own GPUs)
+    replicas = "--replicas auto " if (opts.gpus_per_task or 0) > 1 else ""
     cmd = (
         f"{shlex.quote(batchrun)} submit {shlex.quote(str(job_file.resolve()))} "
-        f'--shard "$SLURM_ARRAY_TASK_ID/{opts.array}" --quiet {sets}'
+        f'--shard "$SLURM_ARRAY_TASK_ID/{opts.array}" --quiet {replicas}{sets}'
     ).rstrip()
     lines += [
         "",

@@ -79,6 +79,11 @@ def test_slurm_script_without_sbatch_is_written_and_submit_explains(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "out" / ".batchrun" / "slurm" / "s.sbatch").read_text()
+    assert "--replicas" not in text  # one GPU per task: one engine
+    r = run_cli(
+        "slurm", str(job), "--array", "4", "--gpus-per-task", "4", "--script", str(tmp_path / "four.sbatch")
+    )
+    assert r.returncode == 0 and "--replicas auto" in (tmp_path / "four.sbatch").read_text(), r.stderr
     for line in (
         "#SBATCH --array=0-3",
         "#SBATCH --partition=gpu",
