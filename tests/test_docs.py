@@ -52,3 +52,15 @@ def test_no_file_cites_a_document_outside_the_repository():
         f for f in files if f != "tests/test_docs.py" and "DESIGN.md" in (ROOT / f).read_text(errors="ignore")
     ]
     assert not citing, citing
+
+
+def test_commands_that_need_no_model_do_not_import_torch(tmp_path):
+    """`batchrun validate` and `batchrun stats` start in a fraction of a second: no torch, no transformers."""
+    import sys
+
+    code = (
+        "import sys, batchrun.cli, batchrun.report, batchrun.status, batchrun.sources, batchrun.model_loader, "
+        "batchrun.config; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
