@@ -20,7 +20,7 @@ from typing import Any
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
-from .engine.engine import check_memory_budget
+from .engine.sizing import check_memory_budget
 from .errors import BadInput
 
 Conversation = list[dict[str, str]]

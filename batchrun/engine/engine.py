@@ -8,7 +8,6 @@ scheduler or the block manager.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +25,8 @@ from .model_runner import ModelRunner
 from .sampler import prompt_logprobs, sample, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .sizing import model_max_len, num_pages_for
 from .structured import Grammars
-
-CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 
 
 @dataclass
@@ -37,62 +35,6 @@ class StepResult:
     finished: list[Sequence] = field(default_factory=list)
     num_generated: int = 0  # tokens sampled this step
     num_prompt_tokens: int = 0  # prompt tokens computed this step (recomputed ones included)
-
-
-def available_ram() -> int:
-    """Memory a new allocation can get without swapping (MemAvailable), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8 << 30
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> None:
-    """A KV budget larger than the memory there is: BadInput naming the key and what is available, before the
-    model loads (rather than a MemoryError, or the OOM killer, minutes later)."""
-    bytes_per_page = KVCacheShape.of_model(model_config, config.page_size, dtype).bytes_per_page
-    ram = available_ram()
-    if device.type == "cuda":
-        accelerator, _ = torch.cuda.mem_get_info(device)
-        where = f"free on {device}"
-    else:
-        accelerator, where = ram, "of available RAM"
-    wanted = []
-    if config.num_pages is not None:
-        wanted.append(("engine.num_pages", config.num_pages * bytes_per_page, accelerator, where))
-    elif not isinstance(config.kv_cache_memory, float | int):
-        wanted.append(("engine.kv_cache_memory", parse_size(config.kv_cache_memory), accelerator, where))
-    wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of available RAM"))
-    for key, need, have, what in wanted:
-        if need > have:
-            raise BadInput(
-                f"key `{key}`: asks for {_gib(need)} but only {_gib(have)} is {what}; lower it "
-                f"({bytes_per_page} bytes per KV page)."
-            )
-    if device.type == "cpu" and len(wanted) == 2 and wanted[0][1] + wanted[1][1] > ram:
-        raise BadInput(
-            f"keys `{wanted[0][0]}` and `engine.swap_space`: together ask for {_gib(wanted[0][1] + wanted[1][1])} "
-            f"of RAM but only {_gib(ram)} is available; lower one of them."
-        )
-
-
-def model_max_len(model_config) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(model_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 8192
 
 
 class Engine:
@@ -117,7 +59,7 @@ class Engine:
         self.max_model_len = min(model_max_len(model.config), max_model_len or 1 << 62)
         dtype = next(model.parameters()).dtype
         self.kv_shape = KVCacheShape.of_model(model.config, config.page_size, dtype)
-        self.num_pages = self._num_pages()
+        self.num_pages = num_pages_for(config, self.kv_shape.bytes_per_page, device)
         num_cpu_pages = parse_size(config.swap_space) // self.kv_shape.bytes_per_page
         self.block_manager = BlockManager(
             self.num_pages, config.page_size, num_cpu_pages, config.prefix_sharing
@@ -134,27 +76,6 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self._grammars: Grammars | None = None  # made on the first structured request
         self._seq_ids = itertools.count()
-
-    def _num_pages(self) -> int:
-        """`engine.num_pages`, or as many pages as `engine.kv_cache_memory` holds."""
-        if self.config.num_pages is not None:
-            return self.config.num_pages
-        mem = self.config.kv_cache_memory
-        if isinstance(mem, float | int):
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * mem)
-            else:
-                budget = int(available_ram() * CPU_KV_SHARE * mem)
-        else:
-            budget = parse_size(mem)
-        pages = budget // self.kv_shape.bytes_per_page
-        if pages < 1:
-            raise BadInput(
-                f"key `engine.kv_cache_memory`: {mem!r} leaves room for no KV page "
-                f"({self.kv_shape.bytes_per_page} bytes each); give more memory or set engine.num_pages."
-            )
-        return pages
 
     # ---- requests -------------------------------------------------------------------------------------------
     def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
