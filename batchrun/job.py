@@ -138,7 +138,7 @@ class RowWorker:
             messages = check_conversation(prompt)
             if not any(t["role"] == "system" for t in messages):
                 messages = system + messages
-            return self.llm.encode_chat(messages)
+            return self.llm.render_chat(messages)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt is neither a string nor a conversation (got {type(prompt).__name__})")
         if not prompt.strip():
@@ -146,7 +146,7 @@ class RowWorker:
         endpoint = row.request.get("endpoint") if row.request else None
         if endpoint == "completion" or (endpoint is None and not m.chat_template):
             return self.llm.encode(prompt)
-        return self.llm.encode_chat([*system, {"role": "user", "content": prompt}])
+        return self.llm.render_chat([*system, {"role": "user", "content": prompt}])
 
     def _error_rows(self, row: InputRow, reason: str, prompt_ids: list[int]) -> list[OutputRow]:
         return [
@@ -363,7 +363,7 @@ class Job:
             stats_file.add(stats.take_rows(final=True))
         if not self.stop_requested:
             worker.engine.check_integrity()
-        return stats.summary()
+        return stats.summary(rows=self.rows_done)
 
     def emit(self, rows: list[OutputRow]) -> None:
         """All output rows of one input row, to the sink."""
@@ -377,9 +377,7 @@ class Job:
         now = time.monotonic()
         self.heartbeat.beat(self.rows_done)
         if stats is not None and stats_file.due():
-            summary = stats.summary()
-            summary["rows"] = self.rows_done
-            stats_file.write(summary, job_rows=self.job_rows)
+            stats_file.write(stats.summary(rows=self.rows_done), job_rows=self.job_rows)
         if not self.bar.disable and now - self._last_postfix >= 0.5:
             self._last_postfix = now
             self.bar.set_postfix_str(postfix, refresh=False)

@@ -137,9 +137,12 @@ class LLM:
     def encode_chat(self, messages: Conversation) -> list[int]:
         """A conversation rendered with the tokenizer's chat template, ready for the assistant's turn.
         ValueError when the conversation is malformed or the template fails."""
-        messages = check_conversation(messages)
+        return self.render_chat(check_conversation(messages))
+
+    def render_chat(self, turns: Conversation) -> list[int]:
+        """Checked turns (check_conversation) through the chat template; ValueError when the template fails."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         except Exception as e:
             raise ValueError(f"chat template failed: {e}") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -147,14 +147,12 @@ class InputSource:
         """Ids must be unique: outputs and resume are keyed on (id, sample). Reads the id column only."""
         if not self.spec.id_column:
             return
-        seen: set = set()
-        for index, row_id in enumerate(self.ids(limit)):
-            if row_id in seen:
-                raise BadInput(
-                    f"{self.source}: key `input.id_column`: id {row_id!r} appears more than once (row "
-                    f"{index}); ids must be unique, since outputs and resume are keyed on (id, sample)."
-                )
-            seen.add(row_id)
+        dup = first_duplicate(self.ids(limit))
+        if dup:
+            raise BadInput(
+                f"{self.source}: key `input.id_column`: id {dup[1]!r} appears more than once (row "
+                f"{dup[0]}); ids must be unique, since outputs and resume are keyed on (id, sample)."
+            )
 
     def ids(self, limit: int | None = None) -> Iterator[Any]:
         """The id column alone, in input order (for the duplicate check)."""
@@ -229,14 +227,22 @@ class OpenAIBatchSource:
             yield row.id
 
     def check_unique_ids(self, limit: int | None = None) -> None:
-        seen: set = set()
-        for row in self.rows(Shard(), limit):
-            if row.id in seen:
-                raise BadInput(
-                    f"{self.source}: key `input.openai_batch`: custom_id {row.id!r} appears more than once (row "
-                    f"{row.index}); custom ids must be unique, since outputs and resume are keyed on them."
-                )
-            seen.add(row.id)
+        dup = first_duplicate(self.ids(limit))
+        if dup:
+            raise BadInput(
+                f"{self.source}: key `input.openai_batch`: custom_id {dup[1]!r} appears more than once (row "
+                f"{dup[0]}); custom ids must be unique, since outputs and resume are keyed on them."
+            )
+
+
+def first_duplicate(ids: Iterator[Any]) -> tuple[int, Any] | None:
+    """(position, id) of the first id seen twice, or None."""
+    seen: set = set()
+    for index, row_id in enumerate(ids):
+        if row_id in seen:
+            return index, row_id
+        seen.add(row_id)
+    return None
 
 
 def open_source(spec: InputSpec, source: str = "<job>") -> InputSource | OpenAIBatchSource:

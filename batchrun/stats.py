@@ -210,7 +210,6 @@ class StatsCollector:
         self._last_kept = -math.inf
         self._pending: dict | None = None  # the latest unkept row, so the last step is always written
         self.step_index = 0
-        self.rows_done = 0
         self.prompt_tokens = 0  # prompt tokens of the rows finished
         self.prompt_tokens_computed = 0  # prefix-cache hits excluded, recomputation included
         self.generated_tokens = 0
@@ -274,7 +273,8 @@ class StatsCollector:
         a.preemptions += row["preemptions"]
         a.recomputations += row["recomputations"]
 
-    def summary(self) -> dict:
+    def summary(self, rows: int = 0) -> dict:
+        """This engine's summary; `rows`: the output rows written (the job counts them: it writes them)."""
         a = self.agg
         wall = time.perf_counter() - self.start
         m = self.engine.memory_snapshot()
@@ -285,7 +285,7 @@ class StatsCollector:
         s = {
             "wall_s": wall,
             "runs": 1,
-            "rows": self.rows_done,
+            "rows": rows,
             "steps": a.steps,
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_computed": self.prompt_tokens_computed,

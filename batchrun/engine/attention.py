@@ -323,15 +323,14 @@ class TritonAttention:
         )
 
 
-def make_backend(name: str, model_config: Any, page_size: int, device: torch.device):
-    """The attention backend for `engine.attention` (auto: triton on CUDA, torch elsewhere), chosen once."""
+def make_backend(name: str, num_heads: int, kv_shape: Any, device: torch.device):
+    """The attention backend for `engine.attention` (auto: triton on CUDA, torch elsewhere), chosen once.
+    `kv_shape`: the KVCacheShape (KV heads, page size)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        num_heads = model_config.num_attention_heads
-        num_kv_heads = getattr(model_config, "num_key_value_heads", None) or num_heads
-        return TritonAttention(num_heads, num_kv_heads, device)
-    return TorchAttention(page_size, device)
+        return TritonAttention(num_heads, kv_shape.num_kv_heads, device)
+    return TorchAttention(kv_shape.page_size, device)
 
 
 def register() -> None:

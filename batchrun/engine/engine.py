@@ -71,7 +71,9 @@ class Engine:
                 f"sequence; give it more pages or memory."
             )
         self.kv_cache = KVCache(self.kv_shape, self.num_pages, num_cpu_pages, device)
-        self.attention = make_backend(config.attention, model.config, config.page_size, device)
+        self.attention = make_backend(
+            config.attention, model.config.num_attention_heads, self.kv_shape, device
+        )
         self.runner = ModelRunner(model, self.kv_cache, self.attention, device)
         self.vocab_size = model.config.vocab_size
         self._grammars: Grammars | None = None  # made on the first structured request

@@ -72,9 +72,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, watermark_pages: int = 0):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
-        self.watermark_pages = (
-            watermark_pages  # free pages admission leaves, so decodes do not preempt at once
-        )
+        # free pages admission leaves untouched, so decodes do not preempt at once
+        self.watermark_pages = watermark_pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.swapped: deque[Sequence] = deque()  # in preemption order
