@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.batchrun-installed
 
-.PHONY: install demo test test-slow test-slurm lint bench gpu-check clean
+.PHONY: install demo test kernels-check test-slow test-slurm lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -25,8 +25,12 @@ demo: install
 	$(BIN)/batchrun submit jobs/demo.yaml
 	$(BIN)/batchrun stats out/demo --plot out/demo/.batchrun/memory.png
 
-test: install
+test: install kernels-check
 	$(BIN)/pytest -q tests
+
+# every Triton kernel specialization the engine can launch, compiled ahead of time for sm_80 and sm_90 (no GPU)
+kernels-check: install
+	$(BIN)/python -m batchrun_kernels.check
 
 test-slow: install
 	$(BIN)/pytest -q -m slow tests
@@ -40,8 +44,10 @@ lint: install
 
 bench: install
 	$(BIN)/python bench/run_bench.py
+	$(BIN)/python bench/speed.py
 
-gpu-check: install
+# on a GPU machine, bare or not: needs out/gpu-assets (bash bench/gpu_assets.sh, where pip reaches its index)
+gpu-check:
 	bash bench/gpu_check.sh
 
 clean:

@@ -26,6 +26,7 @@ from .errors import BadInput, JobStopped
 from .heartbeat import Heartbeat
 from .llm import LLM, check_conversation, row_seed
 from .lock import ShardLock
+from .model_loader import fingerprint_dtype
 from .sinks import OutputRow, OutputSink, check_writable, move_legacy_state
 from .sources import InputRow, Shard, open_source
 from .stats import StatsCollector, StatsFile
@@ -83,12 +84,15 @@ class RowWorker:
     def step(self, stats: StatsCollector) -> list[list[OutputRow]]:
         """One engine step; returns the rows whose samples all finished, each as its output rows."""
         result = self.engine.step()
-        stats.record(result)
+        times = self.engine.times
+        with times("stats"):
+            stats.record(result)
         done = []
-        for seq in result.finished:
-            rows = self._finish(seq)
-            if rows:
-                done.append(rows)
+        with times("finish"):
+            for seq in result.finished:
+                rows = self._finish(seq)
+                if rows:
+                    done.append(rows)
         return done
 
     def _params(self, row: InputRow) -> SamplingParams:
@@ -228,8 +232,15 @@ class Job:
         self.lock = ShardLock(spec.state_dir, self.shard.index, self.shard.count)
         self.lock.acquire(wait, spec.output_dir, src)
         try:
+            dtype = fingerprint_dtype(spec.model.dtype, spec.engine.device)
             self.sink = OutputSink(
-                spec, self.shard, self.source.id_type, self.source.passthrough_fields(), resume, overwrite
+                spec,
+                self.shard,
+                self.source.id_type,
+                self.source.passthrough_fields(),
+                resume,
+                overwrite,
+                dtype,
             )
             move_legacy_state(spec)
             self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
@@ -242,6 +253,7 @@ class Job:
         self.stop_requested = False
         self.bar = None  # the progress bar, while run() goes
         self.rows_done = 0  # input rows written by this run
+        self.write_s = 0.0  # seconds handing them to the sink
         self.rows_before = self.sink.done.rows_per_shard.get(str(self.shard), 0)  # ... and by earlier runs
         self._last_postfix = 0.0
 
@@ -315,7 +327,14 @@ class Job:
                 signal.signal(s, h)
             self.bar.close()
             self.sink.flush()
-        run_summary.update({"rows": self.rows_done, "shard": str(self.shard), "replicas": count})
+        run_summary.update(
+            {
+                "rows": self.rows_done,
+                "shard": str(self.shard),
+                "replicas": count,
+                "time_write_s": self.write_s,
+            }
+        )
         whole = stats_file.write(run_summary, job_rows=self.job_rows)
         if failure:
             self.heartbeat.finish("failed", self.rows_done)
@@ -367,7 +386,9 @@ class Job:
 
     def emit(self, rows: list[OutputRow]) -> None:
         """All output rows of one input row, to the sink."""
+        t0 = time.perf_counter()
         self.sink.add(rows)
+        self.write_s += time.perf_counter() - t0
         self.rows_done += 1
         self.bar.update(1)
 

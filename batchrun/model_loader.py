@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -180,15 +181,43 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16; Linux's CPU flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
+
+
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """`model.dtype` resolved: auto is bf16 where the device runs it fast (CUDA with bf16, else fp16; a CPU with
+    AMX or AVX512-BF16, measured ~1.4-1.7x fp32 there), else fp32."""
     import torch
 
-    if requested == "auto":
-        # fp32 on the CPU: measured faster than bf16 there for the default model (bf16 took ~1.8x the time)
-        if device.type == "cpu":
-            return torch.float32
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return getattr(torch, requested)
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def fingerprint_dtype(requested: str, device_request: str) -> str:
+    """What the job fingerprint records for `model.dtype`: the dtype `auto` resolves to on this machine —
+    but `auto` itself where it resolves to what it meant before bf16 on CPUs (fp32 on a CPU, the GPU's half
+    type), so jobs started then keep resuming. Two runs that would compute in different dtypes never share
+    outputs."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    device = pick_device(device_request)
+    resolved = pick_dtype(requested, device)
+    if device.type == "cpu" and resolved != torch.float32:
+        return str(resolved).replace("torch.", "")
+    return "auto"
 
 
 def load_config(model_dir: Path):

@@ -41,11 +41,14 @@ _LATER_KEYS = {
 }
 
 
-def fingerprint(spec: JobSpec, shard: Shard) -> str:
-    """Hash of what changes the outputs: model, input (but its limit), sampling, the output's format and columns
-    — and the shard count (a row's shard depends on it). Engine settings (pages, batch sizes) and the shard
-    index do not change any row."""
+def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
+    """Hash of what changes the outputs: model (with `dtype`, what model.dtype resolves to here:
+    model_loader.fingerprint_dtype), input (but its limit), sampling, the output's format and columns — and the
+    shard count (a row's shard depends on it). Engine settings (pages, batch sizes) and the shard index do not
+    change any row."""
     d = to_dict(spec)
+    if dtype is not None:
+        d["model"]["dtype"] = dtype
     d["input"].pop("limit", None)  # a larger limit continues the same job
     output = {"format": d["output"]["format"], "token_ids": d["output"]["token_ids"]}
     keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "output": output}
@@ -357,10 +360,11 @@ class OutputSink:
         passthrough: list[pa.Field],
         resume: bool = True,
         overwrite: bool = False,
+        dtype: str | None = None,
     ):
         src = spec.source_file
         self.dir = spec.output_dir
-        self.fingerprint = fingerprint(spec, shard)
+        self.fingerprint = fingerprint(spec, shard, dtype)
         self.optional = optional_columns(spec)
         check_writable(self.dir, "output.path", src)
         if overwrite:

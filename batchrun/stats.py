@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .engine.timing import PHASES, summary_key
+
 if TYPE_CHECKING:  # `batchrun stats` reads files: it needs neither torch nor the engine
     from .engine import Engine, StepResult
 
@@ -94,6 +96,8 @@ SUMMARY_KEYS = {
     "structured_complete": ("sum", "sum"),
     "grammar_compile_s": ("sum", "sum"),
     "grammar_mask_s": ("sum", "sum"),
+    # where the steps' time went (engine/timing.py), seconds summed over processes and runs
+    **{summary_key(phase): ("sum", "sum") for phase in PHASES},
 }
 
 
@@ -318,6 +322,7 @@ class StatsCollector:
             "structured_complete": self.structured_complete,
             "grammar_compile_s": compile_s,
             "grammar_mask_s": mask_s,
+            **self.engine.times.summary(),
         }
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
         s.update(self.extra)

@@ -4,15 +4,16 @@
    (Llama-8B-like heads: 32 query heads, 8 KV heads, head dim 128, bf16, 16-token pages in shuffled order),
    against its floor (bytes of K/V it must read / measured device-to-device copy bandwidth) and against
    PyTorch SDPA over K/V gathered into a contiguous copy (the gather included, as a non-paged engine pays it).
-2. A whole demo job with `attention: triton` against `attention: torch`.
+2. batchrun (Triton attention) against HF `generate` on the same token ids, on models made here from a config
+   with random weights (SmolLM2-135M's shape; an 8B Llama's with 4 layers) and the tokenizer files that travel
+   in out/gpu-assets (bench/gpu_assets.sh).
 Prints one table (Markdown) at the end; `--out FILE` also writes it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
+import gc
 import sys
 import time
 from pathlib import Path
@@ -96,64 +97,117 @@ def decode_table() -> tuple[list[dict], float]:
     return rows, bw
 
 
-def job_table(limit: int) -> list[dict]:
-    rows = []
-    for attention in ("triton", "torch"):
-        out = ROOT / "out" / f"gpu-demo-{attention}"
-        cmd = [
-            str(Path(sys.executable).parent / "batchrun"),
-            "submit",
-            str(ROOT / "jobs" / "demo.yaml"),
-            "--quiet",
-            "--overwrite",
-            "--limit",
-            str(limit),
-            "--set",
-            f"engine.attention={attention}",
-            "--set",
-            "engine.device=cuda",
-            "--set",
-            f"output.path={out}",
-        ]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            rows.append({"attention": attention, "error": proc.stderr[-2000:]})
-            continue
-        summary = json.loads(
-            subprocess.run(
-                [
-                    str(Path(sys.executable).parent / "batchrun"),
-                    "stats",
-                    str(out / "stats.parquet"),
-                    "--json",
-                ],
-                capture_output=True,
-                text=True,
-            ).stdout
+# model shapes made on the GPU machine with random weights (no checkpoint travels): SmolLM2-135M's, and an
+# 8B Llama's with 4 of its 32 layers; both with the tokenizer's vocabulary
+_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+SHAPES = {
+    name: {
+        **dict(zip(_FIELDS, sizes)),
+        "head_dim": head_dim,
+        "rope_theta": theta,
+        "tie_word_embeddings": tied,
+    }
+    for name, sizes, head_dim, theta, tied in [
+        ("smollm2-135m", (576, 1536, 30, 9, 3), 64, 100000.0, True),
+        ("llama-8b-4-layers", (4096, 14336, 4, 32, 8), 128, 500000.0, False),
+    ]
+}
+
+
+def make_model(name: str, tokenizer_dir: Path, work: Path) -> Path:
+    """A Llama model of SHAPES[name] with random weights (bf16), saved with the tokenizer files."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **SHAPES[name],
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    target = work / name
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    del model
+    torch.cuda.empty_cache()
+    return target
+
+
+def model_table(tokenizer_dir: Path, work: Path, rows: int, new_tokens: int) -> list[dict]:
+    """batchrun vs HF `generate` (one padded batch) on the same token ids, bf16, greedy, ignore eos."""
+    from transformers import AutoModelForCausalLM
+
+    from batchrun import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for name in SHAPES:
+        path = make_model(name, tokenizer_dir, work)
+        lens = torch.randint(64, 512, (rows,), generator=gen).tolist()
+        prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in lens]
+        llm = LLM(
+            model=str(path), dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory="16GiB"
         )
-        rows.append(
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: Triton compiles its kernels here
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        t_batchrun = time.perf_counter() - t0
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        del llm, outs
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+        width = max(lens)
+        pad = hf.config.eos_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        with torch.inference_mode():
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+            hf.generate(input_ids=ids[:4], attention_mask=mask[:4], **kw)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hf.generate(input_ids=ids, attention_mask=mask, **kw)
+            torch.cuda.synchronize()
+            t_hf = time.perf_counter() - t0
+        del hf
+        torch.cuda.empty_cache()
+        out.append(
             {
-                "attention": attention,
-                "wall_s": wall,
-                "job_s": summary["wall_s"],
-                "generated_tokens_per_s": summary["generated_tokens_per_s"],
-                "generated_tokens": summary["generated_tokens"],
+                "model": name,
+                "rows": rows,
+                "batchrun_tok_s": generated / t_batchrun,
+                "hf_tok_s": rows * new_tokens / t_hf,
+                "generated": generated,
             }
         )
-    return rows
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--limit", type=int, default=240)
+    ap.add_argument("--tokenizer", default=str(ROOT / "out" / "gpu-assets" / "tokenizer"))
+    ap.add_argument("--work", default="/tmp/batchrun-gpu-models")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "the GPU check needs CUDA"
     name = torch.cuda.get_device_name()
     decode, bw = decode_table()
-    jobs = job_table(args.limit)
+    models = model_table(Path(args.tokenizer), Path(args.work), args.rows, args.new_tokens)
     lines = [
         f"GPU check on {name}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; "
         f"D2D copy bandwidth {bw / 1e9:.0f} GB/s (read + write)",
@@ -166,15 +220,16 @@ def main() -> None:
             f"| {r['batch']} | {r['context']} | {r['kernel_ms']:.3f} | {r['floor_ms']:.3f} | "
             f"{r['of_floor']:.0%} | {r['gather_sdpa_ms']:.3f} | {r['vs_sdpa']:.2f}x |"
         )
-    lines += ["", "| demo job | job s | generated tok/s | generated tokens |", "|---|---|---|---|"]
-    for r in jobs:
-        if "error" in r:
-            lines.append(f"| {r['attention']} | failed: {r['error'][-200:]!r} | | |")
-        else:
-            lines.append(
-                f"| attention: {r['attention']} | {r['job_s']:.1f} | {r['generated_tokens_per_s']:.1f} | "
-                f"{r['generated_tokens']} |"
-            )
+    lines += [
+        "",
+        "| model (random weights, bf16) | rows | batchrun tok/s | HF generate tok/s (one padded batch) | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in models:
+        lines.append(
+            f"| {r['model']} | {r['rows']} | {r['batchrun_tok_s']:.0f} | {r['hf_tok_s']:.0f} | "
+            f"{r['batchrun_tok_s'] / r['hf_tok_s']:.2f}x |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -4,8 +4,13 @@ prefill and decode in the same launch.
 Attention grid: (query blocks over all sequences, KV heads). A program takes BLOCK_Q query tokens of one
 sequence and the GQA query heads that share one KV head, packed as BLOCK_M = BLOCK_Q * GQA rows, so each K/V
 tile loaded from the pages serves every one of them. It walks the sequence's block table tile by tile (a tile
-is BLOCK_N keys: one page, or several small pages), with an online softmax accumulated in fp32, and stops at
+is BLOCK_N keys, within one page, or across two pages of 8), with an online softmax accumulated in fp32, and stops at
 the last key its latest query may see (causal: a query at position p sees context positions <= p).
+
+Specializations: the dtype, the head dim and the rows of a program are compile-time arguments; the GQA ratio,
+the tokens per program and the page size are run-time ones, so one compiled kernel serves every model and
+page size of a head dim. `specializations()` lists every one the launchers can produce, and
+`make kernels-check` (batchrun_kernels.check) compiles each for sm_80 and sm_90 ahead of time.
 """
 
 from __future__ import annotations
@@ -37,22 +42,20 @@ def _write_kv_kernel(
     stride_vcp,
     stride_vcs,
     stride_vch,
-    NUM_KV_HEADS: tl.constexpr,
+    page_shift,
     HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
 ):
+    # grid: (tokens, KV heads); one program copies one head's vector of one token
     t = tl.program_id(0)
+    h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    page = slot // PAGE_SIZE
-    offset = slot % PAGE_SIZE
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + page * stride_cp + offset * stride_cs + h * stride_ch + d, k, mask=mask)
-    tl.store(v_cache_ptr + page * stride_vcp + offset * stride_vcs + h * stride_vch + d, v, mask=mask)
+    page = slot >> page_shift
+    offset = slot & ((1 << page_shift) - 1)
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d)
+    tl.store(k_cache_ptr + page * stride_cp + offset * stride_cs + h * stride_ch + d, k)
+    tl.store(v_cache_ptr + page * stride_vcp + offset * stride_vcs + h * stride_vch + d, v)
 
 
 def write_kv_cache(
@@ -73,9 +76,10 @@ def write_kv_cache(
         key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     )
     assert key.dtype == k_cache.dtype == value.dtype == v_cache.dtype
+    check_supported(key.dtype, k_cache.shape[1], head_dim)
     if T == 0:
         return
-    _write_kv_kernel[(T,)](
+    _write_kv_kernel[(T, num_kv_heads)](
         key,
         value,
         k_cache,
@@ -85,10 +89,8 @@ def write_kv_cache(
         *value.stride()[:2],
         *k_cache.stride()[:3],  # page, slot, head
         *v_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads,
+        k_cache.shape[1].bit_length() - 1,  # log2 of the page size
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        PAGE_SIZE=k_cache.shape[1],
     )
 
 
@@ -115,10 +117,10 @@ def _paged_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
-    GQA: tl.constexpr,
+    gqa,
+    block_q,
+    page_shift,
     HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -133,9 +135,9 @@ def _paged_attention_kernel(
     ctx_len = tl.load(seq_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
-    q_tok = q_block * BLOCK_Q + rows // GQA  # query token within the sequence
-    head = kv_head * GQA + rows % GQA  # query head
-    row_ok = (q_tok < q_len) & (rows < BLOCK_Q * GQA)
+    q_tok = q_block * block_q + rows // gqa  # query token within the sequence
+    head = kv_head * gqa + rows % gqa  # query head
+    row_ok = (q_tok < q_len) & (rows < block_q * gqa)
     q_pos = ctx_len - q_len + q_tok  # absolute position of the query token
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
@@ -151,15 +153,15 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # keys this block can see: up to its last query's position
-    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * BLOCK_Q)
+    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * block_q)
     n = tl.arange(0, BLOCK_N)
     for tile_start in range(0, kv_end, BLOCK_N):
         k_pos = tile_start + n
         in_ctx = k_pos < kv_end
-        page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE_SIZE, mask=in_ctx, other=0).to(
+        page = tl.load(block_tables_ptr + seq * stride_bt + (k_pos >> page_shift), mask=in_ctx, other=0).to(
             tl.int64
         )
-        slot = k_pos % PAGE_SIZE
+        slot = k_pos & ((1 << page_shift) - 1)
         k = tl.load(
             k_cache_ptr
             + page[:, None] * stride_kp
@@ -224,10 +226,10 @@ class QueryBlocks:
 
 def plan_query_blocks(query_lens: list[int], gqa: int, device: torch.device | str) -> QueryBlocks:
     """The grid mapping for sequences with `query_lens` query tokens each, from host integers (no device sync)."""
-    # rows of a program: BLOCK_Q query tokens x GQA heads, at least 16 (tl.dot's minimum on NVIDIA GPUs)
-    block_m = max(16, triton.next_power_of_2(gqa))
-    if max(query_lens, default=1) * gqa > 16:
-        block_m = max(block_m, 64)
+    assert 1 <= gqa <= MAX_GQA, f"GQA ratio {gqa}: the kernels take 1..{MAX_GQA}"
+    # rows of a program: BLOCK_Q query tokens x GQA heads; 16 (tl.dot's minimum on NVIDIA GPUs) for decode, 64
+    # when a sequence brings several query tokens
+    block_m = BLOCK_M_PREFILL if max(query_lens, default=1) * gqa > BLOCK_M_DECODE else BLOCK_M_DECODE
     block_q = max(1, block_m // gqa)
     seq_of_block: list[int] = []
     index_of_block: list[int] = []
@@ -237,6 +239,37 @@ def plan_query_blocks(query_lens: list[int], gqa: int, device: torch.device | st
         index_of_block += range(blocks)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
     return QueryBlocks(as_tensor(seq_of_block), as_tensor(index_of_block), block_m, block_q)
+
+
+# ---- what the engine can launch: one list, read by the launchers and by `make kernels-check` ------------------
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PAGE_SIZES = (8, 16, 32, 64, 128)
+HEAD_DIMS = (32, 64, 128, 256)
+MAX_GQA = 16  # query heads per KV head; a run-time argument, like the page size
+BLOCK_M_DECODE, BLOCK_M_PREFILL = 16, 64  # query rows of a program (BLOCK_Q tokens x GQA heads)
+BLOCK_N = 16  # keys of a tile (a tile never spans two pages: every page size is a multiple of it, but 8's)
+
+
+def check_supported(dtype: torch.dtype, page_size: int, head_dim: int) -> None:
+    """AssertionError unless the kernels are built (and `make kernels-check`ed) for this shape."""
+    assert dtype in DTYPES, f"dtype {dtype}: the kernels take {DTYPES}"
+    assert page_size in PAGE_SIZES, f"page size {page_size}: the kernels take {PAGE_SIZES}"
+    assert head_dim in HEAD_DIMS, f"head dim {head_dim}: the kernels take {HEAD_DIMS}"
+
+
+def attention_constexprs(dtype: torch.dtype, head_dim: int, block_m: int) -> dict:
+    """The compile-time arguments of `_paged_attention_kernel` for one launch."""
+    fp32 = dtype == torch.float32
+    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=INTERPRETING or fp32, IEEE=fp32)
+
+
+def specializations():
+    """Every (kernel, dtype, compile-time arguments) the launchers can produce."""
+    for dtype in DTYPES:
+        for head_dim in HEAD_DIMS:
+            yield _write_kv_kernel, dtype, dict(HEAD_DIM=head_dim)
+            for block_m in (BLOCK_M_DECODE, BLOCK_M_PREFILL):
+                yield _paged_attention_kernel, dtype, attention_constexprs(dtype, head_dim, block_m)
 
 
 def paged_attention(
@@ -265,14 +298,8 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert query_start_loc.shape == (S + 1,), (query_start_loc.shape, S)
     assert block_tables.dim() == 2 and block_tables.shape[0] == S, (block_tables.shape, S)
-    assert page_size & (page_size - 1) == 0 and 8 <= page_size <= 128, (
-        f"page size {page_size}: 8..128, power of 2"
-    )
-    assert head_dim & (head_dim - 1) == 0 and 32 <= head_dim <= 256, (
-        f"head dim {head_dim}: 32..256, power of 2"
-    )
     assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
-    assert query.dtype in (torch.float32, torch.float16, torch.bfloat16), query.dtype
+    check_supported(query.dtype, page_size, head_dim)
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1
     if out is None:
@@ -284,7 +311,6 @@ def paged_attention(
     if query_blocks is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
         query_blocks = plan_query_blocks(query_lens, gqa, query.device)
-    block_n = max(page_size, 16)
     grid = (query_blocks.seq_of_block.numel(), num_kv_heads)
     _paged_attention_kernel[grid](
         out,
@@ -302,13 +328,9 @@ def paged_attention(
         *k_cache.stride()[:3],  # page, slot, head
         *v_cache.stride()[:3],
         block_tables.stride(0),
-        GQA=gqa,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        BLOCK_Q=query_blocks.block_q,
-        BLOCK_M=query_blocks.block_m,
-        BLOCK_N=block_n,
-        UPCAST=INTERPRETING or query.dtype == torch.float32,
-        IEEE=query.dtype == torch.float32,
+        gqa,
+        query_blocks.block_q,
+        page_size.bit_length() - 1,  # log2 of the page size
+        **attention_constexprs(query.dtype, head_dim, query_blocks.block_m),
     )
     return out

@@ -15,8 +15,12 @@ def job(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
     prompts = [f"Give me one short fact about the number {i}." for i in range(N_ROWS)]
     write_prompts(d / "in.parquet", prompts, extra={"category": ["k"] * N_ROWS})
+    # fp32: rows must come out the same whichever rows share their batch (a resumed run batches them
+    # differently; bf16 sums round differently with the batch)
     text = f"""
 name: resume
+model:
+  dtype: float32
 input:
   parquet: {d / "in.parquet"}
   id_column: id
@@ -192,3 +196,31 @@ def test_jobs_started_before_the_new_keys_keep_their_fingerprint():
     plain = load_job(ROOT / "jobs" / "demo.yaml")
     with_logprobs = load_job(ROOT / "jobs" / "demo.yaml", ["sampling.logprobs=2"])
     assert fingerprint(with_logprobs, Shard()) != fingerprint(plain, Shard())
+
+
+def test_dtype_auto_resolves_by_the_cpu_and_enters_the_fingerprint(monkeypatch):
+    """auto = bf16 on a CPU with bf16 matrix units, fp32 elsewhere; the fingerprint records the resolved dtype,
+    except where it is what auto meant before (fp32 on a CPU), so older jobs keep resuming."""
+    import torch
+    from helpers import ROOT
+
+    from batchrun import model_loader
+    from batchrun.config import load_job
+    from batchrun.sinks import fingerprint
+    from batchrun.sources import Shard
+
+    cpu = torch.device("cpu")
+    auto = load_job(ROOT / "jobs" / "demo.yaml", ["model.dtype=auto", "engine.device=cpu"])
+    bf16 = load_job(ROOT / "jobs" / "demo.yaml", ["model.dtype=bfloat16", "engine.device=cpu"])
+    fp32 = load_job(ROOT / "jobs" / "demo.yaml", ["model.dtype=float32", "engine.device=cpu"])
+
+    def hash_of(spec):
+        return fingerprint(spec, Shard(), model_loader.fingerprint_dtype(spec.model.dtype, "cpu"))
+
+    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: True)
+    assert model_loader.pick_dtype("auto", cpu) == torch.bfloat16
+    assert hash_of(auto) == hash_of(bf16) != hash_of(fp32)
+    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: False)
+    assert model_loader.pick_dtype("auto", cpu) == torch.float32
+    assert hash_of(auto) == fingerprint(auto, Shard())  # "auto", as the first release hashed it
+    assert len({hash_of(auto), hash_of(bf16), hash_of(fp32)}) == 3

@@ -165,3 +165,53 @@ def test_simulate_readme_example():
 def test_demo_job_file_validates():
     r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"))
     assert r.returncode == 0, r.stderr
+
+
+def test_step_time_breakdown_agrees_with_independent_clocks(tok_model, chat_prompts):
+    """The engine's phase times against clocks of our own around the model's forward and the attention
+    layers (hooks), and the whole step loop."""
+    import time
+
+    from helpers import make_engine, run_engine
+
+    from batchrun.engine import SamplingParams
+    from batchrun.engine.timing import PHASES
+
+    engine = make_engine(tok_model, max_num_batched_tokens=256)
+    model = engine.runner.model
+    clocks = {"forward": 0.0, "attention": 0.0}
+    started: dict = {}
+
+    def timer(name):
+        def enter(*_):
+            started[name] = time.perf_counter()
+
+        def leave(*_):
+            clocks[name] += time.perf_counter() - started.pop(name)
+
+        return enter, leave
+
+    hooks = []
+    f_enter, f_leave = timer("forward")
+    hooks += [model.register_forward_pre_hook(f_enter), model.register_forward_hook(f_leave)]
+    a_enter, a_leave = timer("attention")
+    for layer in model.get_decoder().layers:
+        hooks += [
+            layer.self_attn.register_forward_pre_hook(a_enter),
+            layer.self_attn.register_forward_hook(a_leave),
+        ]
+    t0 = time.perf_counter()
+    try:
+        run_engine(engine, chat_prompts[:6], SamplingParams(max_new_tokens=8))
+    finally:
+        for h in hooks:
+            h.remove()
+    wall = time.perf_counter() - t0
+    times = engine.times.seconds
+    assert set(times) == set(PHASES)
+    # the model call sits inside the forward phase, with next to nothing around it
+    assert clocks["forward"] <= times["forward"] <= clocks["forward"] * 1.05 + 0.01
+    # attention: inside each attention module's forward (which adds its q/k/v/o projections and RoPE)
+    assert 0 < times["attention"] < clocks["attention"] <= times["forward"]
+    engine_phases = sum(times[p] for p in ("schedule", "prepare", "forward", "sample", "finish"))
+    assert 0.9 * wall < engine_phases <= wall

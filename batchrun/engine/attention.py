@@ -3,16 +3,20 @@
 The model runs on one packed row of every token scheduled this step. `transformers` calls the function
 registered here once per layer, with q [1, Hq, T, D] and k/v [1, Hkv, T, D] after RoPE; the step's
 `AttentionMetadata` arrives as the `batchrun_attn` keyword. The function writes the new K/V into their page
-slots (slot mapping) and attends through the block tables, with one of two backends, each an object chosen once
-per engine (`make_backend`):
-- `TorchAttention`: gathers each group's pages into a padded batch and calls SDPA (the CPU default);
-- `TritonAttention`: the paged kernels in `batchrun_kernels`, which read K/V straight from the pages.
+slots (slot mapping) and attends through the block tables, with one of three backends, each an object chosen
+once per engine (`make_backend`):
+- `CPUAttention` (the CPU default): decoding sequences through a C++ kernel that reads K/V in the pages
+  (`paged_decode.cpp`), prompts through SDPA;
+- `TorchAttention`: plain PyTorch, gathering each group's pages into a padded batch for SDPA (the fallback where
+  the C++ kernel cannot be built, and the reference it was measured against: bench/attention_cpu.py);
+- `TritonAttention` (the GPU default): the paged kernels in `batchrun_kernels`, which read K/V in the pages.
 A backend builds its metadata once per step, before the forward (`prepare`, from host integers: nothing in
 the forward waits on the device to learn a shape), and every layer runs from it (`forward`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +80,7 @@ class Workspace:
 class AttentionMetadata:
     """One step's attention inputs, shared by every layer; `backend` runs them."""
 
+    times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     backend: Any  # TorchAttention | TritonAttention
     kv_cache: Any  # KVCache
     slot_mapping: torch.Tensor  # [T] int64
@@ -89,35 +94,25 @@ class TorchPlan:
     prefills: list[PrefillSequence]
 
 
-def build_torch_plan(
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    page_size: int,
-    device: torch.device,
-) -> tuple[list[DecodeBatch], list[PrefillSequence]]:
-    """Decodes are batched in groups of similar context length (padded, masked); every other sequence is
-    attended on its own, so a long prompt pads nothing else."""
+def split_step(layout: StepLayout, page_size: int, device: torch.device):
+    """The decoding sequences as (packed row of the query, index), and a PrefillSequence for every other one:
+    each is attended on its own, so a long prompt pads nothing else."""
     decode_rows, prefills = [], []
     start = 0
-    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+    for i, (q, c) in enumerate(zip(layout.query_lens, layout.context_lens)):
         if q == 1:
             decode_rows.append((start, i))
         else:
             pages = mask = None
             if c > q:  # earlier tokens are in the cache: read them through the block table
                 num_blocks = cdiv(c, page_size)
-                pages = torch.tensor(block_tables[i][:num_blocks], device=device)
+                pages = torch.tensor(layout.block_tables[i][:num_blocks], device=device)
                 key_pos = torch.arange(num_blocks * page_size, device=device)
                 query_pos = torch.arange(c - q, c, device=device)
                 mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
             prefills.append(PrefillSequence(start, q, c, pages, mask))
         start += q
-    decode = [
-        _decode_batch(bucket, context_lens, block_tables, page_size, device)
-        for bucket in _buckets_by_length(decode_rows, context_lens, page_size)
-    ]
-    return decode, prefills
+    return decode_rows, prefills
 
 
 def _buckets_by_length(
@@ -169,26 +164,25 @@ def write_kv(
 ) -> None:
     """key/value [T, Hkv, D] into the pages [num_pages, P, Hkv, D] at slot_mapping [T]."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
+    if key.shape[0] > 64:  # a prompt's K/V arrive head-major; index_copy_ is 2x faster from a contiguous copy
+        key, value = key.contiguous(), value.contiguous()
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def torch_paged_attention(
+def gathered_decode_attention(
+    out: torch.Tensor,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     decode: list[DecodeBatch],
-    prefills: list[PrefillSequence],
     scale: float,
     workspace: Workspace,
-) -> torch.Tensor:
-    """query [T, Hq, D] (key/value [T, Hkv, D], already in the cache) -> out [T, Hq, D]."""
-    T, num_heads, head_dim = query.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+) -> None:
+    """Decoding rows of query [T, Hq, D] into out: each group's pages gathered into the workspace, then SDPA."""
+    num_heads, head_dim = query.shape[1:]
+    page_size, num_kv_heads = k_cache.shape[1:3]
     gqa = num_heads // num_kv_heads
-    out = torch.empty_like(query)
     for batch in decode:
         G = batch.token_index.shape[0]
         ctx = batch.num_blocks * page_size
@@ -202,10 +196,25 @@ def torch_paged_attention(
         v = v.view(G, ctx, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)  # [G, Hkv, gqa, D]
         out[batch.token_index] = o.reshape(G, num_heads, head_dim)
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefills: list[PrefillSequence],
+    scale: float,
+) -> None:
+    """Rows of sequences computing several tokens into out, one SDPA each: a whole prompt on its own new K/V
+    (causal), a later chunk or a prompt behind cached pages over its pages (gathered) with a causal mask."""
+    gqa = query.shape[1] // k_cache.shape[2]
     for p in prefills:
         rows = slice(p.start, p.start + p.num_tokens)
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
-        if p.pages is None:  # a whole prompt from its start: its own new K/V, causal
+        if p.pages is None:
             k = key[rows].transpose(0, 1)[None]
             v = value[rows].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa > 1)
@@ -214,7 +223,6 @@ def torch_paged_attention(
             v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa > 1)
         out[rows] = o[0].transpose(0, 1)
-    return out
 
 
 def paged_attention_forward(
@@ -245,7 +253,9 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    t0 = time.perf_counter()
     out = meta.backend.forward(meta, q, k, v, k_cache, v_cache, scale)
+    meta.times.add("attention", time.perf_counter() - t0)
     return out[None], None
 
 
@@ -260,17 +270,71 @@ class TorchAttention:
         self.workspace = Workspace()
 
     def prepare(self, layout: StepLayout) -> TorchPlan:
-        decode, prefills = build_torch_plan(
-            layout.query_lens, layout.context_lens, layout.block_tables, self.page_size, self.device
-        )
+        """Decodes batched in groups of similar context length (padded, masked)."""
+        rows, prefills = split_step(layout, self.page_size, self.device)
+        ctx, tables, P = layout.context_lens, layout.block_tables, self.page_size
+        decode = [_decode_batch(b, ctx, tables, P, self.device) for b in _buckets_by_length(rows, ctx, P)]
         return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan: TorchPlan = meta.plan
-        return torch_paged_attention(
-            q, k, v, k_cache, v_cache, plan.decode, plan.prefills, scale, self.workspace
+        out = torch.empty_like(q)
+        gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, self.workspace)
+        prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
+        return out
+
+
+@dataclass
+class PagedDecode:
+    """The step's decoding sequences, for the C++ kernel that reads their pages in place."""
+
+    token_index: torch.Tensor  # [G] int64: packed row of each one's query
+    block_tables: torch.Tensor  # [G, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [G] int32: context, the new token included
+
+
+@dataclass
+class CPUPlan:
+    decode: PagedDecode | None
+    prefills: list[PrefillSequence]
+
+
+class CPUAttention:
+    """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
+    through SDPA, as in TorchAttention."""
+
+    name = "cpu"
+
+    def __init__(self, page_size: int, kernel):
+        self.page_size = page_size
+        self.kernel = kernel  # cpu_kernels.load(): the compiled module
+        self.device = torch.device("cpu")
+
+    def prepare(self, layout: StepLayout) -> CPUPlan:
+        rows, prefills = split_step(layout, self.page_size, self.device)
+        if not rows:
+            return CPUPlan(None, prefills)
+        tables = [layout.block_tables[i] for _, i in rows]
+        width = max(len(t) for t in tables)
+        decode = PagedDecode(
+            token_index=torch.tensor([start for start, _ in rows]),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            seq_lens=torch.tensor([layout.context_lens[i] for _, i in rows], dtype=torch.int32),
         )
+        return CPUPlan(decode, prefills)
+
+    def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan: CPUPlan = meta.plan
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            d = plan.decode
+            self.kernel.paged_decode_attention(
+                out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale
+            )
+        prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
+        return out
 
 
 @dataclass
@@ -324,12 +388,20 @@ class TritonAttention:
 
 
 def make_backend(name: str, num_heads: int, kv_shape: Any, device: torch.device):
-    """The attention backend for `engine.attention` (auto: triton on CUDA, torch elsewhere), chosen once.
-    `kv_shape`: the KVCacheShape (KV heads, page size)."""
+    """The attention backend for `engine.attention`, chosen once: auto is triton on CUDA, cpu on the CPU (torch
+    where the C++ kernel cannot be built). `kv_shape`: the KVCacheShape (KV heads, page size)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
     if name == "triton":
         return TritonAttention(num_heads, kv_shape.num_kv_heads, device)
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("engine.attention: cpu runs on the CPU only; use triton or torch on this device")
+        from . import cpu_kernels
+
+        kernel = cpu_kernels.load()
+        if kernel is not None:
+            return CPUAttention(kv_shape.page_size, kernel)
     return TorchAttention(kv_shape.page_size, device)
 
 

@@ -61,7 +61,7 @@ def _replicas(v: int | str) -> str | None:
 @dataclass
 class EngineConfig:
     device: str = field(default="auto", metadata={"check": _device})
-    attention: str = field(default="auto", metadata={"check": one_of("auto", "triton", "torch")})
+    attention: str = field(default="auto", metadata={"check": one_of("auto", "cpu", "triton", "torch")})
     page_size: int = field(default=16, metadata={"check": power_of_two})
     # a fraction of free accelerator memory after loading the model (on the CPU: of a tenth of available RAM),
     # or a size such as "2GiB"
@@ -71,6 +71,8 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"check": at_least(1)})
     max_num_batched_tokens: int = field(default=8192, metadata={"check": at_least(1)})
     prefix_sharing: bool = True
+    # CPU: linear weights reordered once into oneDNN's blocked layout (engine/cpu_linear.py)
+    pack_weights: bool = True
     preemption: str = field(default="swap", metadata={"check": one_of("swap", "recompute")})
     # engine processes on this machine sharing a run's rows (the job runner's, not one engine's): a count, or
     # auto = one per visible GPU

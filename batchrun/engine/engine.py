@@ -8,6 +8,7 @@ scheduler or the block manager.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .sizing import model_max_len, num_pages_for
 from .structured import Grammars
+from .timing import PhaseTimes
 
 
 @dataclass
@@ -74,7 +76,8 @@ class Engine:
         self.attention = make_backend(
             config.attention, model.config.num_attention_heads, self.kv_shape, device
         )
-        self.runner = ModelRunner(model, self.kv_cache, self.attention, device)
+        self.times = PhaseTimes()  # where the steps' time went (timing.py)
+        self.runner = ModelRunner(model, self.kv_cache, self.attention, device, self.times)
         self.vocab_size = model.config.vocab_size
         self._grammars: Grammars | None = None  # made on the first structured request
         self._seq_ids = itertools.count()
@@ -144,9 +147,10 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        plan = self.scheduler.schedule()
+        with self.times("schedule"):
+            plan = self.scheduler.schedule()
+            self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
         result = StepResult(plan)
-        self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
         if plan.is_empty:
             if self.scheduler.has_unfinished() and not plan.preempted:
                 raise RuntimeError(
@@ -156,6 +160,7 @@ class Engine:
         # positions scoring prompt tokens, fixed before the forward (scoring them changes what is left)
         scoring = [s.prompt_logprob_positions for s in plan.scheduled]
         logits = self.runner.execute(plan.scheduled)
+        t_sample = time.perf_counter()
         if any(scoring):
             self._score_prompts(plan, scoring, logits)
         sampling, rows = [], []  # sequences that sample, and the logits row each samples from
@@ -176,33 +181,42 @@ class Engine:
                 seq.finish_reason = "length"
                 self.scheduler.finish(seq)
                 result.finished.append(seq)
-        if sampling:
-            sample_logits = logits[torch.tensor(rows, device=logits.device)]  # a copy: siblings share rows
-            grammars = [seq.grammar for seq in sampling]
-            if any(g is not None for g in grammars):
-                masked = sample_logits.clone()  # logprobs come from the raw logits
-                self.grammars.apply(masked, grammars)
-                tokens = sample(masked, sampling)
-            else:
-                tokens = sample(sample_logits, sampling)
-            want = [j for j, seq in enumerate(sampling) if seq.logprobs is not None]
-            if want:
-                entries = token_logprobs(
-                    sample_logits[want],
-                    [tokens[j] for j in want],
-                    [sampling[j].params.logprobs for j in want],
-                )
-                for j, entry in zip(want, entries):
-                    sampling[j].logprobs.append(entry)
-            for seq, token in zip(sampling, tokens):
-                if seq.grammar is not None:
-                    seq.grammar.accept_token(token)
-                seq.append_token(token)
-                result.num_generated += 1
-                if self._check_finished(seq):
-                    self.scheduler.finish(seq)
-                    result.finished.append(seq)
+        tokens = self._sample(logits, rows, sampling) if sampling else []
+        t_finish = time.perf_counter()
+        self.times.add("sample", t_finish - t_sample)
+        for seq, token in zip(sampling, tokens):
+            if seq.grammar is not None:
+                seq.grammar.accept_token(token)
+            seq.append_token(token)
+            result.num_generated += 1
+            if self._check_finished(seq):
+                self.scheduler.finish(seq)
+                result.finished.append(seq)
+        self.times.add("finish", time.perf_counter() - t_finish)
         return result
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
+        """One token for each sampling sequence, from its logits row (grammar-masked where it has one); the
+        logprobs rows asked for, from the raw logits."""
+        if rows == list(range(logits.shape[0])):
+            sample_logits = logits  # one row each, in order: no copy (at 256 rows it is 50 MB)
+        else:  # siblings share their parent's row; scoring rows come first
+            sample_logits = logits[torch.tensor(rows, device=logits.device)]
+        grammars = [seq.grammar for seq in sampling]
+        if any(g is not None for g in grammars):
+            masked = sample_logits.clone()  # logprobs come from the raw logits
+            self.grammars.apply(masked, grammars)
+            tokens = sample(masked, sampling)
+        else:
+            tokens = sample(sample_logits, sampling)
+        want = [j for j, seq in enumerate(sampling) if seq.logprobs is not None]
+        if want:
+            entries = token_logprobs(
+                sample_logits[want], [tokens[j] for j in want], [sampling[j].params.logprobs for j in want]
+            )
+            for j, entry in zip(want, entries):
+                sampling[j].logprobs.append(entry)
+        return tokens
 
     def _score_prompts(self, plan: SchedulerOutput, scoring: list[range], logits: torch.Tensor) -> None:
         """Prompt logprobs of this step's scoring positions. Logits rows come per sequence: its scoring

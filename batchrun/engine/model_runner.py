@@ -13,11 +13,15 @@ import torch
 from .attention import AttentionMetadata, StepLayout
 from .kv_cache import KVCache
 from .scheduler import ScheduledSequence
+from .timing import PhaseTimes
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend, device: torch.device):
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, backend, device: torch.device, times: PhaseTimes
+    ):
         self.model = model
+        self.times = times
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape.page_size
         self.backend = backend  # attention.TorchAttention | attention.TritonAttention
@@ -48,6 +52,7 @@ class ModelRunner:
             query_lens, context_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev)
         )
         meta = AttentionMetadata(
+            times=self.times,
             backend=self.backend,
             kv_cache=self.kv_cache,
             slot_mapping=layout.slot_mapping,
@@ -62,12 +67,18 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step; returns logits [rows, vocab] in `scheduled` order: for each sequence, its prompt-logprob
         positions (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
-        ids, pos, meta, logits_index = self.prepare(scheduled)
-        if logits_index.numel() == 0:
-            # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
-            self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        out = self.model(
-            input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_index, batchrun_attn=meta
-        )
-        return out.logits[0]
+        with self.times("prepare"):
+            ids, pos, meta, logits_index = self.prepare(scheduled)
+        with self.times("forward"):
+            if logits_index.numel() == 0:
+                # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
+                self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
+                return torch.empty(0, self.model.config.vocab_size, device=self.device)
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=logits_index,
+                batchrun_attn=meta,
+            )
+            return out.logits[0]

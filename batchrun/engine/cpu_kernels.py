@@ -1,0 +1,60 @@
+"""batchrun's C++ kernel for the CPU: paged decode attention that reads K/V in the pages (paged_decode.cpp).
+
+Built once with torch's C++ extension builder (a C++ compiler and `ninja` are needed) into the cache folder
+(`$BATCHRUN_CACHE/torch_extensions`, default ~/.cache/batchrun), then loaded in well under a second. Where it
+cannot be built, `load()` returns None with the reason, and the torch backend gathers pages for SDPA instead.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+_loaded: dict[str, object] = {}
+
+
+def load():
+    """The compiled module (with `paged_decode_attention`), or None when it cannot be built here."""
+    if "module" in _loaded:
+        return _loaded["module"]
+    module = None
+    try:
+        from torch.utils import cpp_extension
+
+        from ..model_loader import cache_dir
+
+        # built with -march=native: one build per kind of CPU (a cache folder may be shared between machines)
+        build = cache_dir() / "torch_extensions" / f"paged_decode-{_cpu_id()}"
+        build.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name="batchrun_paged_decode",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
+            # no errno from exp lets the softmax's exp vectorize (glibc's libmvec)
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            extra_ldflags=["-fopenmp", "-lmvec"],
+            build_directory=str(build),
+            verbose=os.environ.get("BATCHRUN_DEBUG") == "1",
+        )
+    except Exception as e:  # no compiler, no ninja: the gather path still works
+        warnings.warn(
+            f"batchrun: the CPU paged-decode kernel could not be built ({e}); gathering pages instead",
+            stacklevel=2,
+        )
+    _loaded["module"] = module
+    return module
+
+
+def _cpu_id() -> str:
+    import hashlib
+    import platform
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
+    except OSError:
+        flags = model = ""
+    return hashlib.sha256(f"{platform.machine()}|{model}|{flags}".encode()).hexdigest()[:12]

@@ -1,0 +1,41 @@
+"""Where a step's time goes: host seconds per phase of the step loop, summed over a run.
+
+schedule (the scheduler's plan and the page copies it orders), prepare (the step's tensors and attention
+metadata), forward (the model; `attention` is the part of it inside the attention layers), sample (logits to
+tokens: grammar masks, sampling, logprobs), finish (appending tokens, stop checks, detokenizing finished
+rows), stats (the statistics row), write (handing output rows to the part files).
+
+Host clocks: on the CPU they are the work itself; on a GPU the forward only launches kernels, and the time
+the device takes shows up where the host first waits for it (sampling reads the tokens back).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "stats", "write")
+
+
+class PhaseTimes:
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def summary(self) -> dict[str, float]:
+        """`time_<phase>_s` for every phase (the summary's keys)."""
+        return {summary_key(p): s for p, s in self.seconds.items()}
+
+
+def summary_key(phase: str) -> str:
+    return f"time_{phase}_s"

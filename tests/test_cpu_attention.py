@@ -1,0 +1,66 @@
+"""The CPU paged-decode kernel (C++, reads K/V in the pages) against the plain PyTorch reference, and the
+engine with it against Hugging Face `generate`."""
+
+import pytest
+import torch
+from batchrun_kernels import ref_paged_attention
+from helpers import hf_greedy, make_engine, run_engine
+
+from batchrun.engine import SamplingParams
+from batchrun.engine.cpu_kernels import load
+
+KERNEL = load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-c // page_size) for c in context_lens]
+    num_pages = sum(blocks) + 3
+    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables, i = [], 0
+    for b in blocks:
+        tables.append(order[i : i + b] + [order[-1]] * (max(blocks) - b))
+        i += b
+    G = len(context_lens)
+    # the queries sit among other packed rows (prefill tokens), in a [Hq, T, D] buffer seen as [T, Hq, D]
+    T = G + 5
+    query = torch.randn(num_kv_heads * gqa, T, head_dim, generator=gen).to(dtype).transpose(0, 1)
+    rows = torch.randperm(T, generator=gen)[:G]
+    return query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "page_size,num_kv_heads,gqa,head_dim", [(16, 3, 3, 64), (8, 2, 1, 32), (32, 1, 4, 128)]
+)
+def test_paged_decode_matches_the_reference(dtype, page_size, num_kv_heads, gqa, head_dim):
+    context_lens = [1, page_size, page_size + 1, 3 * page_size - 1, 200]
+    q, kc, vc, bt, rows = decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, seed=gqa)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
+    KERNEL.paged_decode_attention(out, q, kc, vc, bt, seq_lens, rows, scale)
+    qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
+    ref = ref_paged_attention(q[rows].float(), kc.float(), vc.float(), bt, qsl, seq_lens, scale)
+    got = out[rows].float()
+    assert not got.isnan().any(), "a decoding row was not written"
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert out[others].isnan().all(), "rows that are not decoding were written"
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.2e} for {dtype}"
+
+
+def test_engine_with_cpu_attention_equals_hf_generate(tok_model, model_dir, chat_prompts):
+    prompts = chat_prompts[:8]
+    engine = make_engine(tok_model, attention="cpu", max_num_batched_tokens=512, num_pages=256)
+    assert engine.attention.name == "cpu"
+    seqs, _ = run_engine(engine, prompts, SamplingParams(max_new_tokens=24))
+    expected = hf_greedy(model_dir, prompts, 24)
+    for i, (got, want) in enumerate(zip(seqs, expected)):
+        assert got[0].output_token_ids == want, f"prompt {i} differs"
+    engine.check_integrity()
