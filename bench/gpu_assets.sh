@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 dst=out/gpu-assets
 rm -rf "$dst" && mkdir -p "$dst/wheels" "$dst/tokenizer"
 .venv/bin/python -m pip download -q --no-deps --only-binary :all: -d "$dst/wheels" \
-  pytest pluggy iniconfig filelock
+  pytest pluggy iniconfig pygments packaging filelock
 .venv/bin/python - "$dst/tokenizer" <<'PY'
 import sys
 from transformers import AutoTokenizer

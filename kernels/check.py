@@ -58,8 +58,8 @@ def signature(fn, dtype_name: str, constexprs: dict) -> dict[str, str]:
     return sig
 
 
-def compile_one(job: tuple[str, str, dict, int]) -> dict:
-    kernel_name, dtype_name, constexprs, arch = job
+def compile_one(job: tuple[str, str, dict, dict, int]) -> dict:
+    kernel_name, dtype_name, constexprs, options, arch = job
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -67,10 +67,11 @@ def compile_one(job: tuple[str, str, dict, int]) -> dict:
 
     fn = getattr(_kernels(), kernel_name)
     row = {"kernel": kernel_name.strip("_"), "arch": f"sm_{arch}", "dtype": dtype_name, **constexprs}
+    row["WARPS"] = options["num_warps"]
     t0 = time.perf_counter()
     try:
         src = ASTSource(fn, signature(fn, dtype_name, constexprs), constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         with tempfile.TemporaryDirectory() as tmp:
             ptx = os.path.join(tmp, "k.ptx")
             with open(ptx, "w") as f:
@@ -98,11 +99,11 @@ def compile_one(job: tuple[str, str, dict, int]) -> dict:
     return row
 
 
-def jobs(archs: list[int]) -> list[tuple[str, str, dict, int]]:
+def jobs(archs: list[int]) -> list[tuple[str, str, dict, dict, int]]:
     out = []
-    for fn, dtype, constexprs in _kernels().specializations():
+    for fn, dtype, constexprs, options in _kernels().specializations():
         for arch in archs:
-            out.append((fn.__name__, str(dtype).replace("torch.", ""), constexprs, arch))
+            out.append((fn.__name__, str(dtype).replace("torch.", ""), constexprs, options, arch))
     return out
 
 
