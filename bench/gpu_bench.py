@@ -120,7 +120,12 @@ SHAPES = {
 }
 
 
-def make_model(name: str, tokenizer_dir: Path, work: Path) -> Path:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_model(name: str, tokenizer_dir: Path, work: Path, device: str = "cuda") -> Path:
     """A Llama model of SHAPES[name] with random weights (bf16), saved with the tokenizer files."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -133,18 +138,19 @@ def make_model(name: str, tokenizer_dir: Path, work: Path) -> Path:
         **SHAPES[name],
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     target = work / name
     model.save_pretrained(target)
     tok.save_pretrained(target)
-    del model
-    torch.cuda.empty_cache()
     return target
 
 
-def model_table(tokenizer_dir: Path, work: Path, rows: int, new_tokens: int) -> list[dict]:
-    """batchrun vs HF `generate` (one padded batch) on the same token ids, bf16, greedy, ignore eos."""
+def model_table(
+    tokenizer_dir: Path, work: Path, rows: int, new_tokens: int, device: str = "cuda"
+) -> list[dict]:
+    """batchrun vs HF `generate` (one padded batch) on the same token ids, bf16, greedy, ignore eos.
+    (`device`: cpu runs the same code on tiny shapes, to try it without a GPU.)"""
     from transformers import AutoModelForCausalLM
 
     from batchrun import LLM, SamplingParams
@@ -152,38 +158,40 @@ def model_table(tokenizer_dir: Path, work: Path, rows: int, new_tokens: int) -> 
     gen = torch.Generator().manual_seed(1)
     out = []
     for name in SHAPES:
-        path = make_model(name, tokenizer_dir, work)
+        path = make_model(name, tokenizer_dir, work, device)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         lens = torch.randint(64, 512, (rows,), generator=gen).tolist()
         prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in lens]
-        llm = LLM(
-            model=str(path), dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory="16GiB"
-        )
+        budget = {"kv_cache_memory": "16GiB"} if device == "cuda" else {"num_pages": 4096}
+        llm = LLM(model=str(path), dtype="bfloat16", device=device, max_model_len=1024, **budget)
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: Triton compiles its kernels here
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         t_batchrun = time.perf_counter() - t0
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         del llm, outs
         gc.collect()
-        torch.cuda.empty_cache()
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
         width = max(lens)
         pad = hf.config.eos_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.inference_mode():
             kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
             hf.generate(input_ids=ids[:4], attention_mask=mask[:4], **kw)
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             hf.generate(input_ids=ids, attention_mask=mask, **kw)
-            torch.cuda.synchronize()
+            sync()
             t_hf = time.perf_counter() - t0
         del hf
-        torch.cuda.empty_cache()
         out.append(
             {
                 "model": name,
