@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
 from .block_manager import cdiv
 
 ATTENTION_NAME = "batchrun_paged"
@@ -396,7 +397,7 @@ def make_backend(name: str, num_heads: int, kv_shape: Any, device: torch.device)
         return TritonAttention(num_heads, kv_shape.num_kv_heads, device)
     if name == "cpu":
         if device.type != "cpu":
-            raise ValueError("engine.attention: cpu runs on the CPU only; use triton or torch on this device")
+            raise BadInput("key `engine.attention`: cpu runs on the CPU only; use auto, triton or torch here")
         from . import cpu_kernels
 
         kernel = cpu_kernels.load()
