@@ -88,6 +88,7 @@ def run_batchrun(args) -> dict:
         f"sampling.max_new_tokens={args.max_new_tokens}",
         f"engine.max_num_seqs={args.batch}",
         "input.id_column=id",
+        "model.dtype=float32",  # like for like with HF generate in fp32 (auto is bf16 on a bf16-capable CPU)
         *args.set,
     ]
     spec = load_job(ROOT / "jobs" / "demo.yaml", overrides)
