@@ -2,9 +2,9 @@
 heads: 9 query heads, 3 KV heads, head dim 64; 16-token pages in shuffled order), per layer:
 
 1. gather + SDPA: each group of similar context length copies its pages into a workspace, then one padded,
-   masked SDPA (batchrun's `attention: torch`);
+   masked SDPA (batchrun's `attention: gather`);
 2. SDPA per sequence: each sequence's pages indexed out (a copy), one unpadded SDPA each;
-3. C++ paged decode: one call reads every sequence's K/V in the pages (batchrun's `attention: cpu`).
+3. C++ paged decode: one call reads every sequence's K/V in the pages (batchrun's `attention: torch` on the CPU).
 
 Each is checked against the plain PyTorch reference first. Usage: python bench/attention_cpu.py [--seqs 60]
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from batchrun_kernels import ref_paged_attention
 
 from batchrun.engine.attention import (
-    CPUAttention,
+    GatherAttention,
     StepLayout,
     TorchAttention,
     gathered_decode_attention,
@@ -78,7 +78,7 @@ def measure(dtype, layout: StepLayout, ctxs: list[int], tables: list[list[int]],
     vc = torch.randn(num_pages, P, Hkv, D, generator=gen).to(dtype)
     q = torch.randn(G, Hkv * gqa, D, generator=gen).to(dtype)
     out = torch.empty_like(q)
-    torch_backend = TorchAttention(P, torch.device("cpu"))
+    torch_backend = GatherAttention(P, torch.device("cpu"))
     plan = torch_backend.prepare(layout)
     page_lists = [torch.tensor(t) for t in tables]
 
@@ -93,7 +93,7 @@ def measure(dtype, layout: StepLayout, ctxs: list[int], tables: list[list[int]],
 
     ways = [gather_sdpa, per_sequence]
     if kernel is not None:
-        d = CPUAttention(P, kernel).prepare(layout).decode
+        d = TorchAttention(P, kernel).prepare(layout).decode
 
         def paged():
             kernel.paged_decode_attention(out, q, kc, vc, d.block_tables, d.seq_lens, d.token_index, scale)

@@ -55,10 +55,11 @@ def test_paged_decode_matches_the_reference(dtype, page_size, num_kv_heads, gqa,
     assert err < TOL[dtype], f"relative error {err:.2e} for {dtype}"
 
 
-def test_engine_with_cpu_attention_equals_hf_generate(tok_model, model_dir, chat_prompts):
+@pytest.mark.parametrize("attention", ["torch", "gather"])
+def test_engine_on_the_cpu_equals_hf_generate(tok_model, model_dir, chat_prompts, attention):
     prompts = chat_prompts[:8]
-    engine = make_engine(tok_model, attention="cpu", max_num_batched_tokens=512, num_pages=256)
-    assert engine.attention.name == "cpu"
+    engine = make_engine(tok_model, attention=attention, max_num_batched_tokens=512, num_pages=256)
+    assert engine.attention.name == attention
     seqs, _ = run_engine(engine, prompts, SamplingParams(max_new_tokens=24))
     expected = hf_greedy(model_dir, prompts, 24)
     for i, (got, want) in enumerate(zip(seqs, expected)):

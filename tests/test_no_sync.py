@@ -74,7 +74,7 @@ def run_watched(tok_model, prompts, attention: str, extra_hook=None) -> list[str
     return mode.reads
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
+@pytest.mark.parametrize("attention", ["torch", "gather", "triton"])
 def test_the_forward_reads_nothing_back_from_the_device(tok_model, chat_prompts, attention):
     # a shared prefix (prefix-cached prefill), chunked prompts next to decodes, and plain decodes
     prompts = [chat_prompts[0], chat_prompts[0][:40] + chat_prompts[1][:30], chat_prompts[2][:150]]

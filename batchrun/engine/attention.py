@@ -5,10 +5,11 @@ registered here once per layer, with q [1, Hq, T, D] and k/v [1, Hkv, T, D] afte
 `AttentionMetadata` arrives as the `batchrun_attn` keyword. The function writes the new K/V into their page
 slots (slot mapping) and attends through the block tables, with one of three backends, each an object chosen
 once per engine (`make_backend`):
-- `CPUAttention` (the CPU default): decoding sequences through a C++ kernel that reads K/V in the pages
-  (`paged_decode.cpp`), prompts through SDPA;
-- `TorchAttention`: plain PyTorch, gathering each group's pages into a padded batch for SDPA (the fallback where
-  the C++ kernel cannot be built, and the reference it was measured against: bench/attention_cpu.py);
+- `TorchAttention` (`torch`, the CPU default): decoding sequences through batchrun's C++ extension, which reads
+  K/V in the pages (`paged_decode.cpp`), prompts through SDPA;
+- `GatherAttention` (`gather`): plain PyTorch, gathering each group's pages into a padded batch for SDPA (what
+  `torch` falls back to where the C++ kernel cannot be built, or on a GPU, and what the kernel was measured
+  against: bench/attention_cpu.py);
 - `TritonAttention` (the GPU default): the paged kernels in `batchrun_kernels`, which read K/V in the pages.
 A backend builds its metadata once per step, before the forward (`prepare`, from host integers: nothing in
 the forward waits on the device to learn a shape), and every layer runs from it (`forward`).
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import BadInput
 from .block_manager import cdiv
 
 ATTENTION_NAME = "batchrun_paged"
@@ -82,15 +82,15 @@ class AttentionMetadata:
     """One step's attention inputs, shared by every layer; `backend` runs them."""
 
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
-    backend: Any  # TorchAttention | TritonAttention
+    backend: Any  # TorchAttention | GatherAttention | TritonAttention
     kv_cache: Any  # KVCache
     slot_mapping: torch.Tensor  # [T] int64
     max_seq_len: int
-    plan: Any  # the backend's own per-step data: TorchPlan | TritonPlan
+    plan: Any  # the backend's own per-step data: GatherPlan | TritonPlan
 
 
 @dataclass
-class TorchPlan:
+class GatherPlan:
     decode: list[DecodeBatch]
     prefills: list[PrefillSequence]
 
@@ -260,26 +260,26 @@ def paged_attention_forward(
     return out[None], None
 
 
-class TorchAttention:
+class GatherAttention:
     """Pages gathered into a reused workspace per decode group, then SDPA; prompts attend on their own K/V."""
 
-    name = "torch"
+    name = "gather"
 
     def __init__(self, page_size: int, device: torch.device):
         self.page_size = page_size
         self.device = device
         self.workspace = Workspace()
 
-    def prepare(self, layout: StepLayout) -> TorchPlan:
+    def prepare(self, layout: StepLayout) -> GatherPlan:
         """Decodes batched in groups of similar context length (padded, masked)."""
         rows, prefills = split_step(layout, self.page_size, self.device)
         ctx, tables, P = layout.context_lens, layout.block_tables, self.page_size
         decode = [_decode_batch(b, ctx, tables, P, self.device) for b in _buckets_by_length(rows, ctx, P)]
-        return TorchPlan(decode, prefills)
+        return GatherPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan: TorchPlan = meta.plan
+        plan: GatherPlan = meta.plan
         out = torch.empty_like(q)
         gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, self.workspace)
         prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
@@ -296,26 +296,26 @@ class PagedDecode:
 
 
 @dataclass
-class CPUPlan:
+class TorchPlan:
     decode: PagedDecode | None
     prefills: list[PrefillSequence]
 
 
-class CPUAttention:
+class TorchAttention:
     """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
-    through SDPA, as in TorchAttention."""
+    through SDPA, as in GatherAttention."""
 
-    name = "cpu"
+    name = "torch"
 
     def __init__(self, page_size: int, kernel):
         self.page_size = page_size
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
         self.device = torch.device("cpu")
 
-    def prepare(self, layout: StepLayout) -> CPUPlan:
+    def prepare(self, layout: StepLayout) -> TorchPlan:
         rows, prefills = split_step(layout, self.page_size, self.device)
         if not rows:
-            return CPUPlan(None, prefills)
+            return TorchPlan(None, prefills)
         tables = [layout.block_tables[i] for _, i in rows]
         width = max(len(t) for t in tables)
         decode = PagedDecode(
@@ -323,11 +323,11 @@ class CPUAttention:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
             seq_lens=torch.tensor([layout.context_lens[i] for _, i in rows], dtype=torch.int32),
         )
-        return CPUPlan(decode, prefills)
+        return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan: CPUPlan = meta.plan
+        plan: TorchPlan = meta.plan
         out = torch.empty_like(q)
         if plan.decode is not None:
             d = plan.decode
@@ -389,21 +389,20 @@ class TritonAttention:
 
 
 def make_backend(name: str, num_heads: int, kv_shape: Any, device: torch.device):
-    """The attention backend for `engine.attention`, chosen once: auto is triton on CUDA, cpu on the CPU (torch
-    where the C++ kernel cannot be built). `kv_shape`: the KVCacheShape (KV heads, page size)."""
+    """The attention backend for `engine.attention`, chosen once: auto is triton on CUDA, torch elsewhere; torch
+    is the C++ paged decode on the CPU, gather where that cannot be built or on another device. `kv_shape`: the
+    KVCacheShape (KV heads, page size)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         return TritonAttention(num_heads, kv_shape.num_kv_heads, device)
-    if name == "cpu":
-        if device.type != "cpu":
-            raise BadInput("key `engine.attention`: cpu runs on the CPU only; use auto, triton or torch here")
+    if name == "torch" and device.type == "cpu":
         from . import cpu_kernels
 
         kernel = cpu_kernels.load()
         if kernel is not None:
-            return CPUAttention(kv_shape.page_size, kernel)
-    return TorchAttention(kv_shape.page_size, device)
+            return TorchAttention(kv_shape.page_size, kernel)
+    return GatherAttention(kv_shape.page_size, device)
 
 
 def register() -> None:

@@ -61,7 +61,7 @@ def _replicas(v: int | str) -> str | None:
 @dataclass
 class EngineConfig:
     device: str = field(default="auto", metadata={"check": _device})
-    attention: str = field(default="auto", metadata={"check": one_of("auto", "cpu", "triton", "torch")})
+    attention: str = field(default="auto", metadata={"check": one_of("auto", "triton", "torch", "gather")})
     page_size: int = field(default=16, metadata={"check": power_of_two})
     # a fraction of free accelerator memory after loading the model (on the CPU: of a tenth of available RAM),
     # or a size such as "2GiB"
