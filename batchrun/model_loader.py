@@ -181,13 +181,20 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16; Linux's CPU flags)."""
+def cpu_description() -> str:
+    """This CPU's model name and flags lines (Linux's /proc/cpuinfo; empty elsewhere)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return False
-    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", flags))
+        return ""
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{model}\n{flags}"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16)."""
+    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", cpu_description()))
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:

@@ -2,7 +2,7 @@
 
 Built once with torch's C++ extension builder (a C++ compiler and `ninja` are needed) into the cache folder
 (`$BATCHRUN_CACHE/torch_extensions`, default ~/.cache/batchrun), then loaded in well under a second. Where it
-cannot be built, `load()` returns None with the reason, and the torch backend gathers pages for SDPA instead.
+cannot be built, `load()` warns with the reason and returns None, and `attention: torch` falls back to `gather`.
 """
 
 from __future__ import annotations
@@ -51,10 +51,6 @@ def _cpu_id() -> str:
     import hashlib
     import platform
 
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
-        model = next((line for line in info.splitlines() if line.startswith("model name")), "")
-    except OSError:
-        flags = model = ""
-    return hashlib.sha256(f"{platform.machine()}|{model}|{flags}".encode()).hexdigest()[:12]
+    from ..model_loader import cpu_description
+
+    return hashlib.sha256(f"{platform.machine()}|{cpu_description()}".encode()).hexdigest()[:12]

@@ -2,10 +2,9 @@
 
 A stock `nn.Linear` multiplies by its weight in PyTorch's plain row-major layout, and the matrix library
 re-blocks it on every call; at a decode step's few dozen rows that costs more than the product. Reordered once
-into oneDNN's blocked layout (what torch.compile's CPU freezing does to weights), the same products ran
-1.2-2.5x faster in fp32 and 1.1-1.4x in bf16 on this project's AMX machine (the LM head most: 68 -> 174
-GFLOP/s at 56 rows; bench/RESULTS.md). bf16 results are bit for bit those of `nn.Linear`; fp32 ones differ in
-the order of the sums (~1e-6 relative).
+into oneDNN's blocked layout (what torch.compile's CPU freezing does to weights), a whole fp32 job ran
+1.35-1.46x faster on the development machine (bench/RESULTS.md, with the command). bf16 results are bit for bit
+those of `nn.Linear`; fp32 ones differ in the order of the sums (~1e-6 relative).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ scheduler or the block manager.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,39 +159,37 @@ class Engine:
         # positions scoring prompt tokens, fixed before the forward (scoring them changes what is left)
         scoring = [s.prompt_logprob_positions for s in plan.scheduled]
         logits = self.runner.execute(plan.scheduled)
-        t_sample = time.perf_counter()
-        if any(scoring):
-            self._score_prompts(plan, scoring, logits)
-        sampling, rows = [], []  # sequences that sample, and the logits row each samples from
-        row = 0
-        for s, positions in zip(plan.scheduled, scoring):
-            seq = s.seq
-            result.num_prompt_tokens += max(
-                0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start
-            )
-            seq.num_computed_tokens += s.num_new_tokens
-            row += len(positions)
-            if s.needs_sample_logits:
-                for member in [seq, *self._fork_siblings(seq)]:
-                    sampling.append(member)
-                    rows.append(row)
-                row += 1
-            elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
-                seq.finish_reason = "length"
-                self.scheduler.finish(seq)
-                result.finished.append(seq)
-        tokens = self._sample(logits, rows, sampling) if sampling else []
-        t_finish = time.perf_counter()
-        self.times.add("sample", t_finish - t_sample)
-        for seq, token in zip(sampling, tokens):
-            if seq.grammar is not None:
-                seq.grammar.accept_token(token)
-            seq.append_token(token)
-            result.num_generated += 1
-            if self._check_finished(seq):
-                self.scheduler.finish(seq)
-                result.finished.append(seq)
-        self.times.add("finish", time.perf_counter() - t_finish)
+        with self.times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
+            if any(scoring):
+                self._score_prompts(plan, scoring, logits)
+            sampling, rows = [], []  # sequences that sample, and the logits row each samples from
+            row = 0
+            for s, positions in zip(plan.scheduled, scoring):
+                seq = s.seq
+                result.num_prompt_tokens += max(
+                    0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start
+                )
+                seq.num_computed_tokens += s.num_new_tokens
+                row += len(positions)
+                if s.needs_sample_logits:
+                    for member in [seq, *self._fork_siblings(seq)]:
+                        sampling.append(member)
+                        rows.append(row)
+                    row += 1
+                elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
+                    seq.finish_reason = "length"
+                    self.scheduler.finish(seq)
+                    result.finished.append(seq)
+            tokens = self._sample(logits, rows, sampling) if sampling else []
+        with self.times("finish"):
+            for seq, token in zip(sampling, tokens):
+                if seq.grammar is not None:
+                    seq.grammar.accept_token(token)
+                seq.append_token(token)
+                result.num_generated += 1
+                if self._check_finished(seq):
+                    self.scheduler.finish(seq)
+                    result.finished.append(seq)
         return result
 
     def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
