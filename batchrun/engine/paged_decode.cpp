@@ -1,7 +1,7 @@
 // Paged decode attention for the CPU: each decoding sequence's one query token attends over its K/V where
 // they lie in the pages, walking its block table -- no copy of the pages into a workspace.
 //
-// One task per (KV head, sequence), spread over the intra-op threads: the GQA query heads of that KV head are
+// One task per (sequence, KV head), spread over the intra-op threads: the GQA query heads of that KV head are
 // scored against every key of the context (fp32 accumulation; bf16/fp16 pages widened on load), softmaxed, and
 // the values summed with those weights. Shapes:
 //   out, query  [T, Hq, D] (any strides but a unit last one)   k_cache, v_cache [num_pages, P, Hkv, D]
@@ -84,9 +84,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   at::parallel_for(0, G * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(gqa * D), acc(gqa * D), total(gqa), scores;
     for (int64_t task = begin; task < end; ++task) {
-      // head-major: consecutive tasks read the same head's slice of any pages their sequences share (a common
-      // prompt prefix), while it is still in this core's cache
-      const int64_t h = task / G, g = task % G;
+      // sequence-major: consecutive tasks read neighbouring head slices of the same pages
+      const int64_t g = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t t = rows[g], ctx = lens[g];
       const int32_t* table = tables + g * st;
       for (int64_t r = 0; r < gqa; ++r) {
