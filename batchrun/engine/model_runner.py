@@ -24,7 +24,7 @@ class ModelRunner:
         self.times = times
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape.page_size
-        self.backend = backend  # attention.TorchAttention | attention.TritonAttention
+        self.backend = backend  # attention.TorchAttention | GatherAttention | TritonAttention: make_backend
         self.device = device
 
     def prepare(
