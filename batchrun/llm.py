@@ -116,10 +116,11 @@ class LLM:
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
         self.tokenizer, hf_model = model_loader.load_model(self.model_dir, self.dtype, self.device)
-        if engine.pack_weights and self.device.type == "cpu":
-            from .engine import cpu_linear
+        if self.device.type == "cpu":
+            from .engine import cpu_allocator, cpu_linear
 
-            if cpu_linear.available(self.dtype):
+            cpu_allocator.keep_freed_blocks()
+            if engine.pack_weights and cpu_linear.available(self.dtype):
                 cpu_linear.pack_linear_layers(hf_model)
         self._token_texts: dict[int, str] = {}
         try:

@@ -291,15 +291,17 @@ def main() -> None:
         report["configs"] = configs
 
     if "host" in only:
-        tiny = subprocess_json(me("--one", "tiny-model", "--work", str(work)))["path"]
+        host_work = work / "host"  # its own prompts file: the reference workload's stays as it is
+        host_work.mkdir(exist_ok=True)
+        tiny = subprocess_json(me("--one", "tiny-model", "--work", str(host_work)))["path"]
         rows = [" ".join(random.Random(i).choice(WORDS) for _ in range(12)) for i in range(256)]
-        pq.write_table(pa.table({"id": list(range(256)), "prompt": rows}), work / "prompts.parquet")
+        pq.write_table(pa.table({"id": list(range(256)), "prompt": rows}), host_work / "prompts.parquet")
         r = subprocess_json(
             me(
                 "--one",
                 "batchrun",
                 "--work",
-                str(work),
+                str(host_work),
                 "--dtype",
                 "float32",
                 "--label",

@@ -6,7 +6,7 @@ registered here once per layer, with q [1, Hq, T, D] and k/v [1, Hkv, T, D] afte
 slots (slot mapping) and attends through the block tables, with one of three backends, each an object chosen
 once per engine (`make_backend`):
 - `TorchAttention` (`torch`, the CPU default): decoding sequences through batchrun's C++ extension, which reads
-  K/V in the pages (`paged_decode.cpp`), prompts through SDPA;
+  K/V in the pages (`cpu_kernels.cpp`), prompts through SDPA;
 - `GatherAttention` (`gather`): plain PyTorch, gathering each group's pages into a padded batch for SDPA (what
   `torch` falls back to where the C++ kernel cannot be built, or on a GPU, and what the kernel was measured
   against: bench/attention_cpu.py);
@@ -17,6 +17,7 @@ the forward waits on the device to learn a shape), and every layer runs from it 
 
 from __future__ import annotations
 
+import array
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,27 @@ import torch.nn.functional as F
 from .block_manager import cdiv
 
 ATTENTION_NAME = "batchrun_paged"
+_ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch.device | None = None):
+    """A 1-D integer tensor of Python ints, through an `array.array`'s buffer: 3x faster than `torch.tensor`,
+    which converts one element at a time (16 vs 5 us for 256 ints here), and a step builds several from
+    lists."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
+    return t if device is None or device.type == "cpu" else t.to(device)
+
+
+def padded_int_tensor(rows: list[list[int]], width: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[len(rows), width]: each row padded with 0 (block tables)."""
+    flat: list[int] = []
+    zeros = [0] * width
+    for r in rows:
+        flat += r
+        flat += zeros[len(r) :]
+    return int_tensor(flat, dtype, device).view(len(rows), width)
 
 
 @dataclass
@@ -142,15 +164,12 @@ def _decode_batch(
     device: torch.device,
 ) -> DecodeBatch:
     num_blocks = max(cdiv(context_lens[i], page_size) for _, i in rows)
-    flat = []
-    for _, i in rows:
-        bt = block_tables[i][:num_blocks]
-        flat += bt + [0] * (num_blocks - len(bt))
-    ctx = torch.tensor([context_lens[i] for _, i in rows], device=device)
+    tables = [block_tables[i][:num_blocks] for _, i in rows]
+    ctx = int_tensor([context_lens[i] for _, i in rows], device=device)
     key_pos = torch.arange(num_blocks * page_size, device=device)
     return DecodeBatch(
-        token_index=torch.tensor([t for t, _ in rows], device=device),
-        page_index=torch.tensor(flat, device=device),
+        token_index=int_tensor([t for t, _ in rows], device=device),
+        page_index=padded_int_tensor(tables, num_blocks, torch.long, device).view(-1),
         mask=(key_pos[None, :] < ctx[:, None])[:, None, None, :],
         num_blocks=num_blocks,
     )
@@ -319,9 +338,9 @@ class TorchAttention:
         tables = [layout.block_tables[i] for _, i in rows]
         width = max(len(t) for t in tables)
         decode = PagedDecode(
-            token_index=torch.tensor([start for start, _ in rows]),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            seq_lens=torch.tensor([layout.context_lens[i] for _, i in rows], dtype=torch.int32),
+            token_index=int_tensor([start for start, _ in rows]),
+            block_tables=padded_int_tensor(tables, width, torch.int32),
+            seq_lens=int_tensor([layout.context_lens[i] for _, i in rows], torch.int32),
         )
         return TorchPlan(decode, prefills)
 
@@ -365,11 +384,9 @@ class TritonAttention:
         for n in layout.query_lens:
             query_start.append(query_start[-1] + n)
         return TritonPlan(
-            block_tables=torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in layout.block_tables], dtype=torch.int32, device=dev
-            ),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(layout.context_lens, dtype=torch.int32, device=dev),
+            block_tables=padded_int_tensor(layout.block_tables, max_blocks, torch.int32, dev),
+            query_start_loc=int_tensor(query_start, torch.int32, dev),
+            seq_lens=int_tensor(layout.context_lens, torch.int32, dev),
             query_blocks=self.kernels.plan_query_blocks(layout.query_lens, self.gqa, dev),
         )
 

@@ -1,8 +1,10 @@
-"""batchrun's C++ kernel for the CPU: paged decode attention that reads K/V in the pages (paged_decode.cpp).
+"""batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
+the greedy argmax over a step's logits.
 
 Built once with torch's C++ extension builder (a C++ compiler and `ninja` are needed) into the cache folder
 (`$BATCHRUN_CACHE/torch_extensions`, default ~/.cache/batchrun), then loaded in well under a second. Where it
-cannot be built, `load()` warns with the reason and returns None, and `attention: torch` falls back to `gather`.
+cannot be built, `load()` warns with the reason and returns None: `attention: torch` falls back to `gather`, and
+`argmax_rows` to torch's argmax.
 """
 
 from __future__ import annotations
@@ -11,40 +13,72 @@ import os
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+import torch
+from filelock import FileLock
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _loaded: dict[str, object] = {}
 
 
 def load():
-    """The compiled module (with `paged_decode_attention`), or None when it cannot be built here."""
+    """The compiled module (`paged_decode_attention`, `argmax_rows`), or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None
     try:
         from torch.utils import cpp_extension
 
-        from ..model_loader import cache_dir
-
-        # built with -march=native: one build per kind of CPU (a cache folder may be shared between machines)
-        build = cache_dir() / "torch_extensions" / f"paged_decode-{_cpu_id()}"
+        build = build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name="batchrun_paged_decode",
-            sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
-            # no errno from math calls lets the softmax loop (floor) vectorize
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=os.environ.get("BATCHRUN_DEBUG") == "1",
-        )
+        with FileLock(build / "batchrun.lock"):
+            # torch's builder marks a build in progress with a `lock` file and waits, forever, for it to go; a
+            # process killed mid-build leaves it behind. Our OS lock dies with its process: holding it, nobody
+            # else is building, so such a file is stale.
+            (build / "lock").unlink(missing_ok=True)
+            module = _build(cpp_extension, build)
     except Exception as e:  # no compiler, no ninja: the gather path still works
         warnings.warn(
-            f"batchrun: the CPU paged-decode kernel could not be built ({e}); gathering pages instead",
+            f"batchrun: the CPU kernels could not be built ({e}); gathering pages for attention instead",
             stacklevel=2,
         )
     _loaded["module"] = module
     return module
+
+
+def build_dir() -> Path:
+    """Where the extension is built: one folder per kind of CPU (-march=native; a cache folder may be shared
+    between machines)."""
+    from ..model_loader import cache_dir
+
+    return cache_dir() / "torch_extensions" / f"cpu_kernels-{_cpu_id()}"
+
+
+def _build(cpp_extension, build: Path):
+    """Compile (when the source changed) and load the extension from `build`."""
+    return cpp_extension.load(
+        name="batchrun_cpu_kernels",
+        sources=[str(SOURCE)],
+        # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
+        # no errno from math calls lets the softmax loop (floor) vectorize
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=os.environ.get("BATCHRUN_DEBUG") == "1",
+    )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value, as `logits.float().argmax(-1)` decides it (first index on ties, a
+    NaN counts as the largest): by the C++ kernel for fp32 and bf16 rows on the CPU, else by torch."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+    ):
+        module = load()
+        if module is not None:
+            return module.argmax_rows(logits)
+    return logits.float().argmax(dim=-1)
 
 
 def _cpu_id() -> str:

@@ -52,26 +52,35 @@ class MemorySnapshot:
 def count(
     bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
 ) -> MemorySnapshot:
-    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens."""
+    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
+
+    Every step, so it touches one page per sequence in Python: a sequence's pages before its computed end are
+    full for every holder (set unions, in C), the page holding that end is partly filled, the rest are empty;
+    a page's count is its fullest holder's."""
     P = bm.page_size
-    filled: dict[int, int] = {}  # physical page -> computed tokens in it
+    used: set[int] = set()  # physical pages in the block tables
+    full: set[int] = set()  # pages some holder has filled
+    partial: dict[int, int] = {}  # page -> computed tokens in it, for the page where a holder's tokens end
     logical_pages = cached = reserved = 0
     for seq in running:
-        logical_pages += len(seq.block_table)
-        for i, page in enumerate(seq.block_table):
-            n = min(max(seq.num_computed_tokens - i * P, 0), P)
-            if n >= filled.get(page, 0):
-                filled[page] = n
-        cached += seq.num_computed_tokens
+        table, computed = seq.block_table, seq.num_computed_tokens
+        logical_pages += len(table)
+        used.update(table)
+        k, rest = divmod(computed, P)
+        full.update(table[:k])
+        if rest and k < len(table) and partial.get(table[k], 0) < rest:
+            partial[table[k]] = rest
+        cached += computed
         reserved += reservation(seq)
+    tokens_stored = P * len(full) + sum(n for page, n in partial.items() if page not in full)
     return _snapshot(
         bm,
         running,
         num_waiting,
         num_swapped,
-        pages_used=len(filled),
+        pages_used=len(used),
         pages_allocatable=bm.num_free_pages,
-        tokens_stored=sum(filled.values()),
+        tokens_stored=tokens_stored,
         logical_pages=logical_pages,
         tokens_cached_per_sequence=cached,
         reserved_slots_contiguous=reserved,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, StepLayout
+from .attention import AttentionMetadata, StepLayout, int_tensor
 from .kv_cache import KVCache
 from .scheduler import ScheduledSequence
 from .timing import PhaseTimes
@@ -35,22 +35,27 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, tables, logits_index = [], [], [], []
-        for s in scheduled:
-            seq, start, end = s.seq, s.start, s.start + s.num_new_tokens
-            logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
-            input_ids += seq.token_slice(start, end)
-            positions += range(start, end)
+        for s in scheduled:  # every step, for every sequence: kept lean (host time per step, bench/speed.py)
+            seq, start, n = s.seq, s.start, s.num_new_tokens
+            end = start + n
             bt = seq.block_table
-            slots += [bt[p // P] * P + p % P for p in range(start, end)]
-            query_lens.append(s.num_new_tokens)
+            if s.prompt_logprob_positions:
+                logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
+            if n == 1:  # a decode
+                input_ids.append(seq.token_at(start))
+                positions.append(start)
+                slots.append(bt[start // P] * P + start % P)
+            else:
+                input_ids += seq.token_slice(start, end)
+                positions += range(start, end)
+                slots += [bt[p // P] * P + p % P for p in range(start, end)]
+            query_lens.append(n)
             context_lens.append(end)
             tables.append(bt)
             if s.needs_sample_logits:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
-        layout = StepLayout(
-            query_lens, context_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev)
-        )
+        layout = StepLayout(query_lens, context_lens, tables, int_tensor(slots, device=dev))
         meta = AttentionMetadata(
             times=self.times,
             backend=self.backend,
@@ -59,9 +64,9 @@ class ModelRunner:
             max_seq_len=max(context_lens),
             plan=self.backend.prepare(layout),
         )
-        ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
-        pos = torch.tensor([positions], dtype=torch.long, device=dev)
-        return ids, pos, meta, torch.tensor(logits_index, dtype=torch.long, device=dev)
+        ids = int_tensor(input_ids, device=dev)[None]
+        pos = int_tensor(positions, device=dev)[None]
+        return ids, pos, meta, int_tensor(logits_index, device=dev)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:

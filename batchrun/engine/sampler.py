@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_kernels
 from .sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits [N, V] (row i belongs to seqs[i]) -> one token id per row."""
     assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-    logits = logits.float()  # as HF generate: greedy ties and sampling decided in fp32 (bf16 models too)
-    tokens = logits.argmax(dim=-1).tolist()
+    # as HF generate: greedy ties and sampling decided in fp32 (bf16 models too; widening bf16 is exact)
+    tokens = cpu_kernels.argmax_rows(logits).tolist()
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not random_rows:
         return tokens
     rows = torch.tensor(random_rows, device=logits.device)
-    x = logits[rows]
+    x = logits[rows].float()
     temperature = torch.tensor([seqs[i].params.temperature for i in random_rows], device=x.device)
     x = x / temperature[:, None]
     top_k = [seqs[i].params.top_k for i in random_rows]

@@ -21,30 +21,29 @@ from .sequence import Sequence
 
 @dataclass
 class ScheduledSequence:
+    """One sequence's part of a step. What it implies is worked out once, when it is planned (the model runner
+    and the engine both read it, every step, for every sequence)."""
+
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
     start: int  # = seq.num_computed_tokens when scheduled
+    # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
+    # sequence with max_new_tokens 0, the sequence is done)
+    samples: bool = field(init=False)
+    needs_sample_logits: bool = field(init=False)
+    # positions of this step whose logits score the next prompt token and are not scored yet (a recomputed
+    # prompt is not scored twice); position p scores prompt token p + 1
+    prompt_logprob_positions: range = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
-        sequence with max_new_tokens 0, the sequence is done)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-    @property
-    def needs_sample_logits(self) -> bool:
-        return self.samples and self.seq.params.max_new_tokens > 0
-
-    @property
-    def prompt_logprob_positions(self) -> range:
-        """Positions of this step whose logits score the next prompt token and are not scored yet (a
-        recomputed prompt is not scored twice). Position p scores prompt token p + 1."""
-        scored = self.seq.prompt_logprobs
-        if scored is None:
-            return range(0)
-        return range(
-            max(self.start, len(scored) - 1),
-            min(self.start + self.num_new_tokens, self.seq.num_prompt_tokens - 1),
+    def __post_init__(self) -> None:
+        seq, end = self.seq, self.start + self.num_new_tokens
+        self.samples = end == seq.num_tokens
+        self.needs_sample_logits = self.samples and seq.params.max_new_tokens > 0
+        scored = seq.prompt_logprobs
+        self.prompt_logprob_positions = (
+            range(0)
+            if scored is None
+            else range(max(self.start, len(scored) - 1), min(end, seq.num_prompt_tokens - 1))
         )
 
 
@@ -118,12 +117,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)  # 1 for a decode; a chunk of a long prompt
-            while self.bm.num_pages_to_grow(seq, n) > self.bm.num_free_pages:
+            need = self.bm.num_pages_to_grow(seq, n)
+            while need > self.bm.num_free_pages:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget  # it preempted itself: every sequence after it is gone already
-            self._schedule(seq, n, out)
+                need = self.bm.num_pages_to_grow(seq, n)
+            if need:  # most decodes write into a page they already own: nothing to grow
+                self._schedule(seq, n, out)
+            else:
+                self._planned(seq, n, out)
             budget -= n
             i += 1
         return budget

@@ -61,5 +61,9 @@ class Sequence:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
+    def token_at(self, position: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

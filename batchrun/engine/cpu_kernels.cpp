@@ -1,17 +1,26 @@
-// Paged decode attention for the CPU: each decoding sequence's one query token attends over its K/V where
-// they lie in the pages, walking its block table -- no copy of the pages into a workspace.
+// batchrun's C++ kernels for the CPU (built and loaded by cpu_kernels.py):
 //
+// 1. Paged decode attention: each decoding sequence's one query token attends over its K/V where they lie in the
+// pages, walking its block table -- no copy of the pages into a workspace.
 // One task per (sequence, KV head), spread over the intra-op threads: the GQA query heads of that KV head are
 // scored against every key of the context (fp32 accumulation; bf16/fp16 pages widened on load), softmaxed, and
 // the values summed with those weights. Shapes:
 //   out, query  [T, Hq, D] (any strides but a unit last one)   k_cache, v_cache [num_pages, P, Hkv, D]
 //   block_tables [G, max_blocks] int32   seq_lens [G] int32 (context, the new token included)
 //   token_index [G] int64: the packed row of each decoding sequence's query (and output)
+//
+// 2. Greedy argmax over rows of logits [N, V] (fp32 or bf16), as torch.argmax decides it (the first index of the
+// largest value; a NaN counts as the largest), at the speed of a plain reduction: torch's argmax ran 3.4x slower
+// than its amax on 256 x 49,152 fp32 logits here (5.3 vs 1.6 ms), and at 256 rows a step it was most of the
+// host's time outside the forward.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -171,6 +180,126 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
   }
 }
 
+namespace {
+
+template <typename T>
+inline float as_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <>
+inline float as_float<uint16_t>(uint16_t bits) {  // bf16: the top half of an fp32
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+// One pass over the row: the largest value so far and its first index, in independent lanes; a NaN found
+// anywhere sends a second pass looking for the first one. All -inf: index 0, as torch.
+template <typename T>
+void argmax_row_scalar(const T* x, int64_t begin, int64_t end, float& m, int64_t& mi, bool& nan) {
+  for (int64_t j = begin; j < end; ++j) {
+    const float v = as_float(x[j]);
+    nan = nan || v != v;
+    if (v > m) {
+      m = v;
+      mi = j;
+    }
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {  // 16 bf16 widened to fp32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float m = -INFINITY;
+  int64_t mi = 0, j = 0;
+  bool nan = false;
+#ifdef __AVX512F__
+  // 4 x 16 lanes, each keeping its largest value and that value's first index (the compiler did not vectorize
+  // the plain loop: 2.4-3.4 ms against 1.2 ms for 256 x 49,152 fp32 logits)
+  constexpr int U = 4;
+  __m512 best[U];
+  __m512i index[U];
+  __mmask16 unordered = 0;
+  for (int u = 0; u < U; ++u) {
+    best[u] = _mm512_set1_ps(-INFINITY);
+    index[u] = _mm512_setzero_si512();
+  }
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  for (; j + 16 * U <= n; j += 16 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512 v = load16(x + j + 16 * u);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, best[u], _CMP_GT_OQ);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best[u] = _mm512_mask_mov_ps(best[u], greater, v);
+      index[u] = _mm512_mask_mov_epi32(index[u], greater, at);
+      at = _mm512_add_epi32(at, sixteen);
+    }
+  }
+  alignas(64) float lane_best[16];
+  alignas(64) int32_t lane_index[16];
+  for (int u = 0; u < U; ++u) {
+    _mm512_store_ps(lane_best, best[u]);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(lane_index), index[u]);
+    for (int l = 0; l < 16; ++l) {
+      if (lane_best[l] > m || (lane_best[l] == m && lane_index[l] < mi)) {
+        m = lane_best[l];
+        mi = lane_index[l];
+      }
+    }
+  }
+  nan = unordered != 0;
+#endif
+  argmax_row_scalar(x, j, n, m, mi, nan);  // the rest (every value, without AVX-512)
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = as_float(x[i]);
+      if (v != v) return i;
+    }
+  }
+  return mi;
+}
+
+template <typename T>
+void argmax_rows_typed(const at::Tensor& logits, at::Tensor& out) {
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  const T* base = reinterpret_cast<const T*>(logits.data_ptr());
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(base + r * stride, n);
+  });
+}
+
+}  // namespace
+
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
+              "argmax_rows: [N, V] logits on the CPU with a unit last stride");
+  TORCH_CHECK(logits.size(1) > 0, "argmax_rows: rows of no values");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      argmax_rows_typed<float>(logits, out);
+      break;
+    case at::kBFloat16:
+      argmax_rows_typed<uint16_t>(logits, out);
+      break;
+    default:
+      TORCH_CHECK(false, "argmax_rows: float32 or bfloat16");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)");
+  m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
 }

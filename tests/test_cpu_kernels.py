@@ -1,5 +1,8 @@
-"""The CPU paged-decode kernel (C++, reads K/V in the pages) against the plain PyTorch reference, and the
-engine with it against Hugging Face `generate`."""
+"""The CPU kernels (cpu_kernels.cpp): paged decode (reads K/V in the pages) against the plain PyTorch
+reference, and the engine with it against Hugging Face `generate`; the greedy argmax against torch.argmax."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -7,7 +10,7 @@ from batchrun_kernels import ref_paged_attention
 from helpers import hf_greedy, make_engine, run_engine
 
 from batchrun.engine import SamplingParams
-from batchrun.engine.cpu_kernels import load
+from batchrun.engine.cpu_kernels import argmax_rows, build_dir, load
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
@@ -31,6 +34,25 @@ def decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, see
     query = torch.randn(num_kv_heads * gqa, T, head_dim, generator=gen).to(dtype).transpose(0, 1)
     rows = torch.randperm(T, generator=gen)[:G]
     return query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 64, 65, 1000, 49152])  # under one vector, whole vectors, a tail
+def test_argmax_matches_torch(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=gen).to(dtype)
+    x[1] = float("-inf")  # all masked: index 0
+    x[2, vocab // 2] = float("nan")  # a NaN counts as the largest
+    x[3, -1] = float("nan")
+    x[4] = 0.0  # all tied: the first
+    x[5, -1] = 50.0  # the largest in the tail
+    x[6] = torch.randint(0, 3, (vocab,), generator=gen).to(dtype)  # ties among many
+    x[7, 0] = float("inf")
+    expected = x.float().argmax(dim=-1)
+    assert torch.equal(KERNEL.argmax_rows(x), expected)
+    assert torch.equal(argmax_rows(x), expected)
+    wide = torch.randn(12, vocab + 3, generator=gen).to(dtype)[:, :vocab]  # rows with a stride of their own
+    assert torch.equal(argmax_rows(wide), wide.float().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -65,3 +87,12 @@ def test_engine_on_the_cpu_equals_hf_generate(tok_model, model_dir, chat_prompts
     for i, (got, want) in enumerate(zip(seqs, expected)):
         assert got[0].output_token_ids == want, f"prompt {i} differs"
     engine.check_integrity()
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_process():
+    """torch's builder waits, forever, for its `lock` file to go; a process killed mid-build leaves it behind."""
+    stale = build_dir() / "lock"
+    stale.touch()  # what a process killed while compiling leaves
+    probe = "from batchrun.engine.cpu_kernels import load; assert load() is not None"
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=300)
+    assert not stale.exists()
