@@ -156,21 +156,21 @@ class Engine:
                     "scheduler made no progress: nothing is running and nothing can be admitted"
                 )
             return result
-        # positions scoring prompt tokens, fixed before the forward (scoring them changes what is left)
-        scoring = [s.prompt_logprob_positions for s in plan.scheduled]
         logits = self.runner.execute(plan.scheduled)
         with self.times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
-            if any(scoring):
-                self._score_prompts(plan, scoring, logits)
+            # the positions scoring prompt tokens were fixed when the step was planned (ScheduledSequence):
+            # scoring them changes what is left to score
+            if any(s.prompt_logprob_positions for s in plan.scheduled):
+                self._score_prompts(plan, logits)
             sampling, rows = [], []  # sequences that sample, and the logits row each samples from
             row = 0
-            for s, positions in zip(plan.scheduled, scoring):
+            for s in plan.scheduled:
                 seq = s.seq
                 result.num_prompt_tokens += max(
                     0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start
                 )
                 seq.num_computed_tokens += s.num_new_tokens
-                row += len(positions)
+                row += len(s.prompt_logprob_positions)
                 if s.needs_sample_logits:
                     for member in [seq, *self._fork_siblings(seq)]:
                         sampling.append(member)
@@ -215,19 +215,20 @@ class Engine:
                 sampling[j].logprobs.append(entry)
         return tokens
 
-    def _score_prompts(self, plan: SchedulerOutput, scoring: list[range], logits: torch.Tensor) -> None:
+    def _score_prompts(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
         """Prompt logprobs of this step's scoring positions. Logits rows come per sequence: its scoring
         positions, then its sampling position."""
         rows, targets = [], []
         row = 0
-        for s, positions in zip(plan.scheduled, scoring):
+        for s in plan.scheduled:
+            positions = s.prompt_logprob_positions
             rows += range(row, row + len(positions))
             targets += [s.seq.prompt_token_ids[p + 1] for p in positions]
             row += len(positions) + s.needs_sample_logits
         scores = iter(prompt_logprobs(logits[torch.tensor(rows, device=logits.device)], targets))
-        for s, positions in zip(plan.scheduled, scoring):
-            if positions:
-                s.seq.prompt_logprobs += [next(scores) for _ in positions]
+        for s in plan.scheduled:
+            if s.prompt_logprob_positions:
+                s.seq.prompt_logprobs += [next(scores) for _ in s.prompt_logprob_positions]
 
     def _fork_siblings(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: once the prompt is prefilled, the other samples share every page of it."""
