@@ -182,25 +182,11 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
 
 namespace {
 
-template <typename T>
-inline float as_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <>
-inline float as_float<uint16_t>(uint16_t bits) {  // bf16: the top half of an fp32
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
-// One pass over the row: the largest value so far and its first index, in independent lanes; a NaN found
-// anywhere sends a second pass looking for the first one. All -inf: index 0, as torch.
+// x[begin:end] into the running largest value m, its first index mi, and whether a NaN was seen
 template <typename T>
 void argmax_row_scalar(const T* x, int64_t begin, int64_t end, float& m, int64_t& mi, bool& nan) {
   for (int64_t j = begin; j < end; ++j) {
-    const float v = as_float(x[j]);
+    const float v = widen(x[j]);
     nan = nan || v != v;
     if (v > m) {
       m = v;
@@ -211,12 +197,14 @@ void argmax_row_scalar(const T* x, int64_t begin, int64_t end, float& m, int64_t
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) {  // 16 bf16 widened to fp32
+inline __m512 load16(const at::BFloat16* x) {  // 16 bf16 widened to fp32: each the top half of one
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 #endif
 
+// One pass over the row: the largest value so far and its first index, in independent lanes; a NaN found
+// anywhere sends a second pass looking for the first one. All -inf: index 0, as torch.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
   float m = -INFINITY;
@@ -261,7 +249,7 @@ int64_t argmax_row(const T* x, int64_t n) {
   argmax_row_scalar(x, j, n, m, mi, nan);  // the rest (every value, without AVX-512)
   if (nan) {
     for (int64_t i = 0; i < n; ++i) {
-      const float v = as_float(x[i]);
+      const float v = widen(x[i]);
       if (v != v) return i;
     }
   }
@@ -290,7 +278,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
       argmax_rows_typed<float>(logits, out);
       break;
     case at::kBFloat16:
-      argmax_rows_typed<uint16_t>(logits, out);
+      argmax_rows_typed<at::BFloat16>(logits, out);
       break;
     default:
       TORCH_CHECK(false, "argmax_rows: float32 or bfloat16");
