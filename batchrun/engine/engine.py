@@ -164,17 +164,20 @@ class Engine:
                 self._score_prompts(plan, logits)
             sampling, rows = [], []  # sequences that sample, and the logits row each samples from
             row = 0
-            for s in plan.scheduled:
+            for s in plan.scheduled:  # every step, for every sequence: kept lean (bench/speed.py's host work)
                 seq = s.seq
-                result.num_prompt_tokens += max(
-                    0, min(seq.num_prompt_tokens, s.start + s.num_new_tokens) - s.start
-                )
+                num_prompt = len(seq.prompt_token_ids)
+                if s.start < num_prompt:
+                    result.num_prompt_tokens += min(num_prompt, s.start + s.num_new_tokens) - s.start
                 seq.num_computed_tokens += s.num_new_tokens
                 row += len(s.prompt_logprob_positions)
                 if s.needs_sample_logits:
-                    for member in [seq, *self._fork_siblings(seq)]:
-                        sampling.append(member)
-                        rows.append(row)
+                    sampling.append(seq)
+                    rows.append(row)
+                    if seq.num_siblings_to_fork:
+                        for child in self._fork_siblings(seq):
+                            sampling.append(child)
+                            rows.append(row)
                     row += 1
                 elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
                     seq.finish_reason = "length"

@@ -7,6 +7,7 @@ in one indexed copy.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -37,18 +38,20 @@ class KVCacheShape:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed pages. On the CPU through calloc (numpy), whose large blocks the OS zeroes lazily: the process
-    then only grows by the pages actually written, and start-up does not touch gigabytes."""
+    """Zeroed pages. On the CPU an anonymous mapping, which the OS zeroes lazily, 4 KiB at a time: the process
+    grows only by the pages actually written, and start-up touches nothing. Not in 2 MiB pages (numpy's calloc
+    asks for those): each first write into one then zeroes 2 MiB, and on the reference workload the K/V writes
+    took 1.5 s instead of 0.4, the whole run 31.7 s instead of 28.0-28.5 (bench/RESULTS.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    elements = 1
+    numel = 1
     for d in shape:
-        elements *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(elements * itemsize, dtype=np.uint8))
-    return raw.view(dtype).view(shape)
+        numel *= d
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8)[:size].view(dtype).view(shape)  # keeps `pages` alive
 
 
 class KVCache:
