@@ -18,6 +18,7 @@ the forward waits on the device to learn a shape), and every layer runs from it 
 from __future__ import annotations
 
 import array
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,9 +90,7 @@ class Workspace:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)

@@ -166,7 +166,7 @@ class Engine:
             row = 0
             for s in plan.scheduled:  # every step, for every sequence: kept lean (bench/speed.py's host work)
                 seq = s.seq
-                num_prompt = len(seq.prompt_token_ids)
+                num_prompt = seq.num_prompt_tokens
                 if s.start < num_prompt:
                     result.num_prompt_tokens += min(num_prompt, s.start + s.num_new_tokens) - s.start
                 seq.num_computed_tokens += s.num_new_tokens

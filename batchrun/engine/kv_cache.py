@@ -7,6 +7,7 @@ in one indexed copy.
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 
@@ -25,8 +26,7 @@ class KVCacheShape:
 
     @property
     def bytes_per_page(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @classmethod
     def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheShape:
@@ -41,13 +41,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """Zeroed pages. On the CPU an anonymous mapping, which the OS zeroes lazily, 4 KiB at a time: the process
     grows only by the pages actually written, and start-up touches nothing. Not in 2 MiB pages (numpy's calloc
     asks for those): each first write into one then zeroes 2 MiB, and on the reference workload the K/V writes
-    took 1.5 s instead of 0.4, the whole run 31.7 s instead of 28.0-28.5 (bench/RESULTS.md)."""
+    took 1.4-1.5 s of a 31 s run instead of 0.35 (bench/RESULTS.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = numel * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     pages = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
         pages.madvise(mmap.MADV_NOHUGEPAGE)
