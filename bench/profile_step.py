@@ -1,7 +1,10 @@
-"""Where batchrun's time goes, by profiler, on bench/speed.py's reference workload (one process, the API):
+"""Where batchrun's time goes on bench/speed.py's reference workload (one process, the API):
 
   python bench/profile_step.py run [--dtype float32] [--sharing off]   torch.profiler over the whole batch, with
       the attention split into K/V writes, the C++ decode and the prompts' SDPA; the top operators by self time
+  python bench/profile_step.py attention [--dtype ...] [--sharing ...]  the same three parts of the attention
+      timed by the clock, without a profiler: K/V writes in steps with prompts and in decode-only steps, the
+      C++ decode (and the K/V bytes it read per second), the prompts' SDPA, and the batch's wall time
   python bench/profile_step.py startup                                  cProfile of `LLM()` after timing the
       torch and transformers imports
 
@@ -18,10 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def profile_run(dtype: str, sharing: str) -> None:
+def reference_run(dtype: str, sharing: str, section):
+    """An LLM on the reference workload whose attention runs its three parts inside `section(name)`; returns
+    a function that generates the whole batch: (wall seconds, tokens generated)."""
     import torch
     from speed import MAX_NEW, reference_prompts
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     import batchrun.engine.attention as attention
     from batchrun import LLM, SamplingParams
@@ -31,29 +35,65 @@ def profile_run(dtype: str, sharing: str) -> None:
     convs = [[{"role": "user", "content": p}] for p in reference_prompts()]
     llm.chat(convs[:2], SamplingParams(max_new_tokens=2), use_tqdm=False)  # warm-up
 
-    def forward(self, meta, q, k, v, k_cache, v_cache, scale):  # TorchAttention.forward, with labels
+    def forward(self, meta, q, k, v, k_cache, v_cache, scale):  # TorchAttention.forward, in sections
         plan = meta.plan
-        with record_function("## write K/V"):
+        with section("write K/V", meta, k_cache):
             attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if plan.decode is not None:
             d = plan.decode
-            with record_function("## C++ decode"):
+            with section("C++ decode", meta, k_cache):
                 self.kernel.paged_decode_attention(
                     out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale
                 )
-        with record_function("## prompts' SDPA"):
+        with section("prompts' SDPA", meta, k_cache):
             attention.prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
         return out
 
     attention.TorchAttention.forward = forward
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+
+    def generate() -> tuple[float, int]:
         t0 = time.perf_counter()
         outs = llm.chat(convs, SamplingParams(max_new_tokens=MAX_NEW), use_tqdm=False)
-        wall = time.perf_counter() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    return generate
+
+
+def profile_run(dtype: str, sharing: str) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    generate = reference_run(dtype, sharing, lambda name, meta, k_cache: record_function(f"## {name}"))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall, generated = generate()
     print(f"{dtype}, sharing {sharing}: {wall:.1f} s under the profiler, {generated} tokens generated")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def time_attention(dtype: str, sharing: str) -> None:
+    from collections import defaultdict
+    from contextlib import contextmanager
+
+    seconds: dict[str, float] = defaultdict(float)
+    decode_bytes = 0
+
+    @contextmanager
+    def section(name, meta, k_cache):
+        nonlocal decode_bytes
+        if name == "write K/V":
+            name += ", steps with prompts" if meta.plan.prefills else ", decode-only steps"
+        if name == "C++ decode":  # the K/V it reads: every decoding sequence's context, keys and values
+            decode_bytes += int(meta.plan.decode.seq_lens.sum()) * k_cache[0, 0].nbytes * 2
+        t0 = time.perf_counter()
+        yield
+        seconds[name] += time.perf_counter() - t0
+
+    wall, generated = reference_run(dtype, sharing, section)()
+    parts = ", ".join(f"{name} {s:.2f} s" for name, s in seconds.items())
+    rate = decode_bytes / seconds["C++ decode"] / 1e9
+    print(
+        f"{dtype}, sharing {sharing}: {generated} tokens in {wall:.1f} s; {parts}; the decode read {rate:.1f} GB/s"
+    )
 
 
 def profile_startup() -> None:
@@ -80,11 +120,16 @@ def profile_startup() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["run", "startup"])
+    ap.add_argument("what", choices=["run", "attention", "startup"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--sharing", default="off")
     args = ap.parse_args()
-    profile_run(args.dtype, args.sharing) if args.what == "run" else profile_startup()
+    if args.what == "run":
+        profile_run(args.dtype, args.sharing)
+    elif args.what == "attention":
+        time_attention(args.dtype, args.sharing)
+    else:
+        profile_startup()
 
 
 if __name__ == "__main__":

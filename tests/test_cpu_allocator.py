@@ -74,7 +74,7 @@ def smaps_total(start: int, end: int) -> dict[str, int]:
 def test_the_kv_pool_grows_by_the_pages_written():
     """The CPU pool is zeroed lazily by the OS in 4 KiB pages: writing one page of it makes that page resident
     and no more. (In 2 MiB pages, as numpy's calloc asked for, a first write zeroes 2 MiB: on the reference
-    workload the K/V writes took 1.5 s instead of 0.4.)"""
+    workload the K/V writes took 1.4-1.5 s instead of 0.35.)"""
     shape = KVCacheShape(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
     cache = KVCache(shape, num_pages=4096, num_cpu_pages=0, device=torch.device("cpu"))  # 256 MiB
     k, _ = cache.layer(1)

@@ -7,7 +7,8 @@
 // the values summed with those weights. With AVX-512 and a head dim that is a multiple of 16, 16 keys are
 // scored at once: 16 lane-wise partial dot products, then their 16 horizontal sums together (sum_lanes16);
 // a horizontal sum per key made the kernel compute-bound (bench/attention_cpu.py, in L3: 1.69 -> 1.00 ms fp32,
-// 1.62 -> 0.71 ms bf16 per layer; cold, the pages read from memory, it is bound by the reads). Shapes:
+// 1.62 -> 0.71 ms bf16 per layer; in a run, the pages read from memory, it reads 10-16 GB/s of K/V:
+// bench/profile_step.py attention). Shapes:
 //   out, query  [T, Hq, D] (any strides but a unit last one)   k_cache, v_cache [num_pages, P, Hkv, D]
 //   block_tables [G, max_blocks] int32   seq_lens [G] int32 (context, the new token included)
 //   token_index [G] int64: the packed row of each decoding sequence's query (and output)
