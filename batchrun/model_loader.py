@@ -239,18 +239,17 @@ def load_config(model_dir: Path):
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from .engine import attention
+    from .engine import architecture
 
     hf_logging.disable_progress_bar()  # batchrun shows its own progress
-    attention.register()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=attention.ATTENTION_NAME
-        )
+        model = architecture.load_paged_model(model_dir, dtype)
+    except BadInput:
+        raise
     except Exception as e:
         raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
     model.to(device).eval()

@@ -4,7 +4,13 @@ The folder is `kernels/` in the repository but never importable as `kernels`: tr
 of that name (Hugging Face's hub-kernels library) and would take this one for it.
 """
 
-from .paged_attention import QueryBlocks, paged_attention, plan_query_blocks, write_kv_cache
+from .paged_attention import (
+    QueryBlocks,
+    paged_attention,
+    plan_query_blocks,
+    unsupported_reason,
+    write_kv_cache,
+)
 from .reference import ref_paged_attention, ref_write_kv_cache
 
 __all__ = [
@@ -12,6 +18,7 @@ __all__ = [
     "plan_query_blocks",
     "paged_attention",
     "write_kv_cache",
+    "unsupported_reason",
     "ref_paged_attention",
     "ref_write_kv_cache",
 ]

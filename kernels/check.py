@@ -49,9 +49,11 @@ def signature(fn, dtype_name: str, constexprs: dict) -> dict[str, str]:
             sig[name] = "*i32"
         elif name == "slot_ptr":
             sig[name] = "*i64"
+        elif name == "sinks_ptr":
+            sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = data
-        elif name == "scale":
+        elif name in ("scale", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

@@ -5,7 +5,10 @@ Attention grid: (query blocks over all sequences, KV heads). A program takes BLO
 sequence and the GQA query heads that share one KV head, packed as BLOCK_M = BLOCK_Q * GQA rows, so each K/V
 tile loaded from the pages serves every one of them. It walks the sequence's block table tile by tile (a tile
 is BLOCK_N keys, within one page, or across two pages of 8), with an online softmax accumulated in fp32, and stops at
-the last key its latest query may see (causal: a query at position p sees context positions <= p).
+the last key its latest query may see (causal: a query at position p sees context positions <= p). A layer's
+mask kind, soft-capping and sinks are run-time arguments: a sliding window (p - window < k) or a chunk
+(k // chunk == p // chunk) also moves the first tile read, so pages wholly outside it are never loaded; sinks
+start each row's online softmax at the sink logit (so it counts in the denominator and in nothing else).
 
 Specializations: the dtype, the head dim and the rows of a program are compile-time arguments; the GQA ratio,
 the tokens per program and the page size are run-time ones, so one compiled kernel serves every model and
@@ -120,6 +123,11 @@ def _paged_attention_kernel(
     gqa,
     block_q,
     page_shift,
+    window,
+    chunk,
+    softcap,
+    sinks_ptr,
+    has_sinks,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -148,14 +156,29 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if has_sinks:  # the sink's logit as the running maximum, its e^0 = 1 in the denominator
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # keys this block can see: up to its last query's position
+    # keys this block can see: up to its last query's position, from its first query's first visible key
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * block_q)
+    first_pos = ctx_len - q_len + q_block * block_q
+    kv_start = 0
+    if window > 0:
+        kv_start = tl.maximum(first_pos - window + 1, 0)
+    if chunk > 0:
+        kv_start = first_pos - first_pos % chunk
+    q_lo = tl.zeros_like(q_pos)  # each query's first visible key
+    if window > 0:
+        q_lo = q_pos - window + 1
+    if chunk > 0:
+        q_lo = q_pos - q_pos % chunk
     n = tl.arange(0, BLOCK_N)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range((kv_start // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         k_pos = tile_start + n
         in_ctx = k_pos < kv_end
         page = tl.load(block_tables_ptr + seq * stride_bt + (k_pos >> page_shift), mask=in_ctx, other=0).to(
@@ -188,7 +211,10 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :] & row_ok[:, None]
+        if softcap > 0:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^2x + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
+        visible = visible & in_ctx[None, :] & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -257,6 +283,19 @@ def check_supported(dtype: torch.dtype, page_size: int, head_dim: int) -> None:
     assert head_dim in HEAD_DIMS, f"head dim {head_dim}: the kernels take {HEAD_DIMS}"
 
 
+def unsupported_reason(dtype: torch.dtype, page_size: int, head_dim: int, v_head_dim: int, gqa: int) -> str:
+    """Why the kernels cannot run a model of this shape ('' when they can): asked once, at load."""
+    if v_head_dim != head_dim:
+        return f"keys of head dim {head_dim} and values of {v_head_dim} (MLA); the kernels take one head dim"
+    try:
+        check_supported(dtype, page_size, head_dim)
+    except AssertionError as e:
+        return str(e)
+    if not 1 <= gqa <= MAX_GQA:
+        return f"{gqa} query heads per KV head; the kernels take 1..{MAX_GQA}"
+    return ""
+
+
 def attention_constexprs(dtype: torch.dtype, head_dim: int, block_m: int) -> dict:
     """The compile-time arguments of `_paged_attention_kernel` for one launch."""
     fp32 = dtype == torch.float32
@@ -293,8 +332,15 @@ def paged_attention(
     scale: float,
     query_blocks: QueryBlocks | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's pages; returns [T, Hq, D].
+
+    `window` > 0: a query at p sees keys p - window < k <= p; `chunk` > 0: keys of its own chunk; `softcap` > 0:
+    scores capped as softcap * tanh(s / softcap); `sinks` [Hq]: one more logit per head in the softmax.
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]: the last tokens of its seq_lens[s]-token
     context, whose K/V (new tokens included) are already in k_cache/v_cache [num_pages, page_size, Hkv, D] at the
@@ -318,6 +364,10 @@ def paged_attention(
     assert out.shape == query.shape and out.stride(-1) == 1
     if T == 0:
         return out
+    assert not (window and chunk), "a sliding window or chunks, not both"
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
     gqa = num_heads // num_kv_heads
     if query_blocks is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -342,6 +392,11 @@ def paged_attention(
         gqa,
         query_blocks.block_q,
         page_size.bit_length() - 1,  # log2 of the page size
+        window,
+        chunk,
+        float(softcap),
+        sinks if sinks is not None else seq_lens,  # any valid pointer when there are none
+        int(sinks is not None),
         **attention_constexprs(query.dtype, head_dim, query_blocks.block_m),
         **launch_options(query_blocks.block_m),
     )

@@ -27,10 +27,17 @@ def ref_paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [T, Hq, D]; sequence s owns query rows query_start_loc[s]:query_start_loc[s+1], which are the last
-    tokens of its seq_lens[s]-token context; a query at position p sees context positions <= p. fp32 math."""
-    out = torch.empty_like(query)
+    """query [T, Hq, Dk]; sequence s owns query rows query_start_loc[s]:query_start_loc[s+1], which are the last
+    tokens of its seq_lens[s]-token context; a query at position p sees context positions k <= p (and, with
+    `window`, k > p - window; with `chunk`, k // chunk == p // chunk). `softcap`: scores -> softcap *
+    tanh(scores / softcap); `sinks` [Hq]: one more logit per head in the softmax, dropped after it. Returns
+    [T, Hq, Dv]. fp32 math."""
+    out = query.new_empty(*query.shape[:2], v_cache.shape[-1])
     page_size = k_cache.shape[1]
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -46,6 +53,18 @@ def ref_paged_attention(
         scores = torch.einsum("nhd,chd->hnc", q, k) * scale
         q_pos = torch.arange(ctx - n, ctx)[:, None]
         k_pos = torch.arange(ctx)[None, :]
-        scores = scores.masked_fill(~(k_pos <= q_pos)[None], float("-inf"))
-        out[starts[s] : starts[s + 1]] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), v).to(query.dtype)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        seen = k_pos <= q_pos
+        if window:
+            seen &= k_pos > q_pos - window
+        if chunk:
+            seen &= k_pos // chunk == q_pos // chunk
+        scores = scores.masked_fill(~seen[None], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, n, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[starts[s] : starts[s + 1]] = torch.einsum("hnc,chd->nhd", probs, v).to(query.dtype)
     return out

@@ -76,12 +76,13 @@ def test_the_kv_pool_grows_by_the_pages_written():
     and no more. (In 2 MiB pages, as numpy's calloc asked for, a first write zeroes 2 MiB: on the reference
     workload the K/V writes took 1.4-1.5 s instead of 0.35.)"""
     shape = KVCacheShape(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
-    cache = KVCache(shape, num_pages=4096, num_cpu_pages=0, device=torch.device("cpu"))  # 256 MiB
+    cache = KVCache(shape, num_pages=4096, num_cpu_pages=0, device=torch.device("cpu"))  # 2 x 128 MiB
     k, _ = cache.layer(1)
-    k[100].fill_(1.0)  # one page of one layer: 8 KiB
-    start = cache.pages.data_ptr()
-    mapped = smaps_total(start, start + cache.pages.numel() * 4)
-    assert mapped["Size"] >= cache.pages.numel() * 4 // 1024
+    k[100].fill_(1.0)  # one page of one layer's keys: 8 KiB
+    k_pool, v_pool = cache.pages
+    start = k_pool.data_ptr()
+    mapped = smaps_total(start, start + k_pool.numel() * 4)
+    assert mapped["Size"] >= k_pool.numel() * 4 // 1024
     assert mapped.get("AnonHugePages", 0) == 0, mapped
     assert mapped["Rss"] <= 64, mapped
-    assert cache.pages.sum().item() == 16 * 2 * 64  # zeros but the page written
+    assert k_pool.sum().item() == 16 * 2 * 64 and v_pool.sum().item() == 0  # zeros but the page written

@@ -96,3 +96,62 @@ def test_a_build_killed_midway_does_not_hang_the_next_process():
     probe = "from batchrun.engine.cpu_kernels import load; assert load() is not None"
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=300)
     assert not stale.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "extras",
+    [
+        dict(window=20),  # the first visible key mid-page, and whole pages before it skipped
+        dict(window=16),
+        dict(chunk=32),
+        dict(softcap=3.0),
+        dict(sinks=True),
+        dict(window=24, softcap=2.0, sinks=True),
+    ],
+    ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
+)
+@pytest.mark.parametrize("head_dim", [64, 32])  # the AVX-512 path and the generic one
+def test_paged_decode_with_layer_features_matches_the_reference(dtype, extras, head_dim):
+    page_size, num_kv_heads, gqa = 16, 2, 2
+    context_lens = [1, 15, 16, 17, 33, 64, 200]
+    q, kc, vc, bt, rows = decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, seed=3)
+    scale = head_dim**-0.5
+    window, chunk, softcap = extras.get("window", 0), extras.get("chunk", 0), extras.get("softcap", 0.0)
+    sinks = (
+        torch.randn(num_kv_heads * gqa, generator=torch.Generator().manual_seed(5))
+        if "sinks" in extras
+        else None
+    )
+    first = [
+        max(0, c - window) if window else ((c - 1) - (c - 1) % chunk if chunk else 0) for c in context_lens
+    ]
+    out = torch.full_like(q, float("nan"))
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
+    first_keys = torch.tensor(first, dtype=torch.int32) if window or chunk else None
+    KERNEL.paged_decode_attention(out, q, kc, vc, bt, seq_lens, rows, scale, first_keys, softcap, sinks)
+    qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
+    ref = ref_paged_attention(
+        q[rows].float(), kc.float(), vc.float(), bt, qsl, seq_lens, scale, window, chunk, softcap, sinks
+    )
+    got = out[rows].float()
+    assert not got.isnan().any()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.2e} for {dtype}"
+    plain = torch.full_like(q, float("nan"))
+    KERNEL.paged_decode_attention(plain, q, kc, vc, bt, seq_lens, rows, scale)
+    assert not torch.allclose(plain[rows].float(), ref, atol=1e-3), "the case does not tell the feature apart"
+
+
+def test_paged_decode_with_unequal_key_and_value_dims():
+    """MLA: keys of 48 dims, values of 32."""
+    gen = torch.Generator().manual_seed(9)
+    context_lens, P, H = [5, 40], 16, 2
+    q, kc, _, bt, rows = decode_case(context_lens, P, H, 1, 48, torch.float32, seed=9)
+    vc = torch.randn(kc.shape[0], P, H, 32, generator=gen)
+    out = torch.full((q.shape[0], q.shape[1], 32), float("nan"))
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
+    KERNEL.paged_decode_attention(out, q, kc, vc, bt, seq_lens, rows, 0.2)
+    qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
+    ref = ref_paged_attention(q[rows], kc, vc, bt, qsl, seq_lens, 0.2)
+    assert torch.allclose(out[rows], ref, atol=1e-5)

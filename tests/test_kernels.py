@@ -44,19 +44,33 @@ def make_case(
 
 
 def check(
-    query_lens, context_lens, page_size=16, num_kv_heads=2, gqa=1, head_dim=32, dtype=torch.float32, seed=0
+    query_lens,
+    context_lens,
+    page_size=16,
+    num_kv_heads=2,
+    gqa=1,
+    head_dim=32,
+    dtype=torch.float32,
+    seed=0,
+    **extras,  # window, chunk, softcap, sinks (True: random ones)
 ):
     gen = torch.Generator().manual_seed(seed)
     q, kc, vc, bt, qsl, sl = make_case(
         query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, gen=gen
     )
+    if extras.get("sinks"):
+        extras["sinks"] = torch.randn(num_kv_heads * gqa, generator=gen).to(DEVICE)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))  # poisoned: an element the kernel fails to write fails the test
-    paged_attention(q, kc, vc, bt, qsl, sl, scale, out=out)
-    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), qsl.cpu(), sl.cpu(), scale)
+    paged_attention(q, kc, vc, bt, qsl, sl, scale, out=out, **extras)
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
+    ref = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), qsl.cpu(), sl.cpu(), scale, **cpu)
     assert not out.isnan().any(), "unwritten output elements"
     err = rel_err(out.cpu(), ref)
     assert err < TOL[dtype], f"relative error {err:.2e} for {dtype}"
+    if extras:
+        plain = ref_paged_attention(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), qsl.cpu(), sl.cpu(), scale)
+        assert rel_err(plain, ref) > 10 * TOL[dtype], "the case does not tell the feature apart"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -93,6 +107,22 @@ def test_page_sizes_and_head_dims(page_size, head_dim):
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_large_head_dims(head_dim):
     check([2, 1], [5, 18], head_dim=head_dim, num_kv_heads=1, gqa=1, seed=head_dim)
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        dict(window=20),
+        dict(chunk=16),
+        dict(softcap=2.0),
+        dict(sinks=True),
+        dict(window=9, softcap=3.0, sinks=True),
+    ],
+    ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
+)
+def test_layer_features_in_a_mixed_batch(extras):
+    # a prompt from scratch, a chunk behind cached pages, decodes: windows and chunks cut inside pages
+    check([40, 9, 1, 1], [40, 57, 70, 18], gqa=2, num_kv_heads=2, seed=11, **extras)
 
 
 def test_shape_mistakes_are_assertions():

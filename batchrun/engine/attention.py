@@ -11,8 +11,14 @@ once per engine (`make_backend`):
   `torch` falls back to where the C++ kernel cannot be built, or on a GPU, and what the kernel was measured
   against: bench/attention_cpu.py);
 - `TritonAttention` (the GPU default): the paged kernels in `batchrun_kernels`, which read K/V in the pages.
-A backend builds its metadata once per step, before the forward (`prepare`, from host integers: nothing in
-the forward waits on the device to learn a shape), and every layer runs from it (`forward`).
+A backend builds its metadata once per step and mask kind (`prepare`, from host integers: nothing in the
+forward waits on the device to learn a shape), and every layer of that kind runs from it (`forward`).
+
+What a layer computes beyond plain causal attention arrives with its call and is honoured by every backend:
+a sliding window (`sliding_window`: Mistral, Gemma 2/3, gpt-oss, ...), chunked attention (Llama 4's local
+layers, from the config's `layer_types`), logit soft-capping (`softcap`: Gemma 2) and attention sinks (`s_aux`:
+gpt-oss). An argument batchrun does not know is an error (`UnsupportedModel`), never ignored: the engine's load
+probe (architecture.py) meets it before any row runs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import BadInput
 from .block_manager import cdiv
 
 ATTENTION_NAME = "batchrun_paged"
@@ -50,6 +57,58 @@ def padded_int_tensor(rows: list[list[int]], width: int, dtype: torch.dtype, dev
         flat += r
         flat += zeros[len(r) :]
     return int_tensor(flat, dtype, device).view(len(rows), width)
+
+
+class UnsupportedModel(BadInput):
+    """The model asks of its attention something batchrun does not compute (raised at load by the probe)."""
+
+
+@dataclass(frozen=True)
+class MaskKind:
+    """Which earlier keys a query at position p sees: all (full causal), the last `window` (sliding window:
+    p - window < k <= p, as transformers' masks have it) or those of its own chunk (k // chunk == p // chunk)."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.window is None and self.chunk is None
+
+    def first_key(self, pos: int) -> int:
+        """The first key position a query at `pos` sees."""
+        if self.window is not None:
+            return max(0, pos - self.window + 1)
+        if self.chunk is not None:
+            return pos - pos % self.chunk
+        return 0
+
+    def visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[n, m] bool: query_pos [n] sees key_pos [m]."""
+        q, k = query_pos[:, None], key_pos[None, :]
+        seen = k <= q
+        if self.window is not None:
+            seen &= k > q - self.window
+        if self.chunk is not None:
+            seen &= k // self.chunk == q // self.chunk
+        return seen
+
+
+FULL = MaskKind()
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What one layer's call asks beyond the mask (constants of the layer)."""
+
+    kind: MaskKind
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), before the mask
+    sinks: torch.Tensor | None = None  # [Hq]: one learned logit per head in the softmax's denominator
+
+    @property
+    def plain(self) -> bool:
+        """SDPA computes it (no soft-capping, no sinks)."""
+        return self.softcap is None and self.sinks is None
 
 
 @dataclass
@@ -98,25 +157,7 @@ class Workspace:
         return buf[:numel].view(shape)
 
 
-@dataclass
-class AttentionMetadata:
-    """One step's attention inputs, shared by every layer; `backend` runs them."""
-
-    times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
-    backend: Any  # TorchAttention | GatherAttention | TritonAttention
-    kv_cache: Any  # KVCache
-    slot_mapping: torch.Tensor  # [T] int64
-    max_seq_len: int
-    plan: Any  # the backend's own per-step data: GatherPlan | TritonPlan
-
-
-@dataclass
-class GatherPlan:
-    decode: list[DecodeBatch]
-    prefills: list[PrefillSequence]
-
-
-def split_step(layout: StepLayout, page_size: int, device: torch.device):
+def split_step(layout: StepLayout, kind: MaskKind, page_size: int, device: torch.device):
     """The decoding sequences as (packed row of the query, index), and a PrefillSequence for every other one:
     each is attended on its own, so a long prompt pads nothing else."""
     decode_rows, prefills = [], []
@@ -126,12 +167,15 @@ def split_step(layout: StepLayout, page_size: int, device: torch.device):
             decode_rows.append((start, i))
         else:
             pages = mask = None
+            query_pos = torch.arange(c - q, c, device=device)
             if c > q:  # earlier tokens are in the cache: read them through the block table
                 num_blocks = cdiv(c, page_size)
                 pages = torch.tensor(layout.block_tables[i][:num_blocks], device=device)
-                key_pos = torch.arange(num_blocks * page_size, device=device)
-                query_pos = torch.arange(c - q, c, device=device)
-                mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
+                mask = kind.visible(query_pos, torch.arange(num_blocks * page_size, device=device))[
+                    None, None
+                ]
+            elif not kind.is_full:  # a whole prompt, under a window or chunks: causal is not enough
+                mask = kind.visible(query_pos, query_pos)[None, None]
             prefills.append(PrefillSequence(start, q, c, pages, mask))
         start += q
     return decode_rows, prefills
@@ -159,6 +203,7 @@ def _decode_batch(
     rows: list[tuple[int, int]],
     context_lens: list[int],
     block_tables: list[list[int]],
+    kind: MaskKind,
     page_size: int,
     device: torch.device,
 ) -> DecodeBatch:
@@ -166,10 +211,14 @@ def _decode_batch(
     tables = [block_tables[i][:num_blocks] for _, i in rows]
     ctx = int_tensor([context_lens[i] for _, i in rows], device=device)
     key_pos = torch.arange(num_blocks * page_size, device=device)
+    mask = key_pos[None, :] < ctx[:, None]
+    if not kind.is_full:
+        first = int_tensor([kind.first_key(context_lens[i] - 1) for _, i in rows], device=device)
+        mask &= key_pos[None, :] >= first[:, None]
     return DecodeBatch(
         token_index=int_tensor([t for t, _ in rows], device=device),
         page_index=padded_int_tensor(tables, num_blocks, torch.long, device).view(-1),
-        mask=(key_pos[None, :] < ctx[:, None])[:, None, None, :],
+        mask=mask[:, None, None, :],
         num_blocks=num_blocks,
     )
 
@@ -181,12 +230,47 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value [T, Hkv, D] into the pages [num_pages, P, Hkv, D] at slot_mapping [T]."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    """key/value [T, Hkv, Dk|Dv] into the pages [num_pages, P, Hkv, Dk|Dv] at slot_mapping [T]."""
     if key.shape[0] > 64:  # a prompt's K/V arrive head-major; index_copy_ is 2x faster from a contiguous copy
         key, value = key.contiguous(), value.contiguous()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, call: LayerCall
+) -> torch.Tensor:
+    """q [B, Hq, n, Dk], k [B, Hkv, m, Dk], v [B, Hkv, m, Dv], mask [B or 1, 1, n, m] bool (True: seen) ->
+    [B, Hq, n, Dv], computed as the models' own eager attention does: scores, soft-capping, mask, sinks as an
+    extra column of the softmax (then dropped). SDPA does neither soft-capping nor sinks."""
+    gqa = q.shape[1] // k.shape[1]
+    if gqa > 1:
+        k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if call.softcap is not None:
+        scores = torch.tanh(scores / call.softcap) * call.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if call.sinks is not None:
+        sink = call.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        probs = scores.softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def attend(q, k, v, mask, scale: float, call: LayerCall, causal: bool = False) -> torch.Tensor:
+    """SDPA where it computes the layer (no soft-capping, no sinks), else `eager_attention`."""
+    gqa = q.shape[1] > k.shape[1]
+    if call.plain:
+        if causal:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if causal:
+        pos = torch.arange(q.shape[2], device=q.device)
+        mask = FULL.visible(pos, pos)[None, None]
+    return eager_attention(q, k, v, mask, scale, call)
 
 
 def gathered_decode_attention(
@@ -196,11 +280,14 @@ def gathered_decode_attention(
     v_cache: torch.Tensor,
     decode: list[DecodeBatch],
     scale: float,
+    call: LayerCall,
     workspace: Workspace,
 ) -> None:
-    """Decoding rows of query [T, Hq, D] into out: each group's pages gathered into the workspace, then SDPA."""
+    """Decoding rows of query [T, Hq, Dk] into out [T, Hq, Dv]: each group's pages gathered into the workspace,
+    then attended."""
     num_heads, head_dim = query.shape[1:]
     page_size, num_kv_heads = k_cache.shape[1:3]
+    v_dim = v_cache.shape[3]
     gqa = num_heads // num_kv_heads
     for batch in decode:
         G = batch.token_index.shape[0]
@@ -208,13 +295,18 @@ def gathered_decode_attention(
         # GQA: the query heads of one KV head become the query rows of that head
         q = query[batch.token_index].view(G, num_kv_heads, gqa, head_dim)
         k = workspace.get("k", (G * batch.num_blocks, page_size, num_kv_heads, head_dim), k_cache)
-        v = workspace.get("v", (G * batch.num_blocks, page_size, num_kv_heads, head_dim), v_cache)
+        v = workspace.get("v", (G * batch.num_blocks, page_size, num_kv_heads, v_dim), v_cache)
         torch.index_select(k_cache, 0, batch.page_index, out=k)
         torch.index_select(v_cache, 0, batch.page_index, out=v)
         k = k.view(G, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        v = v.view(G, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=scale)  # [G, Hkv, gqa, D]
-        out[batch.token_index] = o.reshape(G, num_heads, head_dim)
+        v = v.view(G, ctx, num_kv_heads, v_dim).transpose(1, 2)
+        if call.plain:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=batch.mask, scale=scale
+            )  # [G, Hkv, gqa, Dv]
+        else:  # the eager path wants query heads as heads: [G, Hq, 1, Dk]
+            o = eager_attention(q.reshape(G, num_heads, 1, head_dim), k, v, batch.mask, scale, call)
+        out[batch.token_index] = o.reshape(G, num_heads, v_dim)
 
 
 def prefill_attention(
@@ -226,22 +318,104 @@ def prefill_attention(
     v_cache: torch.Tensor,
     prefills: list[PrefillSequence],
     scale: float,
+    call: LayerCall,
 ) -> None:
-    """Rows of sequences computing several tokens into out, one SDPA each: a whole prompt on its own new K/V
-    (causal), a later chunk or a prompt behind cached pages over its pages (gathered) with a causal mask."""
-    gqa = query.shape[1] // k_cache.shape[2]
+    """Rows of sequences computing several tokens into out, one attention call each: a whole prompt on its own
+    new K/V (causal, or the mask of its kind), a later chunk or a prompt behind cached pages over its pages
+    (gathered) with its mask."""
     for p in prefills:
         rows = slice(p.start, p.start + p.num_tokens)
-        q = query[rows].transpose(0, 1)[None]  # [1, Hq, n, D]
+        q = query[rows].transpose(0, 1)[None]  # [1, Hq, n, Dk]
         if p.pages is None:
             k = key[rows].transpose(0, 1)[None]
             v = value[rows].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa > 1)
         else:
-            k = k_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            k = k_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, ctx, Dk]
             v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa > 1)
+        o = attend(q, k, v, p.mask, scale, call, causal=p.mask is None)
         out[rows] = o[0].transpose(0, 1)
+
+
+# ---- the function transformers calls ----------------------------------------------------------------------------
+# Keyword arguments that do not change what attention computes here: positions are already in q/k (RoPE), the
+# rest steer caching or outputs that batchrun does not use.
+NEUTRAL_KWARGS = frozenset(
+    {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits"}
+)
+
+
+@dataclass
+class AttentionServices:
+    """The engine's parts every layer's call reaches, made once per engine: the backend, the pages, the clock,
+    and what the load probe learned of each layer (architecture.ModelLayers)."""
+
+    backend: Any  # TorchAttention | GatherAttention | TritonAttention | architecture.ProbeAttention
+    kv_cache: Any  # KVCache (None for the load probe)
+    times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
+    layers: Any  # architecture.ModelLayers: chunk size and query-scale fix of each layer
+
+
+class AttentionMetadata:
+    """One step's attention inputs, shared by every layer: the layout, and the backend's plan for each mask
+    kind, built by the first layer of that kind and reused by the others."""
+
+    def __init__(self, services: AttentionServices, layout: StepLayout, positions: list[int]):
+        self.services = services
+        self.layout = layout
+        self.positions = positions  # [T] each packed token's position in its sequence
+        self.max_seq_len = max(layout.context_lens)
+        self._plans: dict[MaskKind | None, Any] = {}
+        self._query_scales: dict[Any, torch.Tensor] = {}
+
+    def plan(self, kind: MaskKind):
+        backend = self.services.backend
+        key = kind if backend.plans_per_kind else None
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = backend.prepare(self.layout, kind)
+        return plan
+
+    def query_scale_fix(self, fix, like: torch.Tensor) -> torch.Tensor:
+        """[T, 1, 1]: the factor that turns the query scale a layer derived from packed-row indices into the
+        one of each token's true position (architecture.QueryScaleFix)."""
+        t = self._query_scales.get(fix)
+        if t is None:
+            t = self._query_scales[fix] = fix.factor(self.positions).to(like.device, like.dtype)[
+                :, None, None
+            ]
+        return t
+
+
+def layer_call(module: torch.nn.Module, attention_mask, dropout: float, kwargs: dict, layers) -> LayerCall:
+    """The layer's call checked and read: every argument is honoured or known not to matter, else
+    UnsupportedModel naming it."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if attention_mask is not None:
+        raise UnsupportedModel(
+            f"{where} passes an attention mask of its own; batchrun builds each sequence's mask itself and "
+            "cannot honour another"
+        )
+    if dropout:
+        raise UnsupportedModel(
+            f"{where} asks for attention dropout {dropout} (the model is not in eval mode?)"
+        )
+    if kwargs.get("is_causal", True) is False:
+        raise UnsupportedModel(f"{where} asks for non-causal attention; batchrun runs causal language models")
+    for name, value in kwargs.items():
+        if name in NEUTRAL_KWARGS or name in ("sliding_window", "softcap", "s_aux", "is_causal"):
+            continue
+        if value is None or value is False:
+            continue
+        raise UnsupportedModel(
+            f"{where} passes the attention argument `{name}`, which batchrun's paged attention does not "
+            "implement; it is refused rather than ignored"
+        )
+    window = kwargs.get("sliding_window")
+    chunk = layers.chunk(module.layer_idx) if layers is not None else None
+    if window is not None and chunk is not None:
+        raise UnsupportedModel(f"{where} asks for both a sliding window and chunked attention")
+    sinks = kwargs.get("s_aux")
+    return LayerCall(MaskKind(int(window) if window else None, chunk), kwargs.get("softcap") or None, sinks)
 
 
 def paged_attention_forward(
@@ -254,53 +428,62 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The function `transformers` calls for every attention layer; returns [1, T, Hq, D]."""
-    meta: AttentionMetadata = kwargs["batchrun_attn"]
-    window = kwargs.get("sliding_window")
-    if window is not None and meta.max_seq_len > window:
-        raise NotImplementedError(
-            f"this model uses sliding-window attention ({window} tokens) and a sequence is longer than the "
-            f"window; batchrun's paged attention is full causal attention. Set model.max_model_len: {window}."
+    """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]."""
+    meta: AttentionMetadata | None = kwargs.pop("batchrun_attn", None)
+    if meta is None:
+        raise UnsupportedModel(
+            f"{type(module).__name__}: its attention does not pass batchrun's step metadata (the model's code "
+            "calls the attention function without the keyword arguments it was given)"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            "attention logit soft-capping is not supported by batchrun's paged attention"
-        )
+    services = meta.services
+    call = layer_call(module, attention_mask, dropout, kwargs, services.layers)
     assert query.shape[0] == 1, "batchrun packs every sequence into one row"
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    q = query[0].transpose(0, 1)  # [T, Hq, Dk]
+    k = key[0].transpose(0, 1)  # [T, Hkv, Dk]
+    v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
+    fix = services.layers.query_scale_fix(module.layer_idx) if services.layers is not None else None
+    if fix is not None:
+        q = q * meta.query_scale_fix(fix, q)
     t0 = time.perf_counter()
-    out = meta.backend.forward(meta, q, k, v, k_cache, v_cache, scale)
-    meta.times.add("attention", time.perf_counter() - t0)
+    out = services.backend.forward(meta, module.layer_idx, call, q, k, v, scale)
+    if services.times is not None:
+        services.times.add("attention", time.perf_counter() - t0)
     return out[None], None
+
+
+# ---- backends ---------------------------------------------------------------------------------------------------
+@dataclass
+class GatherPlan:
+    decode: list[DecodeBatch]
+    prefills: list[PrefillSequence]
 
 
 class GatherAttention:
     """Pages gathered into a reused workspace per decode group, then SDPA; prompts attend on their own K/V."""
 
     name = "gather"
+    plans_per_kind = True
 
     def __init__(self, page_size: int, device: torch.device):
         self.page_size = page_size
         self.device = device
         self.workspace = Workspace()
 
-    def prepare(self, layout: StepLayout) -> GatherPlan:
+    def prepare(self, layout: StepLayout, kind: MaskKind) -> GatherPlan:
         """Decodes batched in groups of similar context length (padded, masked)."""
-        rows, prefills = split_step(layout, self.page_size, self.device)
+        rows, prefills = split_step(layout, kind, self.page_size, self.device)
         ctx, tables, P = layout.context_lens, layout.block_tables, self.page_size
-        decode = [_decode_batch(b, ctx, tables, P, self.device) for b in _buckets_by_length(rows, ctx, P)]
-        return GatherPlan(decode, prefills)
+        buckets = _buckets_by_length(rows, ctx, P)
+        return GatherPlan([_decode_batch(b, ctx, tables, kind, P, self.device) for b in buckets], prefills)
 
-    def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan: GatherPlan = meta.plan
-        out = torch.empty_like(q)
-        gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, self.workspace)
-        prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
+    def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+        k_cache, v_cache = meta.services.kv_cache.layer(layer)
+        write_kv(k, v, k_cache, v_cache, meta.layout.slot_mapping)
+        plan: GatherPlan = meta.plan(call.kind)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, call, self.workspace)
+        prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
         return out
 
 
@@ -311,6 +494,8 @@ class PagedDecode:
     token_index: torch.Tensor  # [G] int64: packed row of each one's query
     block_tables: torch.Tensor  # [G, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor  # [G] int32: context, the new token included
+    first_keys: torch.Tensor | None  # [G] int32: the first key each one sees (window, chunk); None: 0
+    num_keys_read: int  # keys the kernel reads per layer and KV head (from each first visible key's page)
 
 
 @dataclass
@@ -324,35 +509,52 @@ class TorchAttention:
     through SDPA, as in GatherAttention."""
 
     name = "torch"
+    plans_per_kind = True
 
     def __init__(self, page_size: int, kernel):
         self.page_size = page_size
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
         self.device = torch.device("cpu")
 
-    def prepare(self, layout: StepLayout) -> TorchPlan:
-        rows, prefills = split_step(layout, self.page_size, self.device)
+    def prepare(self, layout: StepLayout, kind: MaskKind) -> TorchPlan:
+        rows, prefills = split_step(layout, kind, self.page_size, self.device)
         if not rows:
             return TorchPlan(None, prefills)
         tables = [layout.block_tables[i] for _, i in rows]
         width = max(len(t) for t in tables)
+        ctx = [layout.context_lens[i] for _, i in rows]
+        first = [kind.first_key(c - 1) for c in ctx]
+        P = self.page_size
         decode = PagedDecode(
             token_index=int_tensor([start for start, _ in rows]),
             block_tables=padded_int_tensor(tables, width, torch.int32),
-            seq_lens=int_tensor([layout.context_lens[i] for _, i in rows], torch.int32),
+            seq_lens=int_tensor(ctx, torch.int32),
+            first_keys=None if kind.is_full else int_tensor(first, torch.int32),
+            num_keys_read=sum(c - f // P * P for c, f in zip(ctx, first)),
         )
         return TorchPlan(decode, prefills)
 
-    def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan: TorchPlan = meta.plan
-        out = torch.empty_like(q)
+    def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+        times = meta.services.times  # its parts, for bench/profile_step.py attention
+        k_cache, v_cache = meta.services.kv_cache.layer(layer)
+        plan: TorchPlan = meta.plan(call.kind)
+        with times.part("write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"):
+            write_kv(k, v, k_cache, v_cache, meta.layout.slot_mapping)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
-            self.kernel.paged_decode_attention(
-                out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale
+            sinks = None if call.sinks is None else call.sinks.detach().float().contiguous()
+            with times.part("C++ decode"):
+                self.kernel.paged_decode_attention(
+                    out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
+                    d.first_keys, call.softcap or 0.0, sinks,
+                )  # fmt: skip
+            times.count(
+                "C++ decode: K/V bytes read", d.num_keys_read * (k_cache[0, 0].nbytes + v_cache[0, 0].nbytes)
             )
-        prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
+        if plan.prefills:
+            with times.part("prompts' attention"):
+                prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
         return out
 
 
@@ -365,9 +567,11 @@ class TritonPlan:
 
 
 class TritonAttention:
-    """The paged Triton kernels: K/V written and read in place; the grid mapping built once per step."""
+    """The paged Triton kernels: K/V written and read in place; the grid mapping built once per step (the mask
+    kind is a run-time argument of the kernel, so every kind shares it)."""
 
     name = "triton"
+    plans_per_kind = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, device: torch.device):
         import batchrun_kernels
@@ -376,7 +580,7 @@ class TritonAttention:
         self.gqa = num_heads // num_kv_heads
         self.device = device
 
-    def prepare(self, layout: StepLayout) -> TritonPlan:
+    def prepare(self, layout: StepLayout, kind: MaskKind) -> TritonPlan:
         dev = self.device
         max_blocks = max(len(t) for t in layout.block_tables)
         query_start = [0]
@@ -389,9 +593,10 @@ class TritonAttention:
             query_blocks=self.kernels.plan_query_blocks(layout.query_lens, self.gqa, dev),
         )
 
-    def forward(self, meta: AttentionMetadata, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        plan: TritonPlan = meta.plan
-        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+        k_cache, v_cache = meta.services.kv_cache.layer(layer)
+        plan: TritonPlan = meta.plan(call.kind)
+        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layout.slot_mapping)
         return self.kernels.paged_attention(
             q.contiguous(),
             k_cache,
@@ -401,16 +606,31 @@ class TritonAttention:
             plan.seq_lens,
             scale,
             plan.query_blocks,
+            window=call.kind.window or 0,
+            chunk=call.kind.chunk or 0,
+            softcap=call.softcap or 0.0,
+            sinks=call.sinks,
         )
 
 
 def make_backend(name: str, num_heads: int, kv_shape: Any, device: torch.device):
     """The attention backend for `engine.attention`, chosen once: auto is triton on CUDA, torch elsewhere; torch
     is the C++ paged decode on the CPU, gather where that cannot be built or on another device. `kv_shape`: the
-    KVCacheShape (KV heads, page size)."""
+    KVCacheShape (KV heads, head dims, page size). A shape the Triton kernels do not take is a bad job here, at
+    load, not an error in every row."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
+        import batchrun_kernels
+
+        why = batchrun_kernels.unsupported_reason(
+            kv_shape.dtype, kv_shape.page_size, kv_shape.head_dim, kv_shape.value_dim,
+            num_heads // kv_shape.num_kv_heads,
+        )  # fmt: skip
+        if why:
+            raise BadInput(
+                f"key `engine.attention`: triton cannot run this model: {why}; use attention: gather"
+            )
         return TritonAttention(num_heads, kv_shape.num_kv_heads, device)
     if name == "torch" and device.type == "cpu":
         from . import cpu_kernels

@@ -8,10 +8,14 @@
 // scored at once: 16 lane-wise partial dot products, then their 16 horizontal sums together (sum_lanes16);
 // a horizontal sum per key made the kernel compute-bound (bench/attention_cpu.py, in L3: 1.69 -> 1.00 ms fp32,
 // 1.62 -> 0.71 ms bf16 per layer; in a run, the pages read from memory, it reads 10-16 GB/s of K/V:
-// bench/profile_step.py attention). Shapes:
-//   out, query  [T, Hq, D] (any strides but a unit last one)   k_cache, v_cache [num_pages, P, Hkv, D]
+// bench/profile_step.py attention). What a layer asks beyond full causal attention: the first key each sequence
+// sees (a sliding window or a chunk: the pages wholly before it are not read), logit soft-capping, and one
+// attention-sink logit per query head in the softmax's denominator. Shapes:
+//   query [T, Hq, Dk], out [T, Hq, Dv] (any strides but a unit last one)
+//   k_cache [num_pages, P, Hkv, Dk], v_cache [num_pages, P, Hkv, Dv] (Dk != Dv: MLA)
 //   block_tables [G, max_blocks] int32   seq_lens [G] int32 (context, the new token included)
 //   token_index [G] int64: the packed row of each decoding sequence's query (and output)
+//   first_keys [G] int32 or None (0)   softcap: 0 = off   sinks [Hq] fp32 or None
 //
 // 2. Greedy argmax over rows of logits [N, V] (fp32 or bf16), as torch.argmax decides it (the first index of the
 // largest value; a NaN counts as the largest), at the speed of a plain reduction: on 256 x 49,152 fp32 logits
@@ -168,12 +172,18 @@ inline void sum_values(const float* weights, const T* vh, const int32_t* table, 
   }
 }
 
+struct LayerExtras {
+  const int32_t* first_keys;  // nullptr: every sequence sees its whole context
+  float softcap;              // 0: off
+  const float* sinks;         // nullptr: none
+};
+
 template <int kD, typename T>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
-            double scale) {
+            double scale, const LayerExtras& extras) {
   const int64_t G = seq_lens.size(0);
-  const int64_t num_heads = query.size(1), D = query.size(2);
+  const int64_t num_heads = query.size(1), D = query.size(2), Dv = v_cache.size(3);
   const int64_t P = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t gqa = num_heads / num_kv_heads;
   const T* q = query.data_ptr<T>();
@@ -190,31 +200,40 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t st = block_tables.stride(0);
 
   at::parallel_for(0, G * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores;
+    std::vector<float> qf(D), acc(Dv), scores;
     for (int64_t task = begin; task < end; ++task) {
       // sequence-major: consecutive tasks read neighbouring head slices of the same pages
       const int64_t g = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t t = rows[g], ctx = lens[g];
-      const int32_t* table = tables + g * st;
+      // the keys read: from the page holding the first visible key; scores[j] is key first_page * P + j
+      const int64_t first = extras.first_keys ? extras.first_keys[g] : 0;
+      const int64_t first_page = first / P, hidden = first - first_page * P, n = ctx - first_page * P;
+      const int32_t* table = tables + g * st + first_page;
       const T* kh = k + h * sk_h;
       const T* vh = v + h * sv_h;
-      scores.resize(ctx);
+      scores.resize(n);
       for (int64_t r = 0; r < gqa; ++r) {  // the GQA query rows of this KV head; its K/V stay in L2 after the first
-        const T* qr = q + t * sq_t + (h * gqa + r) * sq_h;
+        const int64_t head = h * gqa + r;
+        const T* qr = q + t * sq_t + head * sq_h;
         for (int64_t d = 0; d < D; ++d) qf[d] = widen(qr[d]) * static_cast<float>(scale);
-        score_keys<kD>(qf.data(), kh, table, P, sk_p, sk_s, ctx, D, scores.data());
-        float m = -INFINITY;
-        for (int64_t j = 0; j < ctx; ++j) m = scores[j] > m ? scores[j] : m;
-        float total = 0.f;
+        score_keys<kD>(qf.data(), kh, table, P, sk_p, sk_s, n, D, scores.data());
+        if (extras.softcap > 0.f) {
+          const float cap = extras.softcap, inv_cap = 1.f / extras.softcap;
+          for (int64_t j = hidden; j < n; ++j) scores[j] = cap * std::tanh(scores[j] * inv_cap);
+        }
+        float m = extras.sinks ? extras.sinks[head] : -INFINITY;
+        for (int64_t j = hidden; j < n; ++j) m = scores[j] > m ? scores[j] : m;
+        float total = extras.sinks ? exp_nonpositive(extras.sinks[head] - m) : 0.f;
+        for (int64_t j = 0; j < hidden; ++j) scores[j] = 0.f;  // before the window or the chunk
 #pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < ctx; ++j) {
+        for (int64_t j = hidden; j < n; ++j) {
           scores[j] = exp_nonpositive(scores[j] - m);
           total += scores[j];
         }
-        sum_values<kD>(scores.data(), vh, table, P, sv_p, sv_s, ctx, D, acc.data());
-        T* orow = o + t * so_t + (h * gqa + r) * so_h;
+        sum_values<kD>(scores.data(), vh, table, P, sv_p, sv_s, n, Dv, acc.data());
+        T* orow = o + t * so_t + head * so_h;
         const float inv = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[d] * inv);
+        for (int64_t d = 0; d < Dv; ++d) orow[d] = static_cast<T>(acc[d] * inv);
       }
     }
   });
@@ -223,21 +242,24 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
 template <typename T>
 void decode_any(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
-                double scale) {
-  switch (query.size(2)) {  // the common head dims unrolled at compile time
+                double scale, const LayerExtras& extras) {
+  // the common head dims unrolled at compile time (where K and V share it)
+  const int64_t D = query.size(2);
+  switch (D == v_cache.size(3) ? D : 0) {
     case 64:
-      return decode<64, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale);
+      return decode<64, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
     case 128:
-      return decode<128, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale);
+      return decode<128, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
     default:
-      return decode<0, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale);
+      return decode<0, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
   }
 }
 
 }  // namespace
 
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
-                            at::Tensor block_tables, at::Tensor seq_lens, at::Tensor token_index, double scale) {
+                            at::Tensor block_tables, at::Tensor seq_lens, at::Tensor token_index, double scale,
+                            c10::optional<at::Tensor> first_keys, double softcap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "unit stride in the head dimension");
@@ -246,15 +268,28 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   token_index.scalar_type() == at::kLong,
               "int32 block tables and lengths, int64 token index");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && out.size(2) == v_cache.size(3), "head dims: query = K, out = V");
+  LayerExtras extras{nullptr, static_cast<float>(softcap), nullptr};
+  if (first_keys.has_value()) {
+    TORCH_CHECK(first_keys->scalar_type() == at::kInt && first_keys->is_contiguous() &&
+                    first_keys->size(0) == seq_lens.size(0),
+                "first_keys: [G] int32");
+    extras.first_keys = first_keys->data_ptr<int32_t>();
+  }
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == query.size(1),
+                "sinks: [Hq] float32");
+    extras.sinks = sinks->data_ptr<float>();
+  }
   switch (query.scalar_type()) {
     case at::kFloat:
-      decode_any<float>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale);
+      decode_any<float>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
       break;
     case at::kBFloat16:
-      decode_any<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale);
+      decode_any<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
       break;
     case at::kHalf:
-      decode_any<at::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale);
+      decode_any<at::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16");
@@ -360,6 +395,9 @@ at::Tensor argmax_rows(at::Tensor logits) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)",
+        py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("token_index"), py::arg("scale"), py::arg("first_keys") = py::none(),
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
 }

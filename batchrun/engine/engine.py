@@ -16,10 +16,11 @@ import torch
 from ..checks import parse_size
 from ..errors import BadInput
 from . import memory
-from .attention import make_backend
+from .architecture import inspect_model
+from .attention import AttentionServices, make_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
-from .kv_cache import KVCache, KVCacheShape
+from .kv_cache import KVCache
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
 from .sampler import prompt_logprobs, sample, token_logprobs
@@ -42,7 +43,8 @@ class Engine:
     """A paged engine over one stock `transformers` model.
 
     Errors in `config` that only show once the model is known (a KV budget that holds no page) raise
-    `BadInput` naming the `engine.*` key."""
+    `BadInput` naming the `engine.*` key; a model whose attention batchrun cannot compute exactly raises
+    `UnsupportedModel` (a BadInput) naming the architecture and the reason (architecture.py)."""
 
     def __init__(
         self,
@@ -59,7 +61,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids or set()
         self.max_model_len = min(model_max_len(model.config), max_model_len or 1 << 62)
         dtype = next(model.parameters()).dtype
-        self.kv_shape = KVCacheShape.of_model(model.config, config.page_size, dtype)
+        self.model_attention = inspect_model(
+            model
+        )  # refuses what cannot run exactly, before any page is made
+        self.kv_shape = self.model_attention.kv_shape(config.page_size, dtype)
         self.num_pages = num_pages_for(config, self.kv_shape.bytes_per_page, device)
         num_cpu_pages = parse_size(config.swap_space) // self.kv_shape.bytes_per_page
         self.block_manager = BlockManager(
@@ -72,11 +77,10 @@ class Engine:
                 f"sequence; give it more pages or memory."
             )
         self.kv_cache = KVCache(self.kv_shape, self.num_pages, num_cpu_pages, device)
-        self.attention = make_backend(
-            config.attention, model.config.num_attention_heads, self.kv_shape, device
-        )
+        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_shape, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
-        self.runner = ModelRunner(model, self.kv_cache, self.attention, device, self.times)
+        services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
+        self.runner = ModelRunner(model, services, device, self.times)
         self.vocab_size = model.config.vocab_size
         self._grammars: Grammars | None = None  # made on the first structured request
         self._seq_ids = itertools.count()

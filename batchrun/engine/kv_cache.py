@@ -1,8 +1,9 @@
 """The page tensors: the accelerator pool, the (pinned, on CUDA) CPU swap pool, and the copies between them.
 
-Layout of both pools: [num_layers, 2 (K, V), num_pages, page_size, num_kv_heads, head_dim], so one page of one
-layer is a contiguous [page_size, num_kv_heads, head_dim] block, and a swap moves every layer of a set of pages
-in one indexed copy.
+Each pool is a K pool and a V pool, [num_layers, num_pages, page_size, num_kv_heads, head_dim] each (K and V may
+differ in head dim: MLA models such as DeepSeek-V3 have wider keys than values), so one page of one layer is a
+contiguous [page_size, num_kv_heads, head_dim] block, and a swap moves every layer of a set of pages in one
+indexed copy per pool.
 """
 
 from __future__ import annotations
@@ -20,18 +21,32 @@ from .block_manager import PageCopy
 class KVCacheShape:
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of the keys (and queries)
     page_size: int
     dtype: torch.dtype
+    v_head_dim: int | None = None  # of the values, where it differs (MLA); None: head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def bytes_per_page(self) -> int:
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        per_token = self.num_kv_heads * (self.head_dim + self.value_dim)
+        return self.num_layers * self.page_size * per_token * self.dtype.itemsize
 
     @classmethod
     def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheShape:
-        """The page shape a `transformers` model config needs."""
+        """The page shape a `transformers` model config suggests, before the model is loaded (for sizing checks);
+        the engine takes the shape the loaded model's layers actually produce (architecture.inspect_model)."""
         cfg = model_config
+        if getattr(
+            cfg, "kv_lora_rank", None
+        ):  # MLA: keys of the nope + rope dims, one KV head per query head
+            k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            return cls(
+                cfg.num_hidden_layers, cfg.num_attention_heads, k_dim, page_size, dtype, cfg.v_head_dim
+            )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, page_size, dtype)
@@ -55,29 +70,38 @@ class KVCache:
     def __init__(self, shape: KVCacheShape, num_pages: int, num_cpu_pages: int, device: torch.device):
         self.shape = shape
         self.device = device
-        dims = (shape.num_layers, 2)
-        page = (shape.page_size, shape.num_kv_heads, shape.head_dim)
-        self.pages = _zeros((*dims, num_pages, *page), shape.dtype, device)
+        L, P, H = shape.num_layers, shape.page_size, shape.num_kv_heads
+        # [layers, pages, page_size, kv heads, head dim]: the K pool and the V pool
+        self.pages = tuple(_zeros((L, num_pages, P, H, d), shape.dtype, device) for d in self._dims)
         pin = device.type == "cuda"
         # never read before written, so not zeroed (zeroing gigabytes costs seconds at start-up); the accelerator
         # pool is zeroed: masked-out slots of a page are still multiplied by zero, and garbage could be NaN
-        self.cpu_pages = torch.empty(*dims, num_cpu_pages, *page, dtype=shape.dtype, pin_memory=pin)
+        self.cpu_pages = tuple(
+            torch.empty(L, num_cpu_pages, P, H, d, dtype=shape.dtype, pin_memory=pin) for d in self._dims
+        )
+
+    @property
+    def _dims(self) -> tuple[int, int]:
+        return self.shape.head_dim, self.shape.value_dim
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V pages of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
-        return self.pages[layer_idx, 0], self.pages[layer_idx, 1]
+        """K and V pages of one layer, [num_pages, page_size, num_kv_heads, head_dim (K's or V's)]."""
+        return self.pages[0][layer_idx], self.pages[1][layer_idx]
 
     def apply(self, swap_out: list[PageCopy], swap_in: list[PageCopy], copy_on_write: list[PageCopy]) -> None:
         """Carry out a step's page copies, in the only safe order: out, in, copy-on-write."""
         if swap_out:
             src = torch.tensor([c.src for c in swap_out], device=self.device)
             dst = torch.tensor([c.dst for c in swap_out])
-            self.cpu_pages[:, :, dst] = self.pages[:, :, src].to("cpu")
+            for pool, cpu in zip(self.pages, self.cpu_pages):
+                cpu[:, dst] = pool[:, src].to("cpu")
         if swap_in:
             src = torch.tensor([c.src for c in swap_in])
             dst = torch.tensor([c.dst for c in swap_in], device=self.device)
-            self.pages[:, :, dst] = self.cpu_pages[:, :, src].to(self.device, non_blocking=True)
+            for pool, cpu in zip(self.pages, self.cpu_pages):
+                pool[:, dst] = cpu[:, src].to(self.device, non_blocking=True)
         if copy_on_write:
             src = torch.tensor([c.src for c in copy_on_write], device=self.device)
             dst = torch.tensor([c.dst for c in copy_on_write], device=self.device)
-            self.pages[:, :, dst] = self.pages[:, :, src]
+            for pool in self.pages:
+                pool[:, dst] = pool[:, src]

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, StepLayout, int_tensor
-from .kv_cache import KVCache
+from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
 from .scheduler import ScheduledSequence
 from .timing import PhaseTimes
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, backend, device: torch.device, times: PhaseTimes
+        self, model: torch.nn.Module, services: AttentionServices, device: torch.device, times: PhaseTimes
     ):
         self.model = model
         self.times = times
-        self.kv_cache = kv_cache
-        self.page_size = kv_cache.shape.page_size
-        self.backend = backend  # attention.TorchAttention | GatherAttention | TritonAttention: make_backend
+        self.services = services  # the backend (make_backend), the KV cache, the per-layer facts
+        self.page_size = services.kv_cache.shape.page_size
         self.device = device
 
     def prepare(
@@ -56,14 +54,7 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
         layout = StepLayout(query_lens, context_lens, tables, int_tensor(slots, device=dev))
-        meta = AttentionMetadata(
-            times=self.times,
-            backend=self.backend,
-            kv_cache=self.kv_cache,
-            slot_mapping=layout.slot_mapping,
-            max_seq_len=max(context_lens),
-            plan=self.backend.prepare(layout),
-        )
+        meta = AttentionMetadata(self.services, layout, positions)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = int_tensor(positions, device=dev)[None]
         return ids, pos, meta, int_tensor(logits_index, device=dev)

@@ -18,8 +18,25 @@ PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "st
 
 
 class PhaseTimes:
+    """Seconds per phase (the summary's `time_<phase>_s`), and finer `parts` that the code times where it does
+    the work (the attention backend's K/V writes, decode kernel, prompts), for bench/profile_step.py; `counts`
+    beside them (the bytes the decode kernel read)."""
+
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.parts: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    @contextmanager
+    def part(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
+
+    def count(self, name: str, n: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
 
     @contextmanager
     def __call__(self, phase: str):

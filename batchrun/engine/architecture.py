@@ -1,0 +1,286 @@
+"""What batchrun learns of a model's attention at load, and the models it refuses there.
+
+batchrun runs the stock `transformers` model code and replaces only its attention function. That computes what
+the model computes when (a) every layer's attention goes through transformers' attention interface, passing on
+the step's keyword arguments, (b) every argument of those calls is one batchrun honours (attention.layer_call),
+and (c) no layer keeps state of its own from one step to the next (a recurrent, convolution or state-space
+layer would need a per-sequence state cache beside the pages, which batchrun does not have). A model that fails
+any of these is refused here, naming the architecture and the reason, before any row runs: never a row error
+later, never a silent difference.
+
+`inspect_model` checks the config first (encoder-decoder models, layer types that are not attention, stateful
+modules), then runs a probe: one forward of a few tokens through the very attention function the engine uses,
+with a backend that records each layer's call. The probe also yields the facts the engine sizes its pages from:
+the K and V shapes the layers actually produce (MLA models have wider keys than values), and the mask kinds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .attention import (
+    ATTENTION_NAME,
+    AttentionMetadata,
+    AttentionServices,
+    LayerCall,
+    MaskKind,
+    StepLayout,
+    UnsupportedModel,
+    attend,
+    int_tensor,
+    register,
+)
+from .kv_cache import KVCacheShape
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# modules that carry a state from one step to the next (linear attention, convolutions, state-space mixers)
+STATEFUL_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|LinearAttention|Rwkv|RWKV|xLSTM|Recurrent")
+
+
+@dataclass(frozen=True)
+class QueryScaleFix:
+    """Llama 4's attention temperature tuning (its NoRoPE layers) scales the queries by
+    log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 of the position p, but takes p as the token's index in
+    the row: right for one sequence per row, wrong for batchrun's packed row. `factor` turns the scale it applied
+    into the one of each token's true position."""
+
+    floor_scale: float
+    attn_scale: float
+
+    def _scale(self, pos: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((pos.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+
+    def factor(self, positions: list[int]) -> torch.Tensor:
+        """[T]: true scale / applied scale of each packed token."""
+        return self._scale(torch.tensor(positions)) / self._scale(torch.arange(len(positions)))
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """Per layer, what the calls do not say: the chunk of chunked-attention layers (Llama 4 marks them only in
+    the config's `layer_types`), and a query-scale fix."""
+
+    chunks: tuple[int | None, ...] = ()
+    scale_fixes: tuple[QueryScaleFix | None, ...] = ()
+
+    def chunk(self, layer: int) -> int | None:
+        return self.chunks[layer] if layer < len(self.chunks) else None
+
+    def query_scale_fix(self, layer: int) -> QueryScaleFix | None:
+        return self.scale_fixes[layer] if layer < len(self.scale_fixes) else None
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """What the probe found: the layers' K/V shapes, the mask kinds they use, and the per-layer facts."""
+
+    architecture: str
+    layers: ModelLayers
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    kinds: frozenset[MaskKind]
+    softcap: bool  # some layer soft-caps its scores
+    sinks: bool  # some layer has attention sinks
+
+    def kv_shape(self, page_size: int, dtype: torch.dtype) -> KVCacheShape:
+        v_dim = self.v_head_dim if self.v_head_dim != self.head_dim else None
+        return KVCacheShape(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype, v_dim)
+
+    def describe(self) -> str:
+        """One line for logs and the README's table: the features in use."""
+        features = []
+        windows = sorted({k.window for k in self.kinds if k.window})
+        chunks = sorted({k.chunk for k in self.kinds if k.chunk})
+        if windows:
+            features.append("sliding window " + "/".join(map(str, windows)))
+        if chunks:
+            features.append("chunked " + "/".join(map(str, chunks)))
+        if self.softcap:
+            features.append("soft-capping")
+        if self.sinks:
+            features.append("sinks")
+        if self.v_head_dim != self.head_dim:
+            features.append(f"K/V head dims {self.head_dim}/{self.v_head_dim}")
+        if any(self.layers.scale_fixes):
+            features.append("query temperature by position")
+        return ", ".join(features) or "full attention"
+
+
+class ProbeAttention:
+    """The probe's backend: records each layer's call and attends over the probe's own tokens (no pages)."""
+
+    name = "probe"
+    plans_per_kind = False
+
+    def __init__(self) -> None:
+        self.calls: dict[int, tuple] = {}
+
+    def prepare(self, layout: StepLayout, kind: MaskKind) -> None:
+        return None
+
+    def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+        self.calls[layer] = (q.shape[1], k.shape[1], k.shape[2], v.shape[2], call)
+        pos = torch.arange(q.shape[0], device=q.device)
+        heads_first = lambda x: x.transpose(0, 1)[None]
+        mask = call.kind.visible(pos, pos)[None, None]
+        return attend(heads_first(q), heads_first(k), heads_first(v), mask, scale, call)[0].transpose(0, 1)
+
+
+def _refuse(architecture: str, reason: str) -> UnsupportedModel:
+    return UnsupportedModel(f"model {architecture!r} cannot run on batchrun: {reason}")
+
+
+def check_config(model) -> ModelLayers:
+    """The config's and the modules' verdict, before any forward; the per-layer facts they give."""
+    cfg = model.config
+    arch = cfg.model_type
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise _refuse(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    other = {
+        t: [i for i, x in enumerate(layer_types) if x == t]
+        for t in layer_types
+        if t not in ATTENTION_LAYER_TYPES
+    }
+    if other:
+        kinds = "; ".join(f"layers {', '.join(map(str, idx))} are `{t}`" for t, idx in other.items())
+        raise _refuse(
+            arch,
+            f"{kinds}: layers that keep a recurrent, convolution or state-space state per sequence, which "
+            "batchrun does not cache (it pages attention's K/V only); such hybrids are refused rather than run "
+            "wrong",
+        )
+    stateful = sorted({type(m).__name__ for m in model.modules() if STATEFUL_MODULE.search(type(m).__name__)})
+    if stateful:
+        raise _refuse(
+            arch,
+            f"its modules {', '.join(stateful)} keep a state per sequence between steps, which batchrun does not "
+            "cache (it pages attention's K/V only)",
+        )
+    chunk_size = getattr(cfg, "attention_chunk_size", None)
+    chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
+    if any(t == "chunked_attention" for t in layer_types) and not chunk_size:
+        raise _refuse(arch, "chunked-attention layers without `attention_chunk_size` in the config")
+    fixes: dict[int, QueryScaleFix] = {}
+    for m in model.modules():
+        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
+            fixes[m.layer_idx] = QueryScaleFix(float(m.floor_scale), float(m.attn_scale))
+    num_layers = max([len(layer_types), *[i + 1 for i in fixes]])
+    scale_fixes = tuple(fixes.get(i) for i in range(num_layers)) if fixes else ()
+    return ModelLayers(chunks, scale_fixes)
+
+
+def num_decoder_layers(model) -> int:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    return len(layers) if layers is not None else model.config.num_hidden_layers
+
+
+def inspect_model(model) -> ModelAttention:
+    """Refuse a model batchrun cannot compute exactly (UnsupportedModel naming it and why), else what its
+    attention layers are."""
+    arch = model.config.model_type
+    layers = check_config(model)
+    probe = ProbeAttention()
+    T = 5
+    vocab = model.config.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(T)]
+    layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))))
+    meta = AttentionMetadata(AttentionServices(probe, None, None, layers), layout, list(range(T)))
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            model(
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.arange(T, device=device)[None],
+                use_cache=False,
+                batchrun_attn=meta,
+            )
+    except UnsupportedModel as e:
+        raise _refuse(arch, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
+        raise _refuse(
+            arch, f"its forward fails under batchrun's attention ({type(e).__name__}: {e})"
+        ) from None
+    calls = probe.calls
+    if not calls:
+        raise _refuse(
+            arch,
+            "its attention does not go through transformers' attention interface (the layers never called "
+            "batchrun's attention function)",
+        )
+    expected = num_decoder_layers(model)
+    if sorted(calls) != list(range(expected)):
+        missing = sorted(set(range(expected)) - set(calls))
+        raise _refuse(
+            arch,
+            f"layers {', '.join(map(str, missing))} of {expected} never call the attention interface (layers of "
+            "another kind, or attention computed by the model's own code)",
+        )
+    shapes = {c[:4] for c in calls.values()}
+    if len(shapes) > 1:
+        raise _refuse(
+            arch, f"its layers differ in attention shape (heads, KV heads, K dim, V dim): {sorted(shapes)}"
+        )
+    ((num_heads, num_kv_heads, head_dim, v_head_dim),) = shapes
+    if num_heads % num_kv_heads:
+        raise _refuse(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    layer_calls = [c[4] for c in calls.values()]
+    return ModelAttention(
+        architecture=arch,
+        layers=layers,
+        num_layers=expected,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        kinds=frozenset(c.kind for c in layer_calls),
+        softcap=any(c.softcap is not None for c in layer_calls),
+        sinks=any(c.sinks is not None for c in layer_calls),
+    )
+
+
+def _load_refusal(architecture: str, e: Exception) -> UnsupportedModel:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if ATTENTION_NAME in str(e) or "attn_implementation" in str(e) or "attention" in text.lower():
+        return _refuse(
+            architecture,
+            f"its attention does not go through transformers' attention interface (loading it with "
+            f"attn_implementation={ATTENTION_NAME!r} failed: {text})",
+        )
+    return _refuse(architecture, f"it does not load with batchrun's attention ({type(e).__name__}: {text})")
+
+
+def load_paged_model(model_dir, dtype: torch.dtype):
+    """A model from a local directory with batchrun's attention; a model class that refuses a custom attention
+    function is UnsupportedModel naming the architecture."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME
+        )
+    except Exception as e:  # noqa: BLE001
+        if ATTENTION_NAME not in str(e):
+            raise
+        from transformers import AutoConfig
+
+        raise _load_refusal(AutoConfig.from_pretrained(model_dir).model_type, e) from None
+
+
+def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
+    """A random-weight model from a config, with batchrun's attention (the tests' architecture matrix)."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - the model class refuses a custom attention function
+        raise _load_refusal(config.model_type, e) from None

@@ -1,0 +1,203 @@
+"""The architecture matrix (tests/model_families.py): every supported family equal to HF `generate` (eager
+attention, one prompt at a time) token for token in fp32 on prompts longer than its window, on each CPU backend
+and once under preemption; every refused family refused at load with its reason; the README's table generated
+from the same lists."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_engine
+from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
+
+from batchrun.engine import SamplingParams
+from batchrun.engine.attention import UnsupportedModel
+
+NEW_TOKENS = 24
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Six prompts of 4-75 tokens (ids 3.. keep clear of pad, bos and eos)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (4, 11, 30, 33, 50, 75)]
+
+
+def build(family: str, overrides: dict, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    from batchrun.engine.architecture import paged_model_from_config
+
+    cfg = tiny_config(family, overrides)
+    torch.manual_seed(0)
+    if attn == "paged":
+        model = paged_model_from_config(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.cache
+def model_and_reference(family: str, head_dim: int = 16):
+    """batchrun's model of the family and the reference's token ids for `prompts`, made once per family."""
+    overrides = dict(SUPPORTED[family][1])
+    if head_dim != 16:
+        overrides["head_dim"] = head_dim
+    ours = build(family, overrides, "paged")
+    perturb(ours, seed=len(family))
+    ref = build(family, overrides, "eager")
+    ref.load_state_dict(ours.state_dict())
+    ref.generation_config.eos_token_id = None  # the engine below runs without EOS too: all 24 tokens
+    ref.generation_config.pad_token_id = 0
+    expected = []
+    with torch.inference_mode():
+        for p in prompts(ours.config.vocab_size):
+            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            expected.append(out[0, len(p) :].tolist())
+    return ours, expected
+
+
+def run(model, family: str, attention: str, **engine):
+    from batchrun.engine import Engine, EngineConfig
+
+    cfg = dict(
+        device="cpu",
+        num_pages=256,
+        page_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,  # the long prompts are prefilled in chunks, beside decodes
+        prefix_sharing=True,
+        preemption="swap",
+        attention=attention,
+        swap_space=1 << 22,
+    )
+    cfg.update(engine)
+    eng = Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
+    seqs, steps = run_engine(eng, prompts(model.config.vocab_size), SamplingParams(max_new_tokens=NEW_TOKENS))
+    eng.check_integrity()
+    return [s[0].output_token_ids for s in seqs], steps, eng
+
+
+@pytest.mark.parametrize("attention", ["torch", "gather"])
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_family_equals_hf_generate(family, attention):
+    model, expected = model_and_reference(family)
+    got, _, engine = run(model, family, attention)
+    assert engine.attention.name == attention
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{family} on {attention}: prompt {i} differs"
+
+
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_family_equals_hf_generate_under_preemption(family):
+    model, expected = model_and_reference(family)
+    got, steps, _ = run(
+        model, family, "torch", num_pages=12, preemption="recompute" if len(family) % 2 else "swap"
+    )
+    assert any(s.plan.preempted for s in steps), "no sequence was preempted"
+    assert got == expected, f"{family} differs under preemption"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4_text"])
+def test_family_on_triton_equals_hf_generate(family):
+    """The Triton kernels (interpreted on the CPU here; they take head dims from 32) with a window, soft-capping,
+    sinks and chunks."""
+    model, expected = model_and_reference(family, head_dim=32)
+    got, _, engine = run(model, family, "triton")
+    assert engine.attention.name == "triton"
+    assert got == expected
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text"])
+def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
+    """The matrix can fail: attention that drops the layer's window, chunk, soft-capping and sinks (plain causal
+    attention, what batchrun computed before) differs from the reference on these families."""
+    from batchrun.engine import attention
+
+    model, expected = model_and_reference(family)
+    monkeypatch.setattr(attention, "layer_call", lambda *a, **k: attention.LayerCall(attention.FULL))
+    got, _, _ = run(model, family, "gather")
+    assert got != expected
+
+
+def test_llama4_query_temperature_needs_true_positions(monkeypatch):
+    """Llama 4's NoRoPE layers scale queries by position; the packed row's indices are not the positions."""
+    from batchrun.engine import attention
+
+    model, expected = model_and_reference("llama4_text")
+    assert 0 in model.config.no_rope_layers and model.config.floor_scale < 40, "no layer's scale varies here"
+    monkeypatch.setattr(attention.AttentionMetadata, "query_scale_fix", lambda self, fix, like: 1.0)
+    got, _, _ = run(model, "llama4_text", "gather")
+    assert got != expected
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_unsupported_family_is_refused_at_load(family):
+    reason, overrides = REFUSED[family]
+    from batchrun.engine import Engine, EngineConfig
+
+    with pytest.raises(UnsupportedModel) as err:
+        model = build(family, overrides, "paged")
+        Engine(model, None, EngineConfig(device="cpu", num_pages=16), torch.device("cpu"), set(), 512)
+    message = str(err.value)
+    assert family in message and reason in message, message
+
+
+def test_the_sequences_outgrow_the_window():
+    lengths = [len(p) + NEW_TOKENS for p in prompts(256)]
+    assert max(lengths) > 3 * WINDOW and min(len(p) for p in prompts(256)) < WINDOW
+
+
+def readme_table() -> str:
+    lines = ["| family (`model_type`) | what the test model exercises | status |", "|---|---|---|"]
+    for family, (what, _) in sorted(SUPPORTED.items()):
+        lines.append(f"| `{family}` | {what} | exact |")
+    for family, (reason, _) in sorted(REFUSED.items()):
+        lines.append(f"| `{family}` | refused at load: {reason} | refused |")
+    return "\n".join(lines)
+
+
+def test_readme_table_is_generated_from_the_matrix():
+    text = README.read_text()
+    found = re.search(r"<!-- families:begin -->\n(.*?)\n<!-- families:end -->", text, re.S)
+    assert found, "README lacks the families table markers"
+    assert found.group(1) == readme_table(), (
+        "README's table differs: paste tests/test_families.readme_table()"
+    )
+
+
+def saved_model(tmp_path, family: str, overrides: dict, model_dir) -> Path:
+    """A tiny model of `family` saved as a model directory, with the embedded model's tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, {**overrides, "vocab_size": 49152})
+    model = AutoModelForCausalLM.from_config(cfg)
+    target = tmp_path / family
+    model.save_pretrained(target)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, target / f.name)
+    return target
+
+
+def test_a_refused_model_is_exit_2_at_load_naming_it(tmp_path, model_dir):
+    from helpers import run_cli, write_job, write_prompts
+
+    reason, overrides = REFUSED["lfm2"]
+    path = saved_model(tmp_path, "lfm2", overrides, model_dir)
+    write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: t\nmodel: {{path: {path}, chat_template: false}}\ninput: {{parquet: {tmp_path / 'in.parquet'}}}\n"
+        f"output: {{path: {tmp_path / 'out'}}}\nengine: {{num_pages: 16}}\n",
+    )
+    r = run_cli("submit", str(job))
+    assert r.returncode == 2, r.stderr
+    assert "lfm2" in r.stderr and reason in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
