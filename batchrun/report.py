@@ -93,8 +93,9 @@ def format_summary(s: dict) -> str:
 
 
 def plot(path: Path, out_png: Path) -> None:
-    """Memory over time: KV slots holding tokens vs allocated by paging vs a contiguous reservation; running,
-    waiting and swapped sequences below; preemptions marked."""
+    """Memory over time: KV slots holding tokens vs allocated by paging (and what paging would hold without
+    giving back the pages behind a sliding window) vs a contiguous reservation; running, waiting and swapped
+    sequences below; preemptions marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,6 +128,17 @@ def plot(path: Path, out_png: Path) -> None:
             linestyle="--",
             label=f"slots a contiguous reservation would hold{tag}",
         )
+        freed = t.get("window_freed")  # absent in statistics written before KV cache groups
+        if freed and any(freed):  # what a full-attention cache would hold on top of the pages allocated
+            page_slots = [a // u if u else 0 for a, u in zip(t["slots_allocated"], t["pages_used"])]
+            ax_mem.step(
+                time_s,
+                [a + f * ps for a, f, ps in zip(t["slots_allocated"], freed, page_slots)],
+                where="post",
+                color="tab:purple",
+                linestyle="-.",
+                label=f"slots allocated without giving back pages behind the window{tag}",
+            )
         capacity = [
             p * (t["slots_allocated"][i] // t["pages_used"][i] if t["pages_used"][i] else 0)
             for i, p in enumerate(t["pages_total"])

@@ -53,6 +53,7 @@ COLUMNS = [
     "external_fragmentation",
     "prefix_hit_tokens",
     "cow_copies",
+    "window_freed",
     "generated_tokens",
 ]
 FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
@@ -77,6 +78,8 @@ SUMMARY_KEYS = {
     "internal_fragmentation_mean": ("mean", "mean"),
     "external_fragmentation_max": ("max", "max"),
     "duplication_saved_peak": ("max", "max"),
+    "window_freed_peak": ("sum", "max"),
+    "window_freed_mean": ("mean", "mean"),
     "prefix_query_tokens": ("sum", "sum"),
     "prefix_hit_tokens": ("sum", "sum"),
     "cow_copies": ("sum", "sum"),
@@ -151,6 +154,7 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, r
         "external_fragmentation": m.external_fragmentation,
         "prefix_hit_tokens": m.prefix_hit_tokens,
         "cow_copies": m.cow_copies,
+        "window_freed": m.window_freed_pages,
         "generated_tokens": step.num_generated,
     }
 
@@ -179,6 +183,8 @@ class _Running:
     frag_sum: float = 0.0
     ext_frag_max: float = 0.0
     dup_peak: float = 0.0
+    window_freed_peak: int = 0
+    window_freed_sum: int = 0
     contig_util_sum: float = 0.0
     contig_util_n: int = 0
     peak_pages_used: int = 0
@@ -272,6 +278,8 @@ class StatsCollector:
             a.contig_util_sum += row["tokens_cached_per_sequence"] / row["reserved_slots_contiguous"]
             a.contig_util_n += 1
         a.ext_frag_max = max(a.ext_frag_max, row["external_fragmentation"])
+        a.window_freed_peak = max(a.window_freed_peak, row["window_freed"])
+        a.window_freed_sum += row["window_freed"]
         a.swap_out_pages += row["swap_out_pages"]
         a.swap_in_pages += row["swap_in_pages"]
         a.preemptions += row["preemptions"]
@@ -303,6 +311,8 @@ class StatsCollector:
             "internal_fragmentation_mean": a.frag_sum / a.util_n if a.util_n else 0.0,
             "external_fragmentation_max": a.ext_frag_max,
             "duplication_saved_peak": a.dup_peak,
+            "window_freed_peak": a.window_freed_peak,
+            "window_freed_mean": a.window_freed_sum / a.steps if a.steps else 0.0,
             "prefix_query_tokens": m.prefix_query_tokens,
             "prefix_hit_tokens": m.prefix_hit_tokens,
             "cow_copies": m.cow_copies,

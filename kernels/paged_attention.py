@@ -180,7 +180,7 @@ def _paged_attention_kernel(
     n = tl.arange(0, BLOCK_N)
     for tile_start in range((kv_start // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         k_pos = tile_start + n
-        in_ctx = k_pos < kv_end
+        in_ctx = (k_pos < kv_end) & (k_pos >= kv_start)  # pages before kv_start may be given back: not read
         page = tl.load(block_tables_ptr + seq * stride_bt + (k_pos >> page_shift), mask=in_ctx, other=0).to(
             tl.int64
         )

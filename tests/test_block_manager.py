@@ -3,10 +3,20 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchrun.engine.attention import FULL, MaskKind
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.scheduler import Scheduler
-from batchrun.engine.sequence import Sequence
+from batchrun.engine.sequence import NULL_PAGE, Sequence
+
+# KV cache groups, as the engine makes them from the layers' mask kinds: one full group (no window), a full
+# group beside a sliding one of 5 tokens, a sliding group alone, a full group beside a chunked one of 8
+GROUPS = {
+    "full": None,
+    "full+window": [FULL.first_key, MaskKind(window=5).first_key],
+    "window": [MaskKind(window=6).first_key],
+    "full+chunk": [FULL.first_key, MaskKind(chunk=8).first_key],
+}
 
 
 def seq(i, tokens, max_new=8, n=1):
@@ -46,7 +56,7 @@ def test_hash_collision_is_checked_against_tokens():
     bm.register_full_pages(a, a.num_computed_tokens)
     page = a.block_table[0]
     bm.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
-    assert bm.match_prefix(seq(1, [1, 2, 3])) == ([], [])
+    assert bm.match_prefix(seq(1, [1, 2, 3])).num_blocks == 0
 
 
 def test_last_prompt_token_is_always_computed():
@@ -72,14 +82,16 @@ def test_fork_shares_pages_and_copy_on_write():
     parent.append_token(50)
     child.append_token(51)
     assert bm.num_pages_to_grow(child, 1) == 1  # the shared half-full page must be copied
-    cow = bm.grow(child, 1)
-    assert cow is not None and cow.src == parent.block_table[1] and cow.dst == child.block_table[1]
+    (cow,) = bm.grow(child, 1)
+    assert cow.src == parent.block_table[1] and cow.dst == child.block_table[1]
     assert bm.num_pages_to_grow(parent, 1) == 0  # the parent now holds that page alone
     bm.check_integrity([parent, child])
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["add", "grow", "fork", "free", "swap_out", "swap_in"]), st.integers(0, 10**6)),
+    st.tuples(
+        st.sampled_from(["add", "grow", "fork", "free", "swap_out", "swap_in", "trim"]), st.integers(0, 10**6)
+    ),
     max_size=60,
 )
 
@@ -91,9 +103,10 @@ ops = st.lists(
     page_size=st.sampled_from([1, 2, 4, 8]),
     cpu_pages=st.integers(0, 24),
     sharing=st.booleans(),
+    groups=st.sampled_from(sorted(GROUPS)),
 )
-def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size, cpu_pages, sharing):
-    bm = BlockManager(num_pages, page_size, cpu_pages, prefix_sharing=sharing)
+def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size, cpu_pages, sharing, groups):
+    bm = BlockManager(num_pages, page_size, cpu_pages, prefix_sharing=sharing, first_keys=GROUPS[groups])
     running, swapped = [], []
     next_id = 0
     for op, r in ops:
@@ -131,15 +144,17 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
                 swapped.append(s)
         elif op == "swap_in" and swapped:
             s = swapped[0]
-            if len(s.cpu_block_table) <= bm.num_free_pages:
+            if bm.num_pages_to_swap_in(s, 0) <= bm.num_free_pages:
                 bm.swap_in(s)
                 swapped.pop(0)
                 running.append(s)
+        elif op == "trim" and running:
+            bm.trim(running[r % len(running)])
         bm.check_integrity(running + swapped)
     for s in running:
         bm.free_sequence(s)
     for s in swapped:
-        bm.swap_in(s) if len(s.cpu_block_table) <= bm.num_free_pages else None
+        bm.swap_in(s) if bm.num_pages_to_swap_in(s, 0) <= bm.num_free_pages else None
         bm.free_sequence(s)
     assert bm.num_free_pages == num_pages
 
@@ -189,13 +204,18 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
     budget=st.integers(1, 128),
     max_num_seqs=st.integers(1, 16),
     sharing=st.booleans(),
+    groups=st.sampled_from(sorted(GROUPS)),
 )
 def test_scheduler_never_deadlocks_or_leaks(
-    lengths, page_size, extra_pages, cpu_pages, preemption, budget, max_num_seqs, sharing
+    lengths, page_size, extra_pages, cpu_pages, preemption, budget, max_num_seqs, sharing, groups
 ):
-    # the pool is always big enough for the largest single sequence (admission rejects the others up front)
-    biggest = max(-(-(p + m) // page_size) * n for p, m, n in lengths)
-    bm = BlockManager(biggest + extra_pages, page_size, cpu_pages, prefix_sharing=sharing)
+    # the pool is always big enough for the largest single sequence in every group (admission rejects the
+    # others up front)
+    num_groups = len(GROUPS[groups] or [None])
+    biggest = max(-(-(p + m) // page_size) * n for p, m, n in lengths) * num_groups
+    bm = BlockManager(
+        biggest + extra_pages, page_size, cpu_pages, prefix_sharing=sharing, first_keys=GROUPS[groups]
+    )
     sched = Scheduler(
         EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption=preemption), bm
     )
@@ -203,7 +223,7 @@ def test_scheduler_never_deadlocks_or_leaks(
         sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
     done = drive(sched)
     assert len(done) == sum(n for _, _, n in lengths)
-    assert all(not s.block_table and not s.cpu_block_table for s in done)
+    assert all(not any(s.block_tables) and not any(s.cpu_block_tables) for s in done)
     bm.check_integrity([])
     assert bm.num_free_pages == bm.num_pages and bm.num_free_cpu_pages == cpu_pages
 
@@ -249,3 +269,50 @@ def test_abort_all_frees_running_swapped_and_waiting():
     assert not sched.has_unfinished()
     bm.check_integrity([])
     assert bm.num_free_pages == 12 and bm.num_free_cpu_pages == 40
+
+
+def test_a_sliding_group_gives_back_the_pages_behind_its_window():
+    """Window 5, pages of 4: once the next query is at position p, the pages wholly before p - 4 go back; the
+    full group keeps everything."""
+    bm = BlockManager(32, 4, first_keys=GROUPS["full+window"])
+    s = seq(0, range(20))
+    bm.allocate_sequence(s, 100)
+    s.num_computed_tokens = 20  # the next query is at 20: it sees keys 16..20, pages 4 (16-19) and on
+    assert bm.num_used_pages == 10
+    assert bm.trim(s) == 4
+    full, window = s.block_tables
+    assert NULL_PAGE not in full and window[:4] == [NULL_PAGE] * 4 and NULL_PAGE not in window[4:]
+    assert bm.num_used_pages == 6 and bm.num_window_freed == 4
+    assert bm.trim(s) == 0
+    # a decode appends a page to each group as before
+    s.append_token(9)
+    assert bm.num_pages_to_grow(s, 1) == 2
+    bm.grow(s, 1)
+    bm.check_integrity([s])
+    bm.free_sequence(s)
+    assert bm.num_free_pages == 32
+
+
+def test_prefix_sharing_with_a_window_matches_only_what_the_window_reads():
+    bm = BlockManager(64, 4, first_keys=GROUPS["full+window"])
+    a = seq(0, list(range(30)))
+    bm.allocate_sequence(a, 100)
+    a.num_computed_tokens = 30
+    bm.register_full_pages(a, 30)
+    bm.trim(a)  # the window group keeps the pages from 26 - 2 on: blocks 6, 7
+    window_a = list(a.block_tables[1])
+    b = seq(1, list(range(29)) + [99, 98])  # shares 29 tokens: 7 full pages
+    match = bm.match_prefix(b)
+    assert match.num_blocks == 7  # positions 0..27; the next query (28) reads keys 24.. (block 6) only
+    full, window = match.tables
+    assert full == a.block_tables[0][:7] and window == [NULL_PAGE] * 6 + window_a[6:7]
+    # a prefix whose window reads a page `a` gave back: it is free but cached, so it is revived
+    c = seq(2, list(range(12)) + [77] * 10)
+    match_c = bm.match_prefix(c)
+    assert match_c.num_blocks == 3 and match_c.tables[1][:2] == [NULL_PAGE] * 2
+    revived = match_c.tables[1][2]
+    assert bm.ref_count[revived] == 0 and bm.page_hash.get(revived) is not None
+    bm.allocate_sequence(b, 100, match)
+    bm.allocate_sequence(c, 100, match_c)
+    assert bm.ref_count[revived] == 1
+    bm.check_integrity([a, b, c])

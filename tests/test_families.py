@@ -15,7 +15,7 @@ from helpers import run_engine
 from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
 
 from batchrun.engine import SamplingParams
-from batchrun.engine.attention import UnsupportedModel
+from batchrun.engine.attention import FULL, UnsupportedModel
 
 NEW_TOKENS = 24
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -61,12 +61,17 @@ def model_and_reference(family: str, head_dim: int = 16):
     return ours, expected
 
 
-def run(model, family: str, attention: str, **engine):
+def run(model, family: str, attention: str, full_pages: int = 256, **engine):
+    """Run the prompts on batchrun's engine; `full_pages`: the KV memory of that many pages of all the model's
+    layers (a model with KV cache groups has more, smaller pages)."""
     from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine.architecture import inspect_model
 
+    found = inspect_model(model)
+    full_page = found.kv_shape(16, torch.float32).bytes_per_page * found.groups.num_groups
     cfg = dict(
         device="cpu",
-        num_pages=256,
+        kv_cache_memory=str(full_pages * full_page),
         page_size=16,
         max_num_seqs=8,
         max_num_batched_tokens=64,  # the long prompts are prefilled in chunks, beside decodes
@@ -96,7 +101,7 @@ def test_family_equals_hf_generate(family, attention):
 def test_family_equals_hf_generate_under_preemption(family):
     model, expected = model_and_reference(family)
     got, steps, _ = run(
-        model, family, "torch", num_pages=12, preemption="recompute" if len(family) % 2 else "swap"
+        model, family, "torch", full_pages=8, preemption="recompute" if len(family) % 2 else "swap"
     )
     assert any(s.plan.preempted for s in steps), "no sequence was preempted"
     assert got == expected, f"{family} differs under preemption"
@@ -201,3 +206,60 @@ def test_a_refused_model_is_exit_2_at_load_naming_it(tmp_path, model_dir):
     assert r.returncode == 2, r.stderr
     assert "lfm2" in r.stderr and reason in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def test_window_freed_pages_are_counted_and_recounted():
+    """Gemma 3's shape (5 sliding : 1 full): the sliding groups give pages back as the sequences outgrow the
+    window; every step's statistics from the block tables equal a slot-by-slot recount, and the page
+    bookkeeping stays exact."""
+    from batchrun.engine import Engine, EngineConfig
+
+    model, expected = model_and_reference("gemma3_text")
+    engine = Engine(
+        model,
+        None,
+        EngineConfig(device="cpu", num_pages=512, max_num_batched_tokens=64),
+        torch.device("cpu"),
+        set(),
+        512,
+    )
+    assert engine.kv_groups.num_groups == 6 and engine.kv_groups.layers_per_group == 1
+    freed = []
+
+    def check(eng, result):
+        counted = eng.memory_snapshot()
+        assert counted == eng.memory_snapshot(recount=True)
+        eng.check_integrity()
+        freed.append(counted.window_freed_pages)
+
+    seqs, _ = run_engine(engine, prompts(256), SamplingParams(max_new_tokens=NEW_TOKENS), on_step=check)
+    assert [s[0].output_token_ids for s in seqs] == expected
+    assert max(freed) > 0 and engine.block_manager.num_window_freed > 0
+    assert engine.num_used_pages == 0
+
+
+def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
+    """The same model with its pages kept for every layer (one group, as before KV cache groups) holds more."""
+    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine.architecture import KVGroups, ModelAttention
+
+    model, expected = model_and_reference("mistral")
+    peaks = {}
+    for mode in ("groups", "kept"):
+        if mode == "kept":  # every layer in one group of full attention: no page goes back
+            monkeypatch.setattr(
+                ModelAttention, "groups", property(lambda self: KVGroups.of_layers([FULL] * self.num_layers))
+            )
+        engine = Engine(
+            model, None, EngineConfig(device="cpu", num_pages=512), torch.device("cpu"), set(), 512
+        )
+        used = []
+        seqs, _ = run_engine(
+            engine,
+            prompts(256),
+            SamplingParams(max_new_tokens=NEW_TOKENS),
+            on_step=lambda e, r, used=used: used.append(e.num_used_pages),
+        )
+        assert [s[0].output_token_ids for s in seqs] == expected
+        peaks[mode] = max(used)
+    assert peaks["groups"] < peaks["kept"], peaks

@@ -16,6 +16,7 @@ the K and V shapes the layers actually produce (MLA models have wider keys than 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -74,6 +75,37 @@ class ModelLayers:
 
 
 @dataclass(frozen=True)
+class KVGroups:
+    """The layers in KV cache groups: one mask kind per group, every group of the same number of layers, so a
+    page (P tokens of one group's layers) is one size for all and every group draws from one pool. A model whose
+    layers all attend alike is one group of all its layers: the plain paged cache. Gemma 3's 5 sliding : 1 full
+    over 6 layers is 6 groups of 1 layer; gpt-oss's alternating 12 : 12, 2 groups of 12."""
+
+    kinds: tuple[MaskKind, ...]  # per group
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: its place among its group's layers (the pool's first axis)
+    layers_per_group: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kinds)
+
+    @classmethod
+    def of_layers(cls, layer_kinds: list[MaskKind]) -> KVGroups:
+        by_kind: dict[MaskKind, list[int]] = {}
+        for layer, kind in enumerate(layer_kinds):
+            by_kind.setdefault(kind, []).append(layer)
+        size = math.gcd(*(len(layers) for layers in by_kind.values()))
+        kinds, layer_group, layer_slot = [], [0] * len(layer_kinds), [0] * len(layer_kinds)
+        for kind, layers in by_kind.items():
+            for i in range(0, len(layers), size):
+                for slot, layer in enumerate(layers[i : i + size]):
+                    layer_group[layer], layer_slot[layer] = len(kinds), slot
+                kinds.append(kind)
+        return cls(tuple(kinds), tuple(layer_group), tuple(layer_slot), size)
+
+
+@dataclass(frozen=True)
 class ModelAttention:
     """What the probe found: the layers' K/V shapes, the mask kinds they use, and the per-layer facts."""
 
@@ -84,13 +116,23 @@ class ModelAttention:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    kinds: frozenset[MaskKind]
+    layer_kinds: tuple[MaskKind, ...]  # per layer
     softcap: bool  # some layer soft-caps its scores
     sinks: bool  # some layer has attention sinks
 
+    @property
+    def kinds(self) -> frozenset[MaskKind]:
+        return frozenset(self.layer_kinds)
+
+    @property
+    def groups(self) -> KVGroups:
+        return KVGroups.of_layers(list(self.layer_kinds))
+
     def kv_shape(self, page_size: int, dtype: torch.dtype) -> KVCacheShape:
+        """The shape of one page: P tokens of one KV cache group's layers."""
         v_dim = self.v_head_dim if self.v_head_dim != self.head_dim else None
-        return KVCacheShape(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype, v_dim)
+        layers = self.groups.layers_per_group
+        return KVCacheShape(layers, self.num_kv_heads, self.head_dim, page_size, dtype, v_dim)
 
     def describe(self) -> str:
         """One line for logs and the README's table: the features in use."""
@@ -116,7 +158,6 @@ class ProbeAttention:
     """The probe's backend: records each layer's call and attends over the probe's own tokens (no pages)."""
 
     name = "probe"
-    plans_per_kind = False
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}
@@ -192,7 +233,7 @@ def inspect_model(model) -> ModelAttention:
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(T)]
     layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))))
-    meta = AttentionMetadata(AttentionServices(probe, None, None, layers), layout, list(range(T)))
+    meta = AttentionMetadata(AttentionServices(probe, None, None, layers), [layout], list(range(T)))
     device = next(model.parameters()).device
     try:
         with torch.inference_mode():
@@ -231,7 +272,7 @@ def inspect_model(model) -> ModelAttention:
     ((num_heads, num_kv_heads, head_dim, v_head_dim),) = shapes
     if num_heads % num_kv_heads:
         raise _refuse(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    layer_calls = [c[4] for c in calls.values()]
+    layer_calls = [calls[i][4] for i in range(expected)]
     return ModelAttention(
         architecture=arch,
         layers=layers,
@@ -240,7 +281,7 @@ def inspect_model(model) -> ModelAttention:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
-        kinds=frozenset(c.kind for c in layer_calls),
+        layer_kinds=tuple(c.kind for c in layer_calls),
         softcap=any(c.softcap is not None for c in layer_calls),
         sinks=any(c.sinks is not None for c in layer_calls),
     )

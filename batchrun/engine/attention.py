@@ -113,11 +113,12 @@ class LayerCall:
 
 @dataclass
 class StepLayout:
-    """What every backend builds its metadata from: one entry per scheduled sequence, in packed order."""
+    """What every backend builds its metadata from, for one KV cache group: one entry per scheduled sequence,
+    in packed order."""
 
     query_lens: list[int]  # tokens computed for it this step
     context_lens: list[int]  # its context after this step (new tokens included)
-    block_tables: list[list[int]]
+    block_tables: list[list[int]]  # the group's tables (NULL_PAGE = -1 where a page fell behind the window)
     slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
 
 
@@ -170,7 +171,8 @@ def split_step(layout: StepLayout, kind: MaskKind, page_size: int, device: torch
             query_pos = torch.arange(c - q, c, device=device)
             if c > q:  # earlier tokens are in the cache: read them through the block table
                 num_blocks = cdiv(c, page_size)
-                pages = torch.tensor(layout.block_tables[i][:num_blocks], device=device)
+                # a page behind the window (NULL) is masked: any real page stands in for it
+                pages = torch.tensor([max(p, 0) for p in layout.block_tables[i][:num_blocks]], device=device)
                 mask = kind.visible(query_pos, torch.arange(num_blocks * page_size, device=device))[
                     None, None
                 ]
@@ -209,6 +211,8 @@ def _decode_batch(
 ) -> DecodeBatch:
     num_blocks = max(cdiv(context_lens[i], page_size) for _, i in rows)
     tables = [block_tables[i][:num_blocks] for _, i in rows]
+    if not kind.is_full:  # pages behind the window (NULL) are masked: page 0 stands in for them
+        tables = [[max(p, 0) for p in t] for t in tables]
     ctx = int_tensor([context_lens[i] for _, i in rows], device=device)
     key_pos = torch.arange(num_blocks * page_size, device=device)
     mask = key_pos[None, :] < ctx[:, None]
@@ -347,32 +351,39 @@ NEUTRAL_KWARGS = frozenset(
 @dataclass
 class AttentionServices:
     """The engine's parts every layer's call reaches, made once per engine: the backend, the pages, the clock,
-    and what the load probe learned of each layer (architecture.ModelLayers)."""
+    what the load probe learned of each layer (architecture.ModelLayers) and the KV cache groups."""
 
     backend: Any  # TorchAttention | GatherAttention | TritonAttention | architecture.ProbeAttention
     kv_cache: Any  # KVCache (None for the load probe)
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     layers: Any  # architecture.ModelLayers: chunk size and query-scale fix of each layer
+    groups: Any = None  # architecture.KVGroups: each layer's group and slot; None: one group (the probe)
 
 
 class AttentionMetadata:
-    """One step's attention inputs, shared by every layer: the layout, and the backend's plan for each mask
-    kind, built by the first layer of that kind and reused by the others."""
+    """One step's attention inputs, shared by every layer: a layout per KV cache group, and the backend's plan
+    for each group, built by the group's first layer and reused by the others."""
 
-    def __init__(self, services: AttentionServices, layout: StepLayout, positions: list[int]):
+    def __init__(self, services: AttentionServices, layouts: list[StepLayout], positions: list[int]):
         self.services = services
-        self.layout = layout
+        self.layouts = layouts  # per KV cache group
         self.positions = positions  # [T] each packed token's position in its sequence
-        self.max_seq_len = max(layout.context_lens)
-        self._plans: dict[MaskKind | None, Any] = {}
+        self.max_seq_len = max(layouts[0].context_lens)
+        self._plans: dict[tuple[int, MaskKind], Any] = {}
         self._query_scales: dict[Any, torch.Tensor] = {}
 
-    def plan(self, kind: MaskKind):
-        backend = self.services.backend
-        key = kind if backend.plans_per_kind else None
+    def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A layer's KV cache group and its K and V pages."""
+        groups = self.services.groups
+        if groups is None:
+            return 0, *self.services.kv_cache.layer(layer)
+        return groups.layer_group[layer], *self.services.kv_cache.layer(groups.layer_slot[layer])
+
+    def plan(self, group: int, kind: MaskKind):
+        key = (group, kind)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = backend.prepare(self.layout, kind)
+            plan = self._plans[key] = self.services.backend.prepare(self.layouts[group], kind)
         return plan
 
     def query_scale_fix(self, fix, like: torch.Tensor) -> torch.Tensor:
@@ -463,7 +474,6 @@ class GatherAttention:
     """Pages gathered into a reused workspace per decode group, then SDPA; prompts attend on their own K/V."""
 
     name = "gather"
-    plans_per_kind = True
 
     def __init__(self, page_size: int, device: torch.device):
         self.page_size = page_size
@@ -478,9 +488,9 @@ class GatherAttention:
         return GatherPlan([_decode_batch(b, ctx, tables, kind, P, self.device) for b in buckets], prefills)
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
-        k_cache, v_cache = meta.services.kv_cache.layer(layer)
-        write_kv(k, v, k_cache, v_cache, meta.layout.slot_mapping)
-        plan: GatherPlan = meta.plan(call.kind)
+        group, k_cache, v_cache = meta.layer(layer)
+        write_kv(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
+        plan: GatherPlan = meta.plan(group, call.kind)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, call, self.workspace)
         prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
@@ -509,7 +519,6 @@ class TorchAttention:
     through SDPA, as in GatherAttention."""
 
     name = "torch"
-    plans_per_kind = True
 
     def __init__(self, page_size: int, kernel):
         self.page_size = page_size
@@ -536,10 +545,10 @@ class TorchAttention:
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         times = meta.services.times  # its parts, for bench/profile_step.py attention
-        k_cache, v_cache = meta.services.kv_cache.layer(layer)
-        plan: TorchPlan = meta.plan(call.kind)
+        group, k_cache, v_cache = meta.layer(layer)
+        plan: TorchPlan = meta.plan(group, call.kind)
         with times.part("write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"):
-            write_kv(k, v, k_cache, v_cache, meta.layout.slot_mapping)
+            write_kv(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
@@ -567,11 +576,10 @@ class TritonPlan:
 
 
 class TritonAttention:
-    """The paged Triton kernels: K/V written and read in place; the grid mapping built once per step (the mask
-    kind is a run-time argument of the kernel, so every kind shares it)."""
+    """The paged Triton kernels: K/V written and read in place; the grid mapping built once per step and KV
+    cache group (the mask kind is a run-time argument of the kernel)."""
 
     name = "triton"
-    plans_per_kind = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, device: torch.device):
         import batchrun_kernels
@@ -594,9 +602,9 @@ class TritonAttention:
         )
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
-        k_cache, v_cache = meta.services.kv_cache.layer(layer)
-        plan: TritonPlan = meta.plan(call.kind)
-        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layout.slot_mapping)
+        group, k_cache, v_cache = meta.layer(layer)
+        plan: TritonPlan = meta.plan(group, call.kind)
+        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
         return self.kernels.paged_attention(
             q.contiguous(),
             k_cache,

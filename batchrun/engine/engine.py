@@ -67,8 +67,13 @@ class Engine:
         self.kv_shape = self.model_attention.kv_shape(config.page_size, dtype)
         self.num_pages = num_pages_for(config, self.kv_shape.bytes_per_page, device)
         num_cpu_pages = parse_size(config.swap_space) // self.kv_shape.bytes_per_page
+        self.kv_groups = self.model_attention.groups
         self.block_manager = BlockManager(
-            self.num_pages, config.page_size, num_cpu_pages, config.prefix_sharing
+            self.num_pages,
+            config.page_size,
+            num_cpu_pages,
+            config.prefix_sharing,
+            [kind.first_key for kind in self.kv_groups.kinds],
         )
         self.scheduler = Scheduler(config, self.block_manager, watermark_pages=max(1, self.num_pages // 100))
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
@@ -79,7 +84,9 @@ class Engine:
         self.kv_cache = KVCache(self.kv_shape, self.num_pages, num_cpu_pages, device)
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_shape, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
-        services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
+        services = AttentionServices(
+            self.attention, self.kv_cache, self.times, self.model_attention.layers, self.kv_groups
+        )
         self.runner = ModelRunner(model, services, device, self.times)
         self.vocab_size = model.config.vocab_size
         self._grammars: Grammars | None = None  # made on the first structured request
@@ -104,11 +111,13 @@ class Engine:
             except ValueError as e:
                 return str(e)
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
-        capacity = self.num_pages * self.config.page_size
-        if total > capacity:
+        # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
+        pages = self.block_manager.pages_to_run(num_prompt_tokens, total, self.config.max_num_batched_tokens)
+        if pages > self.num_pages:
             return (
-                f"prompt of {num_prompt_tokens} tokens + {params.max_new_tokens} new tokens needs {total} KV "
-                f"slots; the whole KV cache holds {capacity} ({self.num_pages} pages)"
+                f"prompt of {num_prompt_tokens} tokens + {params.max_new_tokens} new tokens needs {pages} KV "
+                f"pages at once; the whole KV cache holds {self.num_pages} pages of {self.config.page_size} "
+                "tokens"
             )
         return None
 
@@ -327,8 +336,10 @@ class Engine:
         return self.scheduler.live_sequences()
 
     def reservation(self, seq: Sequence) -> int:
-        """The KV slots a contiguous allocator reserving prompt + max_new_tokens would hold for `seq`."""
-        return min(seq.num_prompt_tokens + seq.params.max_new_tokens, self.max_model_len)
+        """The KV slots a contiguous allocator reserving prompt + max_new_tokens would hold for `seq` (in every
+        KV cache group: a slot is one token of one group's layers)."""
+        tokens = min(seq.num_prompt_tokens + seq.params.max_new_tokens, self.max_model_len)
+        return tokens * self.kv_groups.num_groups
 
     def memory_snapshot(self, recount: bool = False) -> MemorySnapshot:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""

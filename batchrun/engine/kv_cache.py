@@ -1,9 +1,10 @@
 """The page tensors: the accelerator pool, the (pinned, on CUDA) CPU swap pool, and the copies between them.
 
-Each pool is a K pool and a V pool, [num_layers, num_pages, page_size, num_kv_heads, head_dim] each (K and V may
-differ in head dim: MLA models such as DeepSeek-V3 have wider keys than values), so one page of one layer is a
-contiguous [page_size, num_kv_heads, head_dim] block, and a swap moves every layer of a set of pages in one
-indexed copy per pool.
+Each pool is a K pool and a V pool, [layers of a page, num_pages, page_size, num_kv_heads, head_dim] each (K and
+V may differ in head dim: MLA models such as DeepSeek-V3 have wider keys than values), so one page of one layer
+is a contiguous [page_size, num_kv_heads, head_dim] block, and a swap moves every layer of a set of pages in one
+indexed copy per pool. A page holds P tokens of one KV cache group's layers (architecture.KVGroups): all the
+model's layers when they attend alike; layer l of the model is the slot `layer_slot[l]` of its group's pages.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from .block_manager import PageCopy
 
 @dataclass(frozen=True)
 class KVCacheShape:
-    num_layers: int
+    num_layers: (
+        int  # layers a page holds: one KV cache group's (all the model's, when its layers attend alike)
+    )
     num_kv_heads: int
     head_dim: int  # of the keys (and queries)
     page_size: int
@@ -84,9 +87,10 @@ class KVCache:
     def _dims(self) -> tuple[int, int]:
         return self.shape.head_dim, self.shape.value_dim
 
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V pages of one layer, [num_pages, page_size, num_kv_heads, head_dim (K's or V's)]."""
-        return self.pages[0][layer_idx], self.pages[1][layer_idx]
+    def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of one layer slot of every page, [num_pages, page_size, num_kv_heads, head_dim (K's or
+        V's)]: the layer's K/V live in its group's pages (KVGroups.layer_slot)."""
+        return self.pages[0][slot], self.pages[1][slot]
 
     def apply(self, swap_out: list[PageCopy], swap_in: list[PageCopy], copy_on_write: list[PageCopy]) -> None:
         """Carry out a step's page copies, in the only safe order: out, in, copy-on-write."""

@@ -1,13 +1,14 @@
 """What the KV cache holds right now, counted two ways: from the block tables (every step) and slot by slot
 (`BATCHRUN_DEBUG_STATS=1`, to prove the first). P is the page size; sums run over the running sequences, the
-ones holding accelerator pages (swapped sequences hold CPU pages)."""
+ones holding accelerator pages (swapped sequences hold CPU pages), and over their block tables, one per KV cache
+group (a model whose layers attend alike has one). A token slot is one token of one group's layers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .sequence import Sequence
+from .sequence import NULL_PAGE, Sequence
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,10 @@ class MemorySnapshot:
     pages_used: int  # physical pages in the running sequences' block tables, each once
     pages_allocatable: int  # pages on the allocator's free lists (counted apart from the block tables)
     tokens_stored: int  # tokens whose K/V is in the cache, each physical slot once
-    logical_pages: int  # sum of block-table lengths
-    tokens_cached_per_sequence: int  # sum of computed tokens, shared ones counted for every sequence
+    logical_pages: int  # sum of block-table lengths, entries given back behind a window not counted
+    tokens_cached_per_sequence: int  # sum of computed tokens held, shared ones counted for every sequence
     reserved_slots_contiguous: int  # what prompt + max_new_tokens reservations would hold for them
+    window_freed_pages: int  # block-table entries given back because they fell behind their group's window
     prefix_query_tokens: int  # counters since the engine started
     prefix_hit_tokens: int
     cow_copies: int
@@ -61,16 +63,21 @@ def count(
     used: set[int] = set()  # physical pages in the block tables
     full: set[int] = set()  # pages some holder has filled
     partial: dict[int, int] = {}  # page -> computed tokens in it, for the page where a holder's tokens end
-    logical_pages = cached = reserved = 0
+    logical_pages = cached = reserved = freed = 0
     for seq in running:
-        table, computed = seq.block_table, seq.num_computed_tokens
-        logical_pages += len(table)
-        used.update(table)
+        computed = seq.num_computed_tokens
         k, rest = divmod(computed, P)
-        full.update(table[:k])
-        if rest and k < len(table) and partial.get(table[k], 0) < rest:
-            partial[table[k]] = rest
-        cached += computed
+        for table in seq.block_tables:
+            # entries given back (NULL) are a run of full pages at the head of a windowed group's table
+            null = table.count(NULL_PAGE) if bm.windowed else 0
+            held = table[null:]
+            freed += null
+            logical_pages += len(held)
+            used.update(held)
+            full.update(table[null:k])
+            if rest and k < len(table) and partial.get(table[k], 0) < rest:
+                partial[table[k]] = rest
+            cached += computed - null * P
         reserved += reservation(seq)
     tokens_stored = P * len(full) + sum(n for page, n in partial.items() if page not in full)
     return _snapshot(
@@ -84,6 +91,7 @@ def count(
         logical_pages=logical_pages,
         tokens_cached_per_sequence=cached,
         reserved_slots_contiguous=reserved,
+        window_freed_pages=freed,
     )
 
 
@@ -94,11 +102,19 @@ def recount(
     P = bm.page_size
     slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
     holders: dict[int, int] = {}
+    cached = freed = 0
     for seq in running:
-        for pos in range(seq.num_computed_tokens):
-            slot_holds_token[seq.block_table[pos // P]][pos % P] = True
-        for page in seq.block_table:
-            holders[page] = holders.get(page, 0) + 1
+        for table in seq.block_tables:
+            for pos in range(seq.num_computed_tokens):
+                page = table[pos // P]
+                if page != NULL_PAGE:
+                    slot_holds_token[page][pos % P] = True
+                    cached += 1
+            for page in table:
+                if page == NULL_PAGE:
+                    freed += 1
+                else:
+                    holders[page] = holders.get(page, 0) + 1
     return _snapshot(
         bm,
         running,
@@ -108,8 +124,9 @@ def recount(
         pages_allocatable=sum(1 for c in bm.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
-        tokens_cached_per_sequence=sum(s.num_computed_tokens for s in running),
+        tokens_cached_per_sequence=cached,
         reserved_slots_contiguous=sum(reservation(s) for s in running),
+        window_freed_pages=freed,
     )
 
 

@@ -1,7 +1,7 @@
 """Turns a scheduler plan into tensors, runs the stock `transformers` model on them, returns logits.
 
-One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], the slot mapping
-(where each token's K/V goes), the attention backend's metadata (built once here, before the forward, and
+One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], the slot mapping of
+each KV cache group (where each token's K/V goes in that group's pages), the attention backend's metadata (built once here, before the forward, and
 shared by every layer), and the indices of the tokens whose logits are needed (the last token of each sequence
 that samples this step, and the prompt positions of sequences that asked for prompt logprobs).
 """
@@ -21,40 +21,48 @@ class ModelRunner:
     ):
         self.model = model
         self.times = times
-        self.services = services  # the backend (make_backend), the KV cache, the per-layer facts
+        self.services = services  # the backend (make_backend), the KV cache, the per-layer facts, the groups
         self.page_size = services.kv_cache.shape.page_size
+        self.num_groups = services.groups.num_groups
         self.device = device
 
     def prepare(
         self, scheduled: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         P = self.page_size
+        num_groups = self.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens, context_lens, tables, logits_index = [], [], [], []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV cache group
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        query_lens, context_lens, logits_index = [], [], []
         for s in scheduled:  # every step, for every sequence: kept lean (host time per step, bench/speed.py)
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
-            bt = seq.block_table
             if s.prompt_logprob_positions:
                 logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
             if n == 1:  # a decode
                 input_ids.append(seq.token_at(start))
                 positions.append(start)
-                slots.append(bt[start // P] * P + start % P)
+                for g, bt in enumerate(seq.block_tables):
+                    slots[g].append(bt[start // P] * P + start % P)
+                    tables[g].append(bt)
             else:
                 input_ids += seq.token_slice(start, end)
                 positions += range(start, end)
-                slots += [bt[p // P] * P + p % P for p in range(start, end)]
+                for g, bt in enumerate(seq.block_tables):
+                    slots[g] += [bt[p // P] * P + p % P for p in range(start, end)]
+                    tables[g].append(bt)
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(bt)
             if s.needs_sample_logits:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
-        layout = StepLayout(query_lens, context_lens, tables, int_tensor(slots, device=dev))
-        meta = AttentionMetadata(self.services, layout, positions)
+        layouts = [
+            StepLayout(query_lens, context_lens, tables[g], int_tensor(slots[g], device=dev))
+            for g in range(num_groups)
+        ]
+        meta = AttentionMetadata(self.services, layouts, positions)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = int_tensor(positions, device=dev)[None]
         return ids, pos, meta, int_tensor(logits_index, device=dev)

@@ -117,6 +117,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)  # 1 for a decode; a chunk of a long prompt
+            self.bm.trim(seq)  # pages behind a window go back before anything new is taken
             need = self.bm.num_pages_to_grow(seq, n)
             while need > self.bm.num_free_pages:
                 victim = self.running[-1]
@@ -133,9 +134,7 @@ class Scheduler:
         return budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        cow = self.bm.grow(seq, n)
-        if cow is not None:
-            out.copy_on_write.append(cow)
+        out.copy_on_write.extend(self.bm.grow(seq, n))
         self._planned(seq, n, out)
 
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -159,8 +158,8 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            # its pages come back, plus what its next tokens need (a new page, or a copy of a shared one)
-            need = max(len(seq.cpu_block_table), self.bm.pages_needed(seq.num_computed_tokens + n))
+            # its pages come back, plus what its next tokens need
+            need = self.bm.num_pages_to_swap_in(seq, n)
             if need > self.bm.num_free_pages:
                 break
             self.swapped.popleft()
@@ -177,7 +176,7 @@ class Scheduler:
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
             match = self.bm.match_prefix(seq)  # hashes the whole prompt: once per admission attempt
-            need = self.bm.num_new_pages_for_admission(seq, match)
+            need = self.bm.num_new_pages_for_admission(seq, match, self.config.max_num_batched_tokens)
             reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages:
                 break

@@ -1,4 +1,4 @@
-"""One sequence being generated: its token ids, block table and counters."""
+"""One sequence being generated: its token ids, block tables and counters."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import SamplingParams
+
+NULL_PAGE = -1  # a block-table entry whose page was given back: behind its group's window, never read again
 
 
 @dataclass(eq=False)
@@ -23,9 +25,10 @@ class Sequence:
     request: Any = None  # the job's handle for the row this sequence answers
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    # one block table per KV cache group (block_manager.py; one group unless layers attend differently)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full page, in order
-    cpu_block_table: list[int] = field(default_factory=list)  # CPU pages while swapped
+    cpu_block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # CPU pages while swapped
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
@@ -37,6 +40,19 @@ class Sequence:
     # with params.prompt_logprobs: log p(prompt token i | tokens before it); None for the first token
     prompt_logprobs: list[float | None] | None = None
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table (the only one for a model whose layers all attend alike)."""
+        return self.block_tables[0]
+
+    @property
+    def cpu_block_table(self) -> list[int]:
+        return self.cpu_block_tables[0]
+
+    def num_held_pages(self) -> int:
+        """Pages its block tables hold (entries given back behind a window not counted)."""
+        return sum(len(t) - t.count(NULL_PAGE) for t in self.block_tables)
 
     @property
     def token_ids(self) -> list[int]:
