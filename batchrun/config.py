@@ -298,6 +298,9 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
             f"glob), `input.dataset` (path, name, split, data_dir) or `input.openai_batch` (a JSONL file or "
             f"glob); {'both ' + ' and '.join(kinds) if kinds else 'neither'} given."
         )
+    for key in ("parquet", "openai_batch"):
+        if getattr(inp, key) is not None and not str(getattr(inp, key)).strip():
+            raise BadInput(f"{source}: key `input.{key}` is empty; expected a file, a directory or a glob.")
     if inp.openai_batch is not None:
         for key in ("id_column", "passthrough", "sampling_columns"):
             if getattr(inp, key):

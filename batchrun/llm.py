@@ -31,7 +31,7 @@ class CompletionOutput:
     index: int  # the sample, 0 .. n-1
     text: str  # stop string excluded
     token_ids: list[int]  # the eos token included when the sequence ended on it
-    finish_reason: str  # stop | eos | length
+    finish_reason: str  # stop | eos | length | error (the prompt could not run: RequestOutput.error says why)
     # with SamplingParams(logprobs=K): per generated token {token_id, token, logprob, top: [{token_id, token,
     # logprob}] * K}, from the raw logits
     logprobs: list[dict] | None = None
@@ -45,6 +45,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=True)
+    error: str | None = None  # why this prompt could not run (its outputs then finish with "error")
 
 
 ROLES = ("system", "user", "assistant")
@@ -187,10 +188,11 @@ class LLM:
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("this LLM's engine is busy with another batch")
-        for i, (token_ids, p) in enumerate(zip(ids, params)):
-            reason = engine.admission_error(len(token_ids), p)
-            if reason:
-                raise ValueError(f"prompt {i}: {reason}")
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured:
+            try:  # one format for every prompt: a mistake of the call, not of a prompt
+                engine.grammars.compile(sampling_params.response_format)
+            except ValueError as e:
+                raise ValueError(f"sampling_params.response_format: {e}") from None
         outputs = [
             RequestOutput(i, prompt, token_ids) for i, (prompt, token_ids) in enumerate(zip(prompts, ids))
         ]
@@ -198,6 +200,12 @@ class LLM:
         bar = tqdm(total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun")
         try:
             for i, (token_ids, p) in enumerate(zip(ids, params)):
+                reason = engine.admission_error(len(token_ids), p)
+                if reason:  # that prompt's error; its batch-mates run
+                    outputs[i].error = f"prompt {i}: {reason}"
+                    outputs[i].outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]
+                    bar.update(1)
+                    continue
                 engine.add(token_ids, p, request=i, seeds=[row_seed(p.seed, i, s) for s in range(p.n)])
             while engine.has_unfinished():
                 for seq in engine.step().finished:

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from batchrun_kernels import ref_paged_attention
 
 from batchrun.engine.attention import (
+    FULL,
     GatherAttention,
+    LayerCall,
     StepLayout,
     TorchAttention,
     gathered_decode_attention,
@@ -79,11 +81,13 @@ def measure(dtype, layout: StepLayout, ctxs: list[int], tables: list[list[int]],
     q = torch.randn(G, Hkv * gqa, D, generator=gen).to(dtype)
     out = torch.empty_like(q)
     torch_backend = GatherAttention(P, torch.device("cpu"))
-    plan = torch_backend.prepare(layout)
+    plan = torch_backend.prepare(layout, FULL)
     page_lists = [torch.tensor(t) for t in tables]
 
     def gather_sdpa():
-        gathered_decode_attention(out, q, kc, vc, plan.decode, scale, torch_backend.workspace)
+        gathered_decode_attention(
+            out, q, kc, vc, plan.decode, scale, LayerCall(FULL), torch_backend.workspace
+        )
 
     def per_sequence():
         for g, pages in enumerate(page_lists):
@@ -93,7 +97,7 @@ def measure(dtype, layout: StepLayout, ctxs: list[int], tables: list[list[int]],
 
     ways = [gather_sdpa, per_sequence]
     if kernel is not None:
-        d = TorchAttention(P, kernel).prepare(layout).decode
+        d = TorchAttention(P, kernel).prepare(layout, FULL).decode
 
         def paged():
             kernel.paged_decode_attention(out, q, kc, vc, d.block_tables, d.seq_lens, d.token_index, scale)

@@ -100,8 +100,12 @@ def test_api_mistakes_are_clear(llm):
         LLM(device="cpu", max_num_seqs=0)
     with pytest.raises(BadInput, match="unexpected keyword"):
         LLM(device="cpu", num_pagez=3)
-    with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):
-        llm.generate(["hi", "word " * 9000], SamplingParams(max_new_tokens=4), use_tqdm=False)
+    # a prompt that can never run is that prompt's error; its batch-mates finish
+    outs = llm.generate(["hi", "word " * 9000, "yo"], SamplingParams(max_new_tokens=4), use_tqdm=False)
+    assert outs[1].error and "prompt 1: " in outs[1].error and "max_model_len" in outs[1].error
+    assert [c.finish_reason for c in outs[1].outputs] == ["error"] and outs[1].outputs[0].token_ids == []
+    assert outs[0].error is None and outs[2].error is None
+    assert all(len(o.outputs[0].token_ids) == 4 for o in (outs[0], outs[2]))
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     assert not llm.engine.has_unfinished(), "a refused batch leaves nothing queued"

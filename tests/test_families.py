@@ -42,8 +42,8 @@ def build(family: str, overrides: dict, attn: str):
 
 
 @functools.cache
-def model_and_reference(family: str, head_dim: int = 16):
-    """batchrun's model of the family and the reference's token ids for `prompts`, made once per family."""
+def models(family: str, head_dim: int = 16):
+    """batchrun's model of the family (perturbed) and the reference: the same weights, eager attention."""
     overrides = dict(SUPPORTED[family][1])
     if head_dim != 16:
         overrides["head_dim"] = head_dim
@@ -53,12 +53,24 @@ def model_and_reference(family: str, head_dim: int = 16):
     ref.load_state_dict(ours.state_dict())
     ref.generation_config.eos_token_id = None  # the engine below runs without EOS too: all 24 tokens
     ref.generation_config.pad_token_id = 0
-    expected = []
+    return ours, ref
+
+
+def hf_tokens(ref, token_lists: list[list[int]]) -> list[list[int]]:
+    """HF `generate`, greedy, one prompt at a time: the reference's new token ids."""
+    out = []
     with torch.inference_mode():
-        for p in prompts(ours.config.vocab_size):
-            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            expected.append(out[0, len(p) :].tolist())
-    return ours, expected
+        for p in token_lists:
+            ids = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+@functools.cache
+def model_and_reference(family: str, head_dim: int = 16):
+    """batchrun's model of the family and the reference's token ids for `prompts`, made once per family."""
+    ours, ref = models(family, head_dim)
+    return ours, hf_tokens(ref, prompts(ours.config.vocab_size))
 
 
 def run(model, family: str, attention: str, full_pages: int = 256, **engine):
@@ -263,3 +275,26 @@ def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
         assert [s[0].output_token_ids for s in seqs] == expected
         peaks[mode] = max(used)
     assert peaks["groups"] < peaks["kept"], peaks
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
+def test_prefix_sharing_and_copy_on_write_per_group(family):
+    """Prompts sharing a prefix longer than the window, two greedy samples each (they share every page until
+    they write): prefix hits and copy-on-write happen in every group, and each sample equals HF `generate`."""
+    from batchrun.engine import Engine, EngineConfig
+
+    ours, ref = models(family)
+    gen = torch.Generator().manual_seed(3)
+    common = torch.randint(3, 256, (3 * WINDOW + 5,), generator=gen).tolist()
+    shared = [common + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 7, 20, 40)]
+    expected = hf_tokens(ref, shared)
+    engine = Engine(
+        ours, None, EngineConfig(device="cpu", num_pages=512, max_num_seqs=4), torch.device("cpu"), set(), 512
+    )
+    seqs, _ = run_engine(engine, shared, SamplingParams(max_new_tokens=NEW_TOKENS, n=2))
+    for i, samples in enumerate(seqs):
+        assert [s.output_token_ids for s in samples] == [expected[i]] * 2, f"prompt {i}"
+    bm = engine.block_manager
+    assert bm.prefix_hit_tokens >= 3 * WINDOW and bm.num_cow_copies > 0 and bm.num_window_freed > 0
+    engine.check_integrity()
+    assert engine.num_used_pages == 0

@@ -192,6 +192,7 @@ def test_validation_errors_exit_2_and_name_the_key(tmp_path, mutation, key):
         ),
         ("name: t\ninput:\n  parquet: {dir}/in.parquet\n  dataset: {{path: x}}\n", ["exactly one", "both"]),
         ("name: t\ninput: {{}}\n", ["exactly one", "neither"]),
+        ("name: t\ninput:\n  parquet: ''\n", ["input.parquet", "empty"]),  # found by the fuzz test
         ("name: t\nmodel:\n  path: {dir}/no-model\ninput:\n  parquet: {dir}/in.parquet\n", ["model.path"]),
         (
             "name: t\ninput:\n  parquet: {dir}/in.parquet\n  passthrough: [nope]\n",
