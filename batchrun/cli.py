@@ -50,7 +50,7 @@ def handle_errors(fn):
 
 def default_shard(text: str | None):
     """--shard I/N; by default a Slurm array task's own, else 0/1."""
-    from .sources import Shard
+    from .rows import Shard
 
     if text is None:
         task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")

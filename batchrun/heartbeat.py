@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .sources import Shard
+    from .rows import Shard
 
 STALE_AFTER_S = 30.0
 

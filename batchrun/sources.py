@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,43 +19,9 @@ import pyarrow.parquet as pq
 from . import openai_batch
 from .config import InputSpec
 from .errors import BadInput
-from .sinks import OUTPUT_COLUMNS
+from .rows import OUTPUT_COLUMNS, InputRow, Shard
 
 BATCH_ROWS = 1024
-
-
-@dataclass
-class InputRow:
-    index: int  # position in the whole input
-    id: Any
-    prompt: Any  # a string or a conversation, not yet checked: a bad prompt becomes an error row, not a crash
-    passthrough: dict = field(default_factory=dict)
-    sampling: dict = field(default_factory=dict)  # this row's own sampling values (not yet checked)
-    request: dict | None = None  # an OpenAI batch request: custom_id, endpoint (chat | completion), model
-    error: str | None = None  # why the row cannot be served, known from reading it
-
-
-@dataclass(frozen=True)
-class Shard:
-    index: int = 0
-    count: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> Shard:
-        """'I/N' -> Shard(I, N); BadInput unless 0 <= I < N."""
-        try:
-            i, n = (int(x) for x in text.split("/"))
-        except ValueError:
-            i, n = 0, 0
-        if not 0 <= i < n:
-            raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.")
-        return cls(i, n)
-
-    def owns(self, row_index: int) -> bool:
-        return row_index % self.count == self.index
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 class InputSource:

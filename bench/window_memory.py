@@ -24,7 +24,7 @@ import torch
 def make_model():
     from transformers import AutoConfig
 
-    from batchrun.engine.architecture import paged_model_from_config
+    from batchrun.engine.loading import paged_model_from_config
 
     cfg = AutoConfig.for_model(
         "gemma3_text",

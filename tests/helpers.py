@@ -27,7 +27,7 @@ def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192,
     """An engine on the CPU with the torch backend; `overrides` are EngineConfig keys (the job's engine:)."""
     from batchrun.engine import Engine, EngineConfig
     from batchrun.engine.kv_cache import KVCacheShape
-    from batchrun.model_loader import eos_token_ids
+    from batchrun.engine.loading import eos_token_ids
 
     tok, model = tok_model
     cfg = dict(

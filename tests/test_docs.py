@@ -5,7 +5,7 @@ import subprocess
 
 from helpers import ROOT
 
-from batchrun.sinks import OUTPUT_COLUMNS
+from batchrun.rows import OUTPUT_COLUMNS
 from batchrun.stats import COLUMNS, SUMMARY_KEYS
 
 README = (ROOT / "README.md").read_text()

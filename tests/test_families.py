@@ -30,7 +30,7 @@ def prompts(vocab: int) -> list[list[int]]:
 def build(family: str, overrides: dict, attn: str):
     from transformers import AutoModelForCausalLM
 
-    from batchrun.engine.architecture import paged_model_from_config
+    from batchrun.engine.loading import paged_model_from_config
 
     cfg = tiny_config(family, overrides)
     torch.manual_seed(0)

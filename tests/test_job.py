@@ -9,7 +9,8 @@ from helpers import ROOT, read_outputs, run_cli, write_job, write_prompts
 
 from batchrun.config import load_job
 from batchrun.job import Job
-from batchrun.sources import InputSource, Shard
+from batchrun.rows import Shard
+from batchrun.sources import InputSource
 
 PROMPTS = [
     "Name a color.",

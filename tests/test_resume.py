@@ -172,8 +172,8 @@ def test_jobs_started_before_the_new_keys_keep_their_fingerprint():
     from helpers import ROOT
 
     from batchrun.config import load_job
+    from batchrun.rows import Shard
     from batchrun.sinks import fingerprint
-    from batchrun.sources import Shard
 
     first_release = {
         "model": ["path", "dtype", "chat_template", "system_prompt", "max_model_len"],
@@ -204,10 +204,10 @@ def test_dtype_auto_resolves_by_the_cpu_and_enters_the_fingerprint(monkeypatch):
     import torch
     from helpers import ROOT
 
-    from batchrun import model_loader
+    from batchrun import host, model_loader
     from batchrun.config import load_job
+    from batchrun.rows import Shard
     from batchrun.sinks import fingerprint
-    from batchrun.sources import Shard
 
     cpu = torch.device("cpu")
     auto = load_job(ROOT / "jobs" / "demo.yaml", ["model.dtype=auto", "engine.device=cpu"])
@@ -217,10 +217,10 @@ def test_dtype_auto_resolves_by_the_cpu_and_enters_the_fingerprint(monkeypatch):
     def hash_of(spec):
         return fingerprint(spec, Shard(), model_loader.fingerprint_dtype(spec.model.dtype, "cpu"))
 
-    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: True)
-    assert model_loader.pick_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(host, "cpu_has_fast_bf16", lambda: True)
+    assert host.pick_dtype("auto", cpu) == torch.bfloat16
     assert hash_of(auto) == hash_of(bf16) != hash_of(fp32)
-    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: False)
-    assert model_loader.pick_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(host, "cpu_has_fast_bf16", lambda: False)
+    assert host.pick_dtype("auto", cpu) == torch.float32
     assert hash_of(auto) == fingerprint(auto, Shard())  # "auto", as the first release hashed it
     assert len({hash_of(auto), hash_of(bf16), hash_of(fp32)}) == 3

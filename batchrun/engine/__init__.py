@@ -3,7 +3,7 @@
 Names are imported on first use: the job-file parser needs `config` alone, without torch.
 """
 
-from .. import lazy_exports
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": ".engine",

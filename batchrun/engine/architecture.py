@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from .attention import (
-    ATTENTION_NAME,
     AttentionMetadata,
     AttentionServices,
     LayerCall,
@@ -32,7 +31,6 @@ from .attention import (
     UnsupportedModel,
     attend,
     int_tensor,
-    register,
 )
 from .kv_cache import KVCacheShape
 
@@ -173,7 +171,7 @@ class ProbeAttention:
         return attend(heads_first(q), heads_first(k), heads_first(v), mask, scale, call)[0].transpose(0, 1)
 
 
-def _refuse(architecture: str, reason: str) -> UnsupportedModel:
+def refusal(architecture: str, reason: str) -> UnsupportedModel:
     return UnsupportedModel(f"model {architecture!r} cannot run on batchrun: {reason}")
 
 
@@ -182,7 +180,7 @@ def check_config(model) -> ModelLayers:
     cfg = model.config
     arch = cfg.model_type
     if getattr(cfg, "is_encoder_decoder", False):
-        raise _refuse(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
+        raise refusal(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
     layer_types = list(getattr(cfg, "layer_types", None) or [])
     other = {
         t: [i for i, x in enumerate(layer_types) if x == t]
@@ -191,7 +189,7 @@ def check_config(model) -> ModelLayers:
     }
     if other:
         kinds = "; ".join(f"layers {', '.join(map(str, idx))} are `{t}`" for t, idx in other.items())
-        raise _refuse(
+        raise refusal(
             arch,
             f"{kinds}: layers that keep a recurrent, convolution or state-space state per sequence, which "
             "batchrun does not cache (it pages attention's K/V only); such hybrids are refused rather than run "
@@ -199,7 +197,7 @@ def check_config(model) -> ModelLayers:
         )
     stateful = sorted({type(m).__name__ for m in model.modules() if STATEFUL_MODULE.search(type(m).__name__)})
     if stateful:
-        raise _refuse(
+        raise refusal(
             arch,
             f"its modules {', '.join(stateful)} keep a state per sequence between steps, which batchrun does not "
             "cache (it pages attention's K/V only)",
@@ -207,7 +205,7 @@ def check_config(model) -> ModelLayers:
     chunk_size = getattr(cfg, "attention_chunk_size", None)
     chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
     if any(t == "chunked_attention" for t in layer_types) and not chunk_size:
-        raise _refuse(arch, "chunked-attention layers without `attention_chunk_size` in the config")
+        raise refusal(arch, "chunked-attention layers without `attention_chunk_size` in the config")
     fixes: dict[int, QueryScaleFix] = {}
     for m in model.modules():
         if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
@@ -244,14 +242,14 @@ def inspect_model(model) -> ModelAttention:
                 batchrun_attn=meta,
             )
     except UnsupportedModel as e:
-        raise _refuse(arch, str(e)) from None
+        raise refusal(arch, str(e)) from None
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
-        raise _refuse(
+        raise refusal(
             arch, f"its forward fails under batchrun's attention ({type(e).__name__}: {e})"
         ) from None
     calls = probe.calls
     if not calls:
-        raise _refuse(
+        raise refusal(
             arch,
             "its attention does not go through transformers' attention interface (the layers never called "
             "batchrun's attention function)",
@@ -259,19 +257,19 @@ def inspect_model(model) -> ModelAttention:
     expected = num_decoder_layers(model)
     if sorted(calls) != list(range(expected)):
         missing = sorted(set(range(expected)) - set(calls))
-        raise _refuse(
+        raise refusal(
             arch,
             f"layers {', '.join(map(str, missing))} of {expected} never call the attention interface (layers of "
             "another kind, or attention computed by the model's own code)",
         )
     shapes = {c[:4] for c in calls.values()}
     if len(shapes) > 1:
-        raise _refuse(
+        raise refusal(
             arch, f"its layers differ in attention shape (heads, KV heads, K dim, V dim): {sorted(shapes)}"
         )
     ((num_heads, num_kv_heads, head_dim, v_head_dim),) = shapes
     if num_heads % num_kv_heads:
-        raise _refuse(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        raise refusal(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     layer_calls = [calls[i][4] for i in range(expected)]
     return ModelAttention(
         architecture=arch,
@@ -285,43 +283,3 @@ def inspect_model(model) -> ModelAttention:
         softcap=any(c.softcap is not None for c in layer_calls),
         sinks=any(c.sinks is not None for c in layer_calls),
     )
-
-
-def _load_refusal(architecture: str, e: Exception) -> UnsupportedModel:
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if ATTENTION_NAME in str(e) or "attn_implementation" in str(e) or "attention" in text.lower():
-        return _refuse(
-            architecture,
-            f"its attention does not go through transformers' attention interface (loading it with "
-            f"attn_implementation={ATTENTION_NAME!r} failed: {text})",
-        )
-    return _refuse(architecture, f"it does not load with batchrun's attention ({type(e).__name__}: {text})")
-
-
-def load_paged_model(model_dir, dtype: torch.dtype):
-    """A model from a local directory with batchrun's attention; a model class that refuses a custom attention
-    function is UnsupportedModel naming the architecture."""
-    from transformers import AutoModelForCausalLM
-
-    register()
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME
-        )
-    except Exception as e:  # noqa: BLE001
-        if ATTENTION_NAME not in str(e):
-            raise
-        from transformers import AutoConfig
-
-        raise _load_refusal(AutoConfig.from_pretrained(model_dir).model_type, e) from None
-
-
-def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
-    """A random-weight model from a config, with batchrun's attention (the tests' architecture matrix)."""
-    from transformers import AutoModelForCausalLM
-
-    register()
-    try:
-        return AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
-    except Exception as e:  # noqa: BLE001 - the model class refuses a custom attention function
-        raise _load_refusal(config.model_type, e) from None

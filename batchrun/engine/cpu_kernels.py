@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from ..host import cache_dir, cpu_description
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _loaded: dict[str, object] = {}
 
@@ -48,8 +50,6 @@ def load():
 def build_dir() -> Path:
     """Where the extension is built: one folder per kind of CPU (-march=native; a cache folder may be shared
     between machines)."""
-    from ..model_loader import cache_dir
-
     return cache_dir() / "torch_extensions" / f"cpu_kernels-{_cpu_id()}"
 
 
@@ -84,7 +84,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def _cpu_id() -> str:
     import hashlib
     import platform
-
-    from ..model_loader import cpu_description
 
     return hashlib.sha256(f"{platform.machine()}|{cpu_description()}".encode()).hexdigest()[:12]

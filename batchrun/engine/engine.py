@@ -1,4 +1,4 @@
-"""The step loop: schedule, move pages, run the model, sample, finish sequences.
+"""The step loop: schedule, move pages, run the model, then sample and finish sequences (output_processor.py).
 
 `Engine` is the engine's public face: the job runner, the statistics and the Python API add prompts, step,
 read queue sizes and memory snapshots, and check integrity through it; nothing outside `engine/` touches the
@@ -7,7 +7,6 @@ scheduler or the block manager.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +22,10 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
-from .sampler import prompt_logprobs, sample, token_logprobs
+from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .sizing import model_max_len, num_pages_for
-from .structured import Grammars
 from .timing import PhaseTimes
 
 
@@ -88,9 +86,14 @@ class Engine:
             self.attention, self.kv_cache, self.times, self.model_attention.layers, self.kv_groups
         )
         self.runner = ModelRunner(model, services, device, self.times)
-        self.vocab_size = model.config.vocab_size
-        self._grammars: Grammars | None = None  # made on the first structured request
-        self._seq_ids = itertools.count()
+        self.outputs = OutputProcessor(
+            tokenizer,
+            model.config.vocab_size,
+            self.eos_token_ids,
+            self.max_model_len,
+            self.scheduler,
+            self.times,
+        )
 
     # ---- requests -------------------------------------------------------------------------------------------
     def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
@@ -130,7 +133,7 @@ class Engine:
     ) -> Sequence:
         """Queue a prompt; with params.n > 1 the other samples are forked once the prompt is prefilled.
         `seeds[i]` seeds sample i's generator (sampled rows only)."""
-        seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params, request=request)
+        seq = Sequence(next(self.outputs.seq_ids), list(prompt_token_ids), params, request=request)
         if params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs:
@@ -141,14 +144,9 @@ class Engine:
         seq.sibling_seeds = list(seeds) if seeds else [params.seed + i for i in range(params.n)]
         assert len(seq.sibling_seeds) == params.n, "one seed per sample"
         if not params.greedy:
-            seq.generator = self._generator(seq.sibling_seeds[0])
+            seq.generator = self.outputs.generator(seq.sibling_seeds[0])
         self.scheduler.add(seq)
         return seq
-
-    def _generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device="cpu")
-        g.manual_seed(seed)
-        return g
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -170,145 +168,22 @@ class Engine:
                 )
             return result
         logits = self.runner.execute(plan.scheduled)
-        with self.times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
-            # the positions scoring prompt tokens were fixed when the step was planned (ScheduledSequence):
-            # scoring them changes what is left to score
-            if any(s.prompt_logprob_positions for s in plan.scheduled):
-                self._score_prompts(plan, logits)
-            sampling, rows = [], []  # sequences that sample, and the logits row each samples from
-            row = 0
-            for s in plan.scheduled:  # every step, for every sequence: kept lean (bench/speed.py's host work)
-                seq = s.seq
-                num_prompt = seq.num_prompt_tokens
-                if s.start < num_prompt:
-                    result.num_prompt_tokens += min(num_prompt, s.start + s.num_new_tokens) - s.start
-                seq.num_computed_tokens += s.num_new_tokens
-                row += len(s.prompt_logprob_positions)
-                if s.needs_sample_logits:
-                    sampling.append(seq)
-                    rows.append(row)
-                    if seq.num_siblings_to_fork:
-                        for child in self._fork_siblings(seq):
-                            sampling.append(child)
-                            rows.append(row)
-                    row += 1
-                elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
-                    seq.finish_reason = "length"
-                    self.scheduler.finish(seq)
-                    result.finished.append(seq)
-            tokens = self._sample(logits, rows, sampling) if sampling else []
-        with self.times("finish"):
-            for seq, token in zip(sampling, tokens):
-                if seq.grammar is not None:
-                    seq.grammar.accept_token(token)
-                seq.append_token(token)
-                result.num_generated += 1
-                if self._check_finished(seq):
-                    self.scheduler.finish(seq)
-                    result.finished.append(seq)
+        self.outputs.process(plan, logits, result)
         return result
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
-        """One token for each sampling sequence, from its logits row (grammar-masked where it has one); the
-        logprobs rows asked for, from the raw logits."""
-        if rows == list(range(logits.shape[0])):
-            sample_logits = logits  # one row each, in order: no copy (at 256 rows it is 50 MB)
-        else:  # siblings share their parent's row; scoring rows come first
-            sample_logits = logits[torch.tensor(rows, device=logits.device)]
-        grammars = [seq.grammar for seq in sampling]
-        if any(g is not None for g in grammars):
-            masked = sample_logits.clone()  # logprobs come from the raw logits
-            self.grammars.apply(masked, grammars)
-            tokens = sample(masked, sampling)
-        else:
-            tokens = sample(sample_logits, sampling)
-        want = [j for j, seq in enumerate(sampling) if seq.logprobs is not None]
-        if want:
-            entries = token_logprobs(
-                sample_logits[want], [tokens[j] for j in want], [sampling[j].params.logprobs for j in want]
-            )
-            for j, entry in zip(want, entries):
-                sampling[j].logprobs.append(entry)
-        return tokens
-
-    def _score_prompts(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Prompt logprobs of this step's scoring positions. Logits rows come per sequence: its scoring
-        positions, then its sampling position."""
-        rows, targets = [], []
-        row = 0
-        for s in plan.scheduled:
-            positions = s.prompt_logprob_positions
-            rows += range(row, row + len(positions))
-            targets += [s.seq.prompt_token_ids[p + 1] for p in positions]
-            row += len(positions) + s.needs_sample_logits
-        scores = iter(prompt_logprobs(logits[torch.tensor(rows, device=logits.device)], targets))
-        for s in plan.scheduled:
-            if s.prompt_logprob_positions:
-                s.seq.prompt_logprobs += [next(scores) for _ in s.prompt_logprob_positions]
-
-    def _fork_siblings(self, parent: Sequence) -> list[Sequence]:
-        """Parallel sampling: once the prompt is prefilled, the other samples share every page of it."""
-        children = []
-        for i in range(1, parent.num_siblings_to_fork + 1):
-            child = Sequence(
-                next(self._seq_ids),
-                parent.prompt_token_ids,
-                parent.params,
-                request=parent.request,
-                sample_index=i,
-            )
-            child.output_token_ids = list(parent.output_token_ids)
-            if parent.prompt_logprobs is not None:
-                child.prompt_logprobs = list(parent.prompt_logprobs)
-            if parent.logprobs is not None:
-                child.logprobs = list(parent.logprobs)
-            if parent.grammar is not None:
-                child.grammar = self.grammars.matcher(parent.params.response_format, parent.output_token_ids)
-            if not parent.params.greedy:
-                child.generator = self._generator(parent.sibling_seeds[i])
-            self.scheduler.fork(parent, child)
-            children.append(child)
-        parent.num_siblings_to_fork = 0
-        return children
-
-    def _check_finished(self, seq: Sequence) -> bool:
-        params = seq.params
-        token = seq.output_token_ids[-1]
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            seq.finish_reason = "stop"  # the grammar is complete (it accepted the end of sequence)
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "eos"
-        elif params.stop and self._hit_stop_string(seq):
-            seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        window = max(len(s) for s in seq.params.stop) + 8
-        tail = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in seq.params.stop)
-
-    # ---- text ----------------------------------------------------------------------------------------------
+    # ---- text and grammars ---------------------------------------------------------------------------------
     def completion_text(self, seq: Sequence) -> str:
         """The decoded completion; a stop string and what follows it are cut off."""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if seq.finish_reason == "stop":
-            cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=len(text))
-            text = text[:cut]
-        return text
+        return self.outputs.completion_text(seq)
 
     @property
-    def grammars(self) -> Grammars:
-        """The grammar compiler and cache, made on first use (xgrammar loads only for structured jobs)."""
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
+    def grammars(self):
+        """The grammar compiler and cache (structured.Grammars), made on first use."""
+        return self.outputs.grammars
 
     def grammar_times(self) -> tuple[float, float]:
         """Seconds spent compiling grammars and masking logits so far."""
-        g = self._grammars
-        return (g.compile_s, g.mask_s) if g else (0.0, 0.0)
+        return self.outputs.grammar_times()
 
     # ---- the public face: queues, memory, integrity --------------------------------------------------------
     @property

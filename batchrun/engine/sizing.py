@@ -3,31 +3,15 @@ budget fits the memory there is (made before the model loads, so a bad budget is
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..checks import parse_size
 from ..errors import BadInput
+from ..host import available_ram
 from .config import EngineConfig
 from .kv_cache import KVCacheShape
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
-
-
-def available_ram() -> int:
-    """Memory a new allocation can get without swapping (MemAvailable), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 8 << 30
 
 
 def _gib(n: int) -> str:

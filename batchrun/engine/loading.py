@@ -1,0 +1,81 @@
+"""Loading a model with batchrun's paged attention: a model directory (what model_loader.py found or converted)
+or a config with random weights (the tests' architecture matrix, the benchmarks). A model class that will not
+take a custom attention function is refused here, naming its architecture (architecture.py refuses the rest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import BadInput
+from .architecture import UnsupportedModel, refusal
+from .attention import ATTENTION_NAME, register
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
+    """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # batchrun shows its own progress
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = load_paged_model(model_dir, dtype)
+    except BadInput:
+        raise
+    except Exception as e:
+        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
+    model.to(device).eval()
+    return tokenizer, model
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+def _load_refusal(architecture: str, e: Exception) -> UnsupportedModel:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if ATTENTION_NAME in str(e) or "attn_implementation" in str(e) or "attention" in text.lower():
+        return refusal(
+            architecture,
+            f"its attention does not go through transformers' attention interface (loading it with "
+            f"attn_implementation={ATTENTION_NAME!r} failed: {text})",
+        )
+    return refusal(architecture, f"it does not load with batchrun's attention ({type(e).__name__}: {text})")
+
+
+def load_paged_model(model_dir, dtype: torch.dtype):
+    """A model from a local directory with batchrun's attention; a model class that refuses a custom attention
+    function is UnsupportedModel naming the architecture."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME
+        )
+    except Exception as e:  # noqa: BLE001
+        if ATTENTION_NAME not in str(e):
+            raise
+        from transformers import AutoConfig
+
+        raise _load_refusal(AutoConfig.from_pretrained(model_dir).model_type, e) from None
+
+
+def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
+    """A random-weight model from a config, with batchrun's attention (the tests' architecture matrix)."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - the model class refuses a custom attention function
+        raise _load_refusal(config.model_type, e) from None

@@ -1,0 +1,190 @@
+"""What follows the forward: the step's logits become tokens, and tokens become finished sequences.
+
+Per step, for the sequences the plan scheduled: score prompt positions (prompt logprobs), fork the parallel
+samples of a prompt just prefilled (they share its pages), mask logits by grammars, sample, record logprobs,
+append the tokens, and decide who finished (the grammar's end, EOS, a stop string, the length limit). The engine
+calls `process` once per step; `completion_text` turns a finished sequence into its text.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from .sampler import prompt_logprobs, sample, token_logprobs
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence
+from .structured import Grammars
+from .timing import PhaseTimes
+
+
+class OutputProcessor:
+    """The engine's sampling and finishing half (vLLM's name for it): owns the grammars, the sequences' ids and
+    generators; finishes sequences through the scheduler."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        scheduler: Scheduler,
+        times: PhaseTimes,
+    ):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler  # forks the samples of a prefilled prompt, finishes sequences
+        self.times = times
+        self._grammars: Grammars | None = None  # made on the first structured request
+        self.seq_ids = itertools.count()  # every sequence's id, forked samples' too
+
+    def generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed)
+        return g
+
+    def process(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
+        """The step's tokens from its logits, into `result` (engine.StepResult): finished sequences, counts."""
+        times = self.times
+        with times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
+            # the positions scoring prompt tokens were fixed when the step was planned (ScheduledSequence):
+            # scoring them changes what is left to score
+            if any(s.prompt_logprob_positions for s in plan.scheduled):
+                self._score_prompts(plan, logits)
+            sampling, rows = [], []  # sequences that sample, and the logits row each samples from
+            row = 0
+            for s in plan.scheduled:  # every step, for every sequence: kept lean (bench/speed.py's host work)
+                seq = s.seq
+                num_prompt = seq.num_prompt_tokens
+                if s.start < num_prompt:
+                    result.num_prompt_tokens += min(num_prompt, s.start + s.num_new_tokens) - s.start
+                seq.num_computed_tokens += s.num_new_tokens
+                row += len(s.prompt_logprob_positions)
+                if s.needs_sample_logits:
+                    sampling.append(seq)
+                    rows.append(row)
+                    if seq.num_siblings_to_fork:
+                        for child in self._fork_siblings(seq):
+                            sampling.append(child)
+                            rows.append(row)
+                    row += 1
+                elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
+                    seq.finish_reason = "length"
+                    self.scheduler.finish(seq)
+                    result.finished.append(seq)
+            tokens = self._sample(logits, rows, sampling) if sampling else []
+        with times("finish"):
+            for seq, token in zip(sampling, tokens):
+                if seq.grammar is not None:
+                    seq.grammar.accept_token(token)
+                seq.append_token(token)
+                result.num_generated += 1
+                if self._check_finished(seq):
+                    self.scheduler.finish(seq)
+                    result.finished.append(seq)
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
+        """One token for each sampling sequence, from its logits row (grammar-masked where it has one); the
+        logprobs rows asked for, from the raw logits."""
+        if rows == list(range(logits.shape[0])):
+            sample_logits = logits  # one row each, in order: no copy (at 256 rows it is 50 MB)
+        else:  # siblings share their parent's row; scoring rows come first
+            sample_logits = logits[torch.tensor(rows, device=logits.device)]
+        grammars = [seq.grammar for seq in sampling]
+        if any(g is not None for g in grammars):
+            masked = sample_logits.clone()  # logprobs come from the raw logits
+            self.grammars.apply(masked, grammars)
+            tokens = sample(masked, sampling)
+        else:
+            tokens = sample(sample_logits, sampling)
+        want = [j for j, seq in enumerate(sampling) if seq.logprobs is not None]
+        if want:
+            entries = token_logprobs(
+                sample_logits[want], [tokens[j] for j in want], [sampling[j].params.logprobs for j in want]
+            )
+            for j, entry in zip(want, entries):
+                sampling[j].logprobs.append(entry)
+        return tokens
+
+    def _score_prompts(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Prompt logprobs of this step's scoring positions. Logits rows come per sequence: its scoring
+        positions, then its sampling position."""
+        rows, targets = [], []
+        row = 0
+        for s in plan.scheduled:
+            positions = s.prompt_logprob_positions
+            rows += range(row, row + len(positions))
+            targets += [s.seq.prompt_token_ids[p + 1] for p in positions]
+            row += len(positions) + s.needs_sample_logits
+        scores = iter(prompt_logprobs(logits[torch.tensor(rows, device=logits.device)], targets))
+        for s in plan.scheduled:
+            if s.prompt_logprob_positions:
+                s.seq.prompt_logprobs += [next(scores) for _ in s.prompt_logprob_positions]
+
+    def _fork_siblings(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: once the prompt is prefilled, the other samples share every page of it."""
+        children = []
+        for i in range(1, parent.num_siblings_to_fork + 1):
+            child = Sequence(
+                next(self.seq_ids),
+                parent.prompt_token_ids,
+                parent.params,
+                request=parent.request,
+                sample_index=i,
+            )
+            child.output_token_ids = list(parent.output_token_ids)
+            if parent.prompt_logprobs is not None:
+                child.prompt_logprobs = list(parent.prompt_logprobs)
+            if parent.logprobs is not None:
+                child.logprobs = list(parent.logprobs)
+            if parent.grammar is not None:
+                child.grammar = self.grammars.matcher(parent.params.response_format, parent.output_token_ids)
+            if not parent.params.greedy:
+                child.generator = self.generator(parent.sibling_seeds[i])
+            self.scheduler.fork(parent, child)
+            children.append(child)
+        parent.num_siblings_to_fork = 0
+        return children
+
+    def _check_finished(self, seq: Sequence) -> bool:
+        params = seq.params
+        token = seq.output_token_ids[-1]
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            seq.finish_reason = "stop"  # the grammar is complete (it accepted the end of sequence)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "eos"
+        elif params.stop and self._hit_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        window = max(len(s) for s in seq.params.stop) + 8
+        tail = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in seq.params.stop)
+
+    # ---- text ----------------------------------------------------------------------------------------------
+    def completion_text(self, seq: Sequence) -> str:
+        """The decoded completion; a stop string and what follows it are cut off."""
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.finish_reason == "stop":
+            cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=len(text))
+            text = text[:cut]
+        return text
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler and cache, made on first use (xgrammar loads only for structured jobs)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def grammar_times(self) -> tuple[float, float]:
+        """Seconds spent compiling grammars and masking logits so far."""
+        g = self._grammars
+        return (g.compile_s, g.mask_s) if g else (0.0, 0.0)

@@ -1,0 +1,120 @@
+"""The rows a job moves: an input row as read (`InputRow`), the shard that owns it, an output row
+(`OutputRow`, whose typed fields are the output columns: the one list of them), and what every layer asks of a
+row alike: a conversation's checked turns and a sample's generator seed. Sources read rows into these, sinks
+write them out, the worker and the Python API turn them into engine requests."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import pyarrow as pa
+
+from .errors import BadInput
+
+
+@dataclass
+class InputRow:
+    index: int  # position in the whole input
+    id: Any
+    prompt: Any  # a string or a conversation, not yet checked: a bad prompt becomes an error row, not a crash
+    passthrough: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)  # this row's own sampling values (not yet checked)
+    request: dict | None = None  # an OpenAI batch request: custom_id, endpoint (chat | completion), model
+    error: str | None = None  # why the row cannot be served, known from reading it
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """'I/N' -> Shard(I, N); BadInput unless 0 <= I < N."""
+        try:
+            i, n = (int(x) for x in text.split("/"))
+        except ValueError:
+            i, n = 0, 0
+        if not 0 <= i < n:
+            raise BadInput(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. --shard 0/4.")
+        return cls(i, n)
+
+    def owns(self, row_index: int) -> bool:
+        return row_index % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def _column(arrow_type: pa.DataType | None):
+    return field(metadata={"arrow": arrow_type})
+
+
+def _optional_column(arrow_type: pa.DataType):
+    return field(default=None, metadata={"arrow": arrow_type, "optional": True})
+
+
+_TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+LOGPROBS_TYPE = pa.list_(
+    pa.struct(
+        [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))]
+    )
+)
+
+
+@dataclass
+class OutputRow:
+    """One output row (a sample of an input row): its fields with an Arrow type are the output columns, in
+    order (the one list of them); the optional ones are columns only when the job asks for them."""
+
+    id: Any = _column(None)  # the input's id type
+    sample: int = _column(pa.int32())
+    completion: str | None = _column(pa.string())
+    finish_reason: str = _column(pa.string())
+    error: str | None = _column(pa.string())
+    prompt_tokens: int = _column(pa.int32())
+    completion_tokens: int = _column(pa.int32())
+    num_preemptions: int = _column(pa.int32())
+    logprobs: list[dict] | None = _optional_column(LOGPROBS_TYPE)
+    prompt_logprobs: list[float | None] | None = _optional_column(pa.list_(pa.float32()))
+    prompt_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
+    completion_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
+    row: InputRow | None = None  # the input row: passthrough columns, the OpenAI request
+
+
+OUTPUT_COLUMNS = [f.name for f in fields(OutputRow) if "arrow" in f.metadata]
+OPTIONAL_COLUMNS = [f.name for f in fields(OutputRow) if f.metadata.get("optional")]
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_conversation(messages: Any) -> list[dict[str, str]]:
+    """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one."""
+    if not isinstance(messages, list | tuple):
+        raise ValueError(f"conversation is not a list of turns (got {type(messages).__name__})")
+    turns = []
+    for i, turn in enumerate(messages, 1):
+        if not isinstance(turn, dict):
+            raise ValueError(f"conversation turn {i} is not a {{role, content}} mapping")
+        role, content = turn.get("role"), turn.get("content")
+        if role is None:
+            raise ValueError(f"conversation turn {i} has no role")
+        if role not in ROLES:
+            raise ValueError(f"conversation turn {i} has unknown role {role!r} (expected {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise ValueError(f"conversation turn {i} ({role}) has no content (a string)")
+        turns.append({"role": role, "content": content})
+    if not any(t["role"] == "user" for t in turns) or turns[-1]["role"] == "assistant":
+        raise ValueError(
+            "conversation has nothing to answer (no user turn, or it ends with an assistant turn)"
+        )
+    return turns
+
+
+def row_seed(seed: int, row_id: Any, sample: int) -> int:
+    """The generator seed of one sample of one row: its output depends on nothing else."""
+    digest = hashlib.sha256(f"{seed}:{row_id!r}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,189 @@
+"""The engine side of a job: rows in, output rows out, on one LLM.
+
+A row is checked and tokenized (a bad row becomes its error rows at once), queued in the LLM's engine, and its
+n samples come back as output rows. The job drives one `RowWorker` in its own process; with `--replicas N` each
+replica process drives one (`replicas.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from .config import JobSpec, coerce_field
+from .engine import SamplingParams
+from .errors import BadInput
+from .llm import LLM
+from .rows import InputRow, OutputRow, check_conversation, row_seed
+from .stats import StatsCollector
+
+
+@dataclass
+class RowState:
+    row: InputRow
+    prompt_token_ids: list[int]
+    results: list[OutputRow | None]
+
+
+def row_samples(row: InputRow, params: SamplingParams) -> int:
+    """How many output rows an input row has: its own n when it sets a valid one (an error row too)."""
+    n = row.sampling.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else params.n
+
+
+class RowWorker:
+    """Rows in, output rows out, on one LLM: the engine side of a job."""
+
+    def __init__(self, llm: LLM, spec: JobSpec):
+        self.llm = llm
+        self.engine = llm.engine
+        self.spec = spec
+        self.params = spec.sampling
+        self.in_flight: dict[int, RowState] = {}  # input row index -> its samples so far
+        # how many rows to keep queued: enough to fill max_num_seqs after the running ones
+        self.window = max(spec.engine.max_num_seqs, 16)
+
+    @property
+    def wants_rows(self) -> bool:
+        return self.engine.num_waiting < self.window
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def feed(self, row: InputRow) -> list[OutputRow] | None:
+        """Queue a row; returns its error rows at once when it cannot be served."""
+        try:
+            params = self._params(row)
+            ids = self._tokenize(row)
+        except ValueError as e:
+            return self._error_rows(row, str(e), [])
+        reason = self.engine.admission_error(len(ids), params)
+        if reason:
+            return self._error_rows(row, reason, ids)
+        state = RowState(row, ids, [None] * params.n)
+        self.in_flight[row.index] = state
+        seeds = [row_seed(params.seed, row.id, i) for i in range(params.n)]
+        self.engine.add(ids, params, request=state, seeds=seeds)
+        return None
+
+    def step(self, stats: StatsCollector) -> list[list[OutputRow]]:
+        """One engine step; returns the rows whose samples all finished, each as its output rows."""
+        result = self.engine.step()
+        times = self.engine.times
+        with times("stats"):
+            stats.record(result)
+        done = []
+        with times("finish"):
+            for seq in result.finished:
+                rows = self._finish(seq)
+                if rows:
+                    done.append(rows)
+        return done
+
+    def _params(self, row: InputRow) -> SamplingParams:
+        """The job's sampling with the row's own values (sampling_columns, or an OpenAI request's body);
+        ValueError naming the value for one that is not valid."""
+        if not row.sampling:
+            return self.params
+        columns = self.spec.input.sampling_columns
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        values = {}
+        for key, value in row.sampling.items():
+            where = f"body field for {key}" if row.request else f"column {columns.get(key)!r} ({key})"
+            if key == "response_format" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            if (
+                isinstance(value, float)
+                and value.is_integer()
+                and key in ("max_new_tokens", "top_k", "seed", "n")
+            ):
+                value = int(value)  # an integer column with nulls reads as floats
+            if key not in fields:
+                raise ValueError(f"{where}: {key} is not supported")
+            try:
+                values[key] = coerce_field(SamplingParams, key, value, key, where)
+            except BadInput as e:
+                raise ValueError(str(e).rstrip(".")) from None
+        try:
+            return dataclasses.replace(self.params, **values)
+        except ValueError as e:
+            raise ValueError(f"this row's sampling: {e}") from None
+
+    def _tokenize(self, row: InputRow) -> list[int]:
+        """Token ids of the row's prompt; ValueError with the reason for a row that cannot be served.
+        A conversation goes through the chat template (model.system_prompt first when it has no system turn);
+        a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt."""
+        if row.error:
+            raise ValueError(row.error)
+        prompt = row.prompt
+        m = self.spec.model
+        system = [{"role": "system", "content": m.system_prompt}] if m.system_prompt else []
+        if prompt is None:
+            raise ValueError("prompt is null")
+        if isinstance(prompt, list | tuple):
+            messages = check_conversation(prompt)
+            if not any(t["role"] == "system" for t in messages):
+                messages = system + messages
+            return self.llm.render_chat(messages)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt is neither a string nor a conversation (got {type(prompt).__name__})")
+        if not prompt.strip():
+            raise ValueError("prompt is empty")
+        endpoint = row.request.get("endpoint") if row.request else None
+        if endpoint == "completion" or (endpoint is None and not m.chat_template):
+            return self.llm.encode(prompt)
+        return self.llm.render_chat([*system, {"role": "user", "content": prompt}])
+
+    def _error_rows(self, row: InputRow, reason: str, prompt_ids: list[int]) -> list[OutputRow]:
+        return [
+            OutputRow(row.id, i, None, "error", reason, len(prompt_ids), 0, 0, row=row)
+            for i in range(row_samples(row, self.params))
+        ]
+
+    def _finish(self, seq) -> list[OutputRow] | None:
+        state: RowState = seq.request
+        out = self.llm.completion(seq)
+        with_ids = self.spec.output.token_ids
+        state.results[seq.sample_index] = OutputRow(
+            state.row.id,
+            seq.sample_index,
+            out.text,
+            out.finish_reason,
+            None,
+            len(state.prompt_token_ids),
+            len(out.token_ids),
+            out.num_preemptions,
+            logprobs=out.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
+            prompt_token_ids=state.prompt_token_ids if with_ids else None,
+            completion_token_ids=out.token_ids if with_ids else None,
+            row=state.row,
+        )
+        if any(r is None for r in state.results):
+            return None
+        del self.in_flight[state.row.index]
+        return state.results
+
+
+def load_worker(spec: JobSpec) -> tuple[RowWorker, dict]:
+    """The LLM of a job file and its worker; the facts about them for the summary. A job-wide response format
+    that does not compile stops the job here, before any row."""
+    llm = LLM.from_spec(spec.model, spec.engine, spec.source_file)
+    if spec.sampling.structured:
+        try:
+            llm.engine.grammars.compile(spec.sampling.response_format)
+        except ValueError as e:
+            raise BadInput(f"{spec.source_file}: key `sampling.response_format`: {e}.") from None
+    facts = {
+        "job": spec.name,
+        "attention": llm.engine.attention.name,
+        "device": str(llm.device),
+        "dtype": str(llm.dtype).replace("torch.", ""),
+        "model": str(llm.model_dir),
+        "max_num_seqs": spec.engine.max_num_seqs,
+    }
+    return RowWorker(llm, spec), facts

@@ -1,0 +1,112 @@
+"""Imports flow one way: every import of the package (those inside functions and under TYPE_CHECKING too) goes to
+the importer's own layer or one below it, as the README's "How the code is laid out" table has them, and no
+module reaches itself through others (no circles)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "batchrun"
+
+
+def modules() -> dict[str, object]:
+    """Dotted module name (without `batchrun.`; the package itself is `batchrun`) -> its file."""
+    found = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        parts = f.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts) or "batchrun"] = f
+    return found
+
+
+def imports(name: str, path) -> set[str]:
+    """The package's modules that `name` imports (a `from X import y` of a submodule y counts as X.y)."""
+    mods = modules()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package_parts = [] if package in ("", "batchrun") else package.split(".")
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_parts[: len(package_parts) - (node.level - 1)]
+            elif node.module and node.module.split(".")[0] == "batchrun":
+                base = []
+            else:
+                continue
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            if module[:1] == ["batchrun"]:
+                module = module[1:]
+            for alias in node.names:
+                full = ".".join([*module, alias.name])
+                targets.append(full if full in mods else ".".join(module) or "batchrun")
+        elif isinstance(node, ast.Import):
+            targets = [a.name[len("batchrun.") :] for a in node.names if a.name.startswith("batchrun.")]
+        out.update(t for t in targets if t in mods and t != name)
+    return out
+
+
+def layers() -> dict[str, int]:
+    """Module -> its layer's height, from the README's table (`engine.*`: every module of engine/)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## How the code is laid out") :]
+    table = [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header row left out
+    height = {}
+    for level, line in enumerate(table):
+        for name in re.findall(r"`([\w.*]+)`", line.split("|")[2]):
+            height[name] = level
+    return height
+
+
+def layer_of(name: str, height: dict[str, int]) -> int:
+    if name in height:
+        return height[name]
+    assert name.startswith("engine."), f"module {name} is not in the README's layer table"
+    return height["engine.*"]
+
+
+def test_every_module_is_in_the_layer_table():
+    height = layers()
+    for name in modules():
+        layer_of(name, height)  # raises for a module the table leaves out
+
+
+def test_no_import_runs_up_a_layer():
+    height = layers()
+    upward = []
+    for name, path in modules().items():
+        for target in imports(name, path):
+            if layer_of(target, height) > layer_of(name, height):
+                upward.append(f"{name} -> {target}")
+    assert not upward, upward
+
+
+def test_no_import_circles():
+    graph = {name: imports(name, path) for name, path in modules().items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, circles
+
+
+def test_the_walk_sees_imports_inside_functions(tmp_path):
+    """The checks above can fail: an import inside a function, up a layer, is found."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from .job import Job\n    from . import llm\n")
+    assert imports("rows", probe) >= {"job", "llm"}
