@@ -49,7 +49,7 @@ def cpu_has_fast_bf16() -> bool:
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     """`model.dtype` resolved: auto is bf16 where the device runs it fast (CUDA with bf16, else fp16; a CPU with
-    AMX or AVX512-BF16, measured ~1.4-1.7x fp32 there), else fp32."""
+    AMX or AVX512-BF16: faster than fp32 there, bench/RESULTS.md), else fp32."""
     import torch
 
     if requested != "auto":

@@ -11,10 +11,12 @@ writes every finished row and the statistics, and exits with code 3 ("stopped, r
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .config import JobSpec
@@ -23,7 +25,7 @@ from .heartbeat import Heartbeat
 from .lock import ShardLock
 from .model_loader import fingerprint_dtype
 from .replicas import replica_count, run_replicas
-from .rows import OutputRow, Shard
+from .rows import InputRow, OutputRow, Shard
 from .sinks import OutputSink, check_writable, move_legacy_state
 from .sources import open_source
 from .stats import StatsCollector, StatsFile
@@ -83,14 +85,18 @@ class Job:
         self.write_s = 0.0  # seconds handing them to the sink
         self.rows_before = self.sink.done.rows_per_shard.get(str(self.shard), 0)  # ... and by earlier runs
         self._last_postfix = 0.0
+        self._pending: Iterator[InputRow] | None = None  # pending_rows(), made once
 
-    def pending_rows(self):
-        """This shard's rows that do not have all their output rows yet, in input order."""
-        return (
-            r
-            for r in self.source.rows(self.shard, self.limit)
-            if not self.sink.is_done(r.id, row_samples(r, self.params))
-        )
+    def pending_rows(self) -> Iterator[InputRow]:
+        """This shard's rows that do not have all their output rows yet, in input order: one pass over the
+        input, whoever asks (run()'s check for nothing to do, then the run itself)."""
+        if self._pending is None:
+            self._pending = (
+                r
+                for r in self.source.rows(self.shard, self.limit)
+                if not self.sink.is_done(r.id, row_samples(r, self.params))
+            )
+        return self._pending
 
     def input_rows(self) -> int | None:
         """The whole input's rows (every shard's, up to the limit), from metadata when the input can say."""
@@ -114,8 +120,12 @@ class Job:
         """Runs the job; returns the whole job's summary, or None when every row was already done (no model
         loaded)."""
         try:
-            if self.sink.done and next(self.pending_rows(), None) is None:
-                return None
+            if self.sink.done:  # a resume: nothing to do loads no model
+                rows = self.pending_rows()
+                first = next(rows, None)
+                if first is None:
+                    return None
+                self._pending = itertools.chain([first], rows)  # the run goes on from there
             return self._run()
         finally:
             self.lock.release()

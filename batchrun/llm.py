@@ -82,11 +82,12 @@ class LLM:
         self.device = pick_device(engine.device)
         self.dtype = pick_dtype(model.dtype, self.device)
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
+        config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
-            check_memory_budget(engine, model_loader.load_config(self.model_dir), self.dtype, self.device)
+            check_memory_budget(engine, config, self.dtype, self.device)
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
-        self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device)
+        self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device, config)
         if self.device.type == "cpu":
             from .engine import cpu_allocator, cpu_linear
 

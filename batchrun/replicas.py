@@ -27,7 +27,7 @@ from .config import JobSpec
 from .errors import BadInput
 from .rows import InputRow, OutputRow
 from .stats import StatsCollector, StatsFile, combine
-from .worker import load_worker
+from .worker import load_worker, row_window
 
 
 class RowSide(Protocol):
@@ -146,7 +146,7 @@ def run_replicas(job: RowSide, count: int, stats_file: StatsFile) -> tuple[dict,
     spec = job.spec
     devices = replica_devices(count, spec.engine.device)
     threads = max(1, (os.cpu_count() or 1) // count)
-    window = max(spec.engine.max_num_seqs, 16)
+    window = row_window(spec)
     rows_q = ctx.Queue(maxsize=window * count)
     out_q = ctx.Queue()
     stop = ctx.Event()

@@ -13,6 +13,9 @@ import pyarrow as pa
 
 from .errors import BadInput
 
+# the Parquet metadata key of the job's fingerprint (sinks.fingerprint) in part files and statistics files
+FINGERPRINT_KEY = b"batchrun.fingerprint"
+
 
 @dataclass
 class InputRow:

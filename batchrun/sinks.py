@@ -21,9 +21,8 @@ import pyarrow.parquet as pq
 from . import openai_batch
 from .config import JobSpec, to_dict
 from .errors import BadInput
-from .rows import OUTPUT_COLUMNS, OutputRow, Shard
+from .rows import FINGERPRINT_KEY, OUTPUT_COLUMNS, OutputRow, Shard
 
-FINGERPRINT_KEY = b"batchrun.fingerprint"
 JOB_KEY = b"batchrun.job"
 
 # keys added after the first release: left out of the fingerprint while they hold their default, so jobs
@@ -307,8 +306,9 @@ class PartWriter:
 
 class OutputSink:
     """The completions directory of one shard of a job: which rows are done already, and the part writer for
-    the rows that finish. Opening it checks everything a run needs of the directory (writable, no parts of
-    another job, --no-resume without --overwrite on a used directory) before any model loads."""
+    the rows that finish. Opening it checks what a run needs of the directory's parts (none of another job,
+    --no-resume without --overwrite on a used directory) before any model loads; the job has checked that the
+    directory is writable (check_writable) before it took its lock there."""
 
     def __init__(
         self,
@@ -324,7 +324,6 @@ class OutputSink:
         self.dir = spec.output_dir
         self.fingerprint = fingerprint(spec, shard, dtype)
         self.optional = optional_columns(spec)
-        check_writable(self.dir, "output.path", src)
         if overwrite:
             remove_parts(self.dir)
         if not resume and not overwrite and existing_parts(self.dir):

@@ -20,12 +20,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .engine.timing import PHASES, summary_key
+from .rows import FINGERPRINT_KEY
 
 if TYPE_CHECKING:  # `batchrun stats` reads files: it needs neither torch nor the engine
     from .engine import Engine, StepResult
 
 SUMMARY_KEY = b"batchrun.summary"
-FINGERPRINT_KEY = b"batchrun.fingerprint"
 
 COLUMNS = [
     "run",  # 1 for the first run of the job, 2 for its first resume, ...

@@ -25,6 +25,11 @@ class RowState:
     results: list[OutputRow | None]
 
 
+def row_window(spec: JobSpec) -> int:
+    """How many rows to keep queued in an engine: enough to fill max_num_seqs after the running ones."""
+    return max(spec.engine.max_num_seqs, 16)
+
+
 def row_samples(row: InputRow, params: SamplingParams) -> int:
     """How many output rows an input row has: its own n when it sets a valid one (an error row too)."""
     n = row.sampling.get("n")
@@ -40,8 +45,7 @@ class RowWorker:
         self.spec = spec
         self.params = spec.sampling
         self.in_flight: dict[int, RowState] = {}  # input row index -> its samples so far
-        # how many rows to keep queued: enough to fill max_num_seqs after the running ones
-        self.window = max(spec.engine.max_num_seqs, 16)
+        self.window = row_window(spec)
 
     @property
     def wants_rows(self) -> bool:

@@ -15,7 +15,7 @@ Each measurement runs in its own subprocess (so its peak memory is its own), on 
    alternated, twice each.
 
 Usage: python bench/run_bench.py [--quick] [--only throughput,bar,preemption,sharing,logprobs,structured,replicas]
-       [--out bench/last.json]
+       [--out out/bench-last.json]
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def main() -> None:
         "--quick", action="store_true", help="smaller workloads (a smoke run, not for RESULTS.md)"
     )
     ap.add_argument("--only", default="throughput,bar,preemption,sharing,logprobs,structured,replicas")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "last.json"))
+    ap.add_argument("--out", default=str(ROOT / "out" / "bench-last.json"))
     args = ap.parse_args()
     if args.one == "batchrun":
         print(json.dumps(run_batchrun(args)))
@@ -347,6 +347,7 @@ def main() -> None:
         best = {k: max(x["tokens_per_s"] for x in v) for k, v in runs.items()}
         report[key] = {**runs, "ratio": best[b_name] / best[a_name]}
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(format_report(report))
 

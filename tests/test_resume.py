@@ -224,3 +224,25 @@ def test_dtype_auto_resolves_by_the_cpu_and_enters_the_fingerprint(monkeypatch):
     assert host.pick_dtype("auto", cpu) == torch.float32
     assert hash_of(auto) == fingerprint(auto, Shard())  # "auto", as the first release hashed it
     assert len({hash_of(auto), hash_of(bf16), hash_of(fp32)}) == 3
+
+
+def test_a_resume_reads_the_input_once(tmp_path, monkeypatch):
+    """The check for nothing to do and the run share one pass over the input (a resume used to scan it for done
+    rows twice)."""
+    from batchrun.config import load_job
+    from batchrun.job import Job
+    from batchrun.sources import InputSource
+
+    write_prompts(tmp_path / "in.parquet", [f"Say {i}." for i in range(6)])
+    job_file = write_job(
+        tmp_path / "job.yaml",
+        f"name: once\ninput: {{parquet: {tmp_path / 'in.parquet'}, id_column: id}}\n"
+        f"sampling: {{max_new_tokens: 2}}\nengine: {{num_pages: 64}}\noutput: {{path: {tmp_path / 'out'}}}\n",
+    )
+    assert Job(load_job(job_file), limit=3, progress=False).run()["rows"] == 3
+    passes = []
+    rows = InputSource.rows
+    monkeypatch.setattr(InputSource, "rows", lambda self, *a, **k: passes.append(1) or rows(self, *a, **k))
+    summary = Job(load_job(job_file), progress=False).run()
+    assert summary["rows"] == 6 and len(passes) == 1
+    assert len(read_outputs(tmp_path / "out")) == 6

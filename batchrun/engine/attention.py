@@ -40,9 +40,8 @@ _ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
 def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch.device | None = None):
-    """A 1-D integer tensor of Python ints, through an `array.array`'s buffer: 3x faster than `torch.tensor`,
-    which converts one element at a time (15 vs 5 us for 256 ints: bench/host_ops.py), and a step builds
-    several from lists."""
+    """A 1-D integer tensor of Python ints, through an `array.array`'s buffer: faster than `torch.tensor`, which
+    converts one element at a time (bench/host_ops.py), and a step builds several from lists."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     t = torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
@@ -235,7 +234,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """key/value [T, Hkv, Dk|Dv] into the pages [num_pages, P, Hkv, Dk|Dv] at slot_mapping [T]."""
-    if key.shape[0] > 64:  # a prompt's K/V arrive head-major; index_copy_ is 2x faster from a contiguous copy
+    if key.shape[0] > 64:  # a prompt's K/V arrive head-major; index_copy_ is faster from a contiguous copy
         key, value = key.contiguous(), value.contiguous()
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)

@@ -3,7 +3,7 @@
 A stock `nn.Linear` multiplies by its weight in PyTorch's plain row-major layout, and the matrix library
 re-blocks it on every call; at a decode step's few dozen rows that costs more than the product. Reordered once
 into oneDNN's blocked layout (what torch.compile's CPU freezing does to weights), a whole fp32 job ran
-1.35-1.46x faster on the development machine (bench/RESULTS.md, with the command). bf16 results are bit for bit
+faster on the development machine (bench/RESULTS.md, with the command). bf16 results are bit for bit
 those of `nn.Linear`; fp32 ones differ in the order of the sums (~1e-6 relative).
 """
 

@@ -59,7 +59,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """Zeroed pages. On the CPU an anonymous mapping, which the OS zeroes lazily, 4 KiB at a time: the process
     grows only by the pages actually written, and start-up touches nothing. Not in 2 MiB pages (numpy's calloc
     asks for those): each first write into one then zeroes 2 MiB, and on the reference workload the K/V writes
-    took 1.4-1.5 s of a 31 s run instead of 0.35 (bench/RESULTS.md)."""
+    took several times as long (bench/RESULTS.md, 2026-11-30 night)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     size = math.prod(shape) * dtype.itemsize

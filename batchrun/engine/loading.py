@@ -13,15 +13,16 @@ from .architecture import UnsupportedModel, refusal
 from .attention import ATTENTION_NAME, register
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    """Tokenizer and model from a local directory, with batchrun's paged attention as attention function."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None):
+    """Tokenizer and model from a local directory, with batchrun's paged attention as attention function.
+    `config`: the model's config, when the caller has read it already."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # batchrun shows its own progress
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = load_paged_model(model_dir, dtype)
+        model = load_paged_model(model_dir, dtype, config)
     except BadInput:
         raise
     except Exception as e:
@@ -52,22 +53,25 @@ def _load_refusal(architecture: str, e: Exception) -> UnsupportedModel:
     return refusal(architecture, f"it does not load with batchrun's attention ({type(e).__name__}: {text})")
 
 
-def load_paged_model(model_dir, dtype: torch.dtype):
+def load_paged_model(model_dir, dtype: torch.dtype, config=None):
     """A model from a local directory with batchrun's attention; a model class that refuses a custom attention
     function is UnsupportedModel naming the architecture."""
     from transformers import AutoModelForCausalLM
 
     register()
     try:
+        extra = {"config": config} if config is not None else {}
         return AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME
+            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, **extra
         )
     except Exception as e:  # noqa: BLE001
         if ATTENTION_NAME not in str(e):
             raise
-        from transformers import AutoConfig
+        if config is None:
+            from transformers import AutoConfig
 
-        raise _load_refusal(AutoConfig.from_pretrained(model_dir).model_type, e) from None
+            config = AutoConfig.from_pretrained(model_dir)
+        raise _load_refusal(config.model_type, e) from None
 
 
 def paged_model_from_config(config, dtype: torch.dtype = torch.float32):

@@ -1,8 +1,8 @@
 """Structured outputs: a response format compiled into a grammar, one matcher per sequence, and the allowed-token
 mask applied to the logits of exactly the rows that ask, before sampling (greedy included).
 
-The grammar engine is xgrammar (bench/grammar_engines.py measured it against llguidance on this machine: it
-compiled a realistic schema 4.2x faster and filled masks 8x faster per token per row; bench/RESULTS.md). Compiled grammars are
+The grammar engine is xgrammar (measured against llguidance on this machine, bench/RESULTS.md: it
+compiled a realistic schema and filled masks faster). Compiled grammars are
 cached by their canonical text. A sequence's matcher lives on the sequence, so it follows it through swap and
 recompute preemption (the accepted tokens do not change) and each parallel sample gets its own.
 
