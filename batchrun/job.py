@@ -23,6 +23,7 @@ from .config import JobSpec
 from .errors import JobStopped
 from .heartbeat import Heartbeat
 from .lock import ShardLock
+from .loop import drive
 from .model_loader import fingerprint_dtype
 from .replicas import replica_count, run_replicas
 from .rows import InputRow, OutputRow, Shard
@@ -182,35 +183,22 @@ class Job:
 
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
-        worker, facts = load_worker(self.spec)
+        worker = load_worker(self.spec)
         stats_file.start()
-        stats = StatsCollector(worker.engine, extra=facts)
+        stats, engine = worker.stats, worker.engine
         rows = self.pending_rows()
-        more = True
+
+        def after_step() -> None:
+            stats_file.add(stats.take_rows())
+            rate = stats.generated_tokens / max(time.perf_counter() - stats.start, 1e-9)
+            self.tick(
+                f"{rate:.1f} tok/s, running {engine.num_running}, pages {engine.num_used_pages}/{engine.num_pages}",
+                stats_file,
+                stats,
+            )
+
         try:
-            while not self.stop_requested:
-                while more and worker.wants_rows and not self.stop_requested:
-                    row = next(rows, None)
-                    if row is None:
-                        more = False
-                    else:
-                        errors = worker.feed(row)
-                        if errors:
-                            self.emit(errors)
-                if not worker.has_work:
-                    if not more:
-                        break
-                    continue
-                for done in worker.step(stats):
-                    self.emit(done)
-                stats_file.add(stats.take_rows())
-                engine = worker.engine
-                rate = stats.generated_tokens / max(time.perf_counter() - stats.start, 1e-9)
-                self.tick(
-                    f"{rate:.1f} tok/s, running {engine.num_running}, pages {engine.num_used_pages}/{engine.num_pages}",
-                    stats_file,
-                    stats,
-                )
+            drive(worker, lambda block: next(rows, None), self.emit, after_step, lambda: self.stop_requested)
         finally:
             stats_file.add(stats.take_rows(final=True))
         if not self.stop_requested:

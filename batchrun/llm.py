@@ -22,6 +22,7 @@ from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import pick_device, pick_dtype
+from .loop import drive
 from .rows import check_conversation, row_seed
 
 Conversation = list[dict[str, str]]
@@ -167,25 +168,11 @@ class LLM:
         outputs = [
             RequestOutput(i, prompt, token_ids) for i, (prompt, token_ids) in enumerate(zip(prompts, ids))
         ]
-        samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params]
+        worker = _PromptWorker(self, outputs, params)
+        items = iter(enumerate(params))
         bar = tqdm(total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun")
         try:
-            for i, (token_ids, p) in enumerate(zip(ids, params)):
-                reason = engine.admission_error(len(token_ids), p)
-                if reason:  # that prompt's error; its batch-mates run
-                    outputs[i].error = f"prompt {i}: {reason}"
-                    outputs[i].outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]
-                    bar.update(1)
-                    continue
-                engine.add(token_ids, p, request=i, seeds=[row_seed(p.seed, i, s) for s in range(p.n)])
-            while engine.has_unfinished():
-                for seq in engine.step().finished:
-                    row = samples[seq.request]
-                    row[seq.sample_index] = self.completion(seq)
-                    if all(c is not None for c in row):
-                        outputs[seq.request].outputs = list(row)
-                        outputs[seq.request].prompt_logprobs = seq.prompt_logprobs
-                        bar.update(1)
+            drive(worker, lambda block: next(items, None), lambda output: bar.update(1))
         finally:
             bar.close()
             engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
@@ -220,6 +207,48 @@ class LLM:
                 for t, lp in zip(top_ids, top_logprobs)
             ],
         }
+
+
+class _PromptWorker:
+    """The Python API's worker for the one loop (loop.drive): a prompt's (index, SamplingParams) in, its finished
+    RequestOutput out. Every prompt is queued at once (the engine schedules them); one that can never run is
+    answered at once with its error, and its batch-mates run."""
+
+    wants_rows = True
+
+    def __init__(self, llm: LLM, outputs: list[RequestOutput], params: list[SamplingParams]):
+        self.llm = llm
+        self.engine = llm.engine
+        self.outputs = outputs
+        self.samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params]
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def feed(self, item: tuple[int, SamplingParams]) -> RequestOutput | None:
+        i, p = item
+        output = self.outputs[i]
+        reason = self.engine.admission_error(len(output.prompt_token_ids), p)
+        if reason:
+            output.error = f"prompt {i}: {reason}"
+            output.outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]
+            return output
+        seeds = [row_seed(p.seed, i, s) for s in range(p.n)]
+        self.engine.add(output.prompt_token_ids, p, request=i, seeds=seeds)
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        done = []
+        for seq in self.engine.step().finished:
+            row = self.samples[seq.request]
+            row[seq.sample_index] = self.llm.completion(seq)
+            if all(c is not None for c in row):
+                output = self.outputs[seq.request]
+                output.outputs = list(row)
+                output.prompt_logprobs = seq.prompt_logprobs
+                done.append(output)
+        return done
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

@@ -25,8 +25,9 @@ from typing import Protocol
 
 from .config import JobSpec
 from .errors import BadInput
+from .loop import NOT_YET, drive
 from .rows import InputRow, OutputRow
-from .stats import StatsCollector, StatsFile, combine
+from .stats import StatsFile, combine
 from .worker import load_worker, row_window
 
 
@@ -103,35 +104,36 @@ def _replica_main(r: int, spec, device: str, threads: int, rows_q, out_q, stop, 
         if device == "cpu":
             torch.set_num_threads(threads)
         spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device=device))
-        worker, facts = load_worker(spec)
+        worker = load_worker(spec, replica=r)
         # a replica keeps few rows waiting, so rows spread over the replicas as each can take them
         worker.window = min(worker.window, PREFETCH)
-        stats = StatsCollector(worker.engine, extra=facts, replica=r)
+        stats = worker.stats
         out_q.put(("ready", r, None))
-        exhausted = False
+        finished: list = []  # each input row's output rows, sent back together after a step
         last_report = time.monotonic()
-        while not stop.is_set():
-            while not exhausted and worker.wants_rows:
-                try:
-                    row = rows_q.get(block=not worker.has_work, timeout=0.2)
-                except queue.Empty:
-                    break
-                if row is None:
-                    exhausted = True
-                    break
-                errors = worker.feed(row)
-                if errors:
-                    out_q.put(("rows", r, [errors]))
-            if not worker.has_work:
-                if exhausted:
-                    break
-                continue
-            done = worker.step(stats)
-            if done:
-                out_q.put(("rows", r, done))
+
+        def next_row(block: bool):
+            try:
+                return rows_q.get(block=block, timeout=0.2)
+            except queue.Empty:
+                return NOT_YET
+
+        def send() -> None:
+            nonlocal last_report
+            if finished:
+                out_q.put(("rows", r, list(finished)))
+                finished.clear()
             if time.monotonic() - last_report >= REPORT_EVERY_S:
                 last_report = time.monotonic()
                 out_q.put(("stats", r, (stats.take_rows(), stats.summary())))
+
+        def emit(rows) -> None:
+            finished.append(rows)
+            if not worker.has_work:  # error rows of an idle engine: no step will send them soon
+                send()
+
+        drive(worker, next_row, emit, send, stop.is_set)
+        send()
         out_q.put(("done", r, (stats.take_rows(final=True), stats.summary())))
     except BaseException as e:  # noqa: BLE001 - reported to the job, which names the replica
         out_q.put(("failed", r, f"{type(e).__name__}: {e}"))

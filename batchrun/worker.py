@@ -39,8 +39,9 @@ def row_samples(row: InputRow, params: SamplingParams) -> int:
 class RowWorker:
     """Rows in, output rows out, on one LLM: the engine side of a job."""
 
-    def __init__(self, llm: LLM, spec: JobSpec):
+    def __init__(self, llm: LLM, spec: JobSpec, stats: StatsCollector):
         self.llm = llm
+        self.stats = stats  # this engine's statistics: every step is recorded
         self.engine = llm.engine
         self.spec = spec
         self.params = spec.sampling
@@ -71,12 +72,12 @@ class RowWorker:
         self.engine.add(ids, params, request=state, seeds=seeds)
         return None
 
-    def step(self, stats: StatsCollector) -> list[list[OutputRow]]:
+    def step(self) -> list[list[OutputRow]]:
         """One engine step; returns the rows whose samples all finished, each as its output rows."""
         result = self.engine.step()
         times = self.engine.times
         with times("stats"):
-            stats.record(result)
+            self.stats.record(result)
         done = []
         with times("finish"):
             for seq in result.finished:
@@ -173,9 +174,9 @@ class RowWorker:
         return state.results
 
 
-def load_worker(spec: JobSpec) -> tuple[RowWorker, dict]:
-    """The LLM of a job file and its worker; the facts about them for the summary. A job-wide response format
-    that does not compile stops the job here, before any row."""
+def load_worker(spec: JobSpec, replica: int = 0) -> RowWorker:
+    """The LLM of a job file and its worker, whose statistics carry the facts about them for the summary. A
+    job-wide response format that does not compile stops the job here, before any row."""
     llm = LLM.from_spec(spec.model, spec.engine, spec.source_file)
     if spec.sampling.structured:
         try:
@@ -190,4 +191,4 @@ def load_worker(spec: JobSpec) -> tuple[RowWorker, dict]:
         "model": str(llm.model_dir),
         "max_num_seqs": spec.engine.max_num_seqs,
     }
-    return RowWorker(llm, spec), facts
+    return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica))
