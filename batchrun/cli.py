@@ -244,6 +244,12 @@ def simulate(
         sizes = [int(x) for x in page_sizes.split(",")]
     except ValueError:
         raise BadInput(f"--page-sizes {page_sizes!r}: expected integers separated by commas.") from None
+    bad = [p for p in sizes if p < 1 or p & (p - 1)]
+    if bad:
+        raise BadInput(
+            f"--page-sizes {page_sizes!r}: {bad[0]} is not a page size; pages hold a power of two tokens "
+            "(1, 2, 4, ...)."
+        )
     results = run_all(workload, budget, max_new_tokens, sizes, shared_prefix)
     if as_json:
         click.echo(json.dumps([r._asdict() for r in results], indent=2))

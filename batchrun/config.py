@@ -261,8 +261,12 @@ def apply_override(raw: dict, assignment: str, src: str = "--set") -> None:
     path, text = assignment.split("=", 1)
     try:
         value = yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        value = text
+    except yaml.YAMLError as e:  # never a silent string: `[a, b` is a list with a typo, not text
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise BadInput(
+            f"{src} {assignment!r}: the value is not valid YAML ({problem}); quote it to pass a string, "
+            f"e.g. {path}='\"{text}\"'."
+        ) from None
     set_key(raw, path, value)
 
 

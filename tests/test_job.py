@@ -236,6 +236,15 @@ def test_set_overrides_any_key_and_is_validated(tmp_path):
     assert r.returncode == 2 and "sampling.top_p" in r.stderr
 
 
+def test_set_with_malformed_yaml_is_exit_2_not_a_string():
+    """issue 24, item 14: `[a, b` used to become the string '[a, b'."""
+    r = run_cli("validate", str(ROOT / "jobs" / "demo.yaml"), "--set", "sampling.stop=[a, b")
+    assert r.returncode == 2 and "sampling.stop" in r.stderr and "not valid YAML" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    spec = load_job(ROOT / "jobs" / "demo.yaml", ["sampling.stop=[a, b]", "model.system_prompt='[x'"])
+    assert list(spec.sampling.stop) == ["a", "b"] and spec.model.system_prompt == "[x"
+
+
 def test_kv_cache_too_small_for_one_page_is_exit_2(tmp_path):
     write_prompts(tmp_path / "in.parquet", PROMPTS[:1], extra={"category": ["a"]})
     job = write_job(

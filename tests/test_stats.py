@@ -140,6 +140,14 @@ def test_paged_simulation_by_hand():
     assert res.external == 0
 
 
+@pytest.mark.parametrize("sizes", ["0,16", "3", "16,-8"])
+def test_simulate_refuses_page_sizes_that_are_not_powers_of_two(sizes):
+    """issue 24, item 13: 0 was a ZeroDivisionError (exit 1) and 3 was accepted."""
+    r = run_cli("simulate", "--page-sizes", sizes, "--requests", "5")
+    assert r.returncode == 2 and "--page-sizes" in r.stderr and "power of two" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_simulate_readme_example():
     r = run_cli(
         "simulate",
