@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+import types
+import typing
+from typing import Any, Union
 
 _SIZE_UNITS = {
     "": 1,
@@ -101,9 +103,97 @@ def field_error(f: dataclasses.Field, value: Any) -> str | None:
 
 
 def check_fields(obj: Any) -> None:
-    """Run every field's check on a dataclass instance; ValueError naming the first field that fails."""
+    """Type-check every field of a (frozen or not) dataclass instance against its annotation, as the job file's
+    parser does (an int where a float is wanted becomes a float, a list where a tuple is wanted a tuple), then
+    run every field's check; ValueError naming the first field that fails."""
+    name = type(obj).__name__
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        expected = field_error(f, value)
+        try:
+            coerced = coerce(value, hints[f.name], f.name)
+        except TypeMismatch as e:
+            raise ValueError(f"{name}.{e.key} must be {e.expected}, got {e.value!r}") from None
+        if coerced is not value:
+            object.__setattr__(obj, f.name, coerced)
+        expected = field_error(f, coerced)
         if expected:
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be {expected}, got {value!r}")
+            raise ValueError(f"{name}.{f.name} must be {expected}, got {coerced!r}")
+
+
+class TypeMismatch(ValueError):
+    """A value that is not of its field's type: the key (`a.b[2]`), what was expected, the value."""
+
+    def __init__(self, key: str, expected: str, value: Any):
+        super().__init__(f"{key} must be {expected}, got {value!r}")
+        self.key, self.expected, self.value = key, expected, value
+
+
+def type_name(tp: Any) -> str:
+    """How an annotation reads in an error: "an integer", "a list of strings", "a number or null"."""
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return f"a list of {type_name(typing.get_args(tp)[0])}s"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def coerce(value: Any, tp: Any, key: str, build=None) -> Any:
+    """`value` checked against the annotation `tp` and returned (an int as a float where a number is wanted, a
+    list as the tuple an annotation asks for, a single string as a one-item list of strings); `build(cls, raw,
+    key)` makes a nested dataclass (the job file's sections). Raises TypeMismatch naming the key."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return coerce(value, a, key, build)
+            except TypeMismatch:
+                continue
+        raise TypeMismatch(key, type_name(tp), value)
+    if dataclasses.is_dataclass(tp):
+        if build is None:
+            if not isinstance(value, tp):
+                raise TypeMismatch(key, type_name(tp), value)
+            return value
+        return build(tp, value, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeMismatch(key, type_name(tp), value)
+        k_tp, v_tp = typing.get_args(tp)
+        return {
+            coerce(k, k_tp, key, build): (v if v_tp is Any else coerce(v, v_tp, f"{key}.{k}", build))
+            for k, v in value.items()
+        }
+    if origin in (list, tuple):
+        elem = typing.get_args(tp)[0]
+        if isinstance(value, str) and elem is str:
+            value = [value]  # a single stop string / passthrough column is accepted as a one-item list
+        if not isinstance(value, list | tuple):
+            raise TypeMismatch(key, type_name(tp), value)
+        items = [coerce(v, elem, f"{key}[{i}]", build) for i, v in enumerate(value)]
+        return value if list(value) == items and isinstance(value, origin) else origin(items)
+    check = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }.get(tp)
+    if check is None:
+        return value
+    if not check(value):
+        raise TypeMismatch(key, type_name(tp), value)
+    return float(value) if tp is float and not isinstance(value, float) else value

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +17,16 @@ from typing import Any, Union
 
 import yaml
 
-from .checks import FieldError, at_least, check_fields, field_error, one_of, parse_size
+from .checks import (
+    FieldError,
+    TypeMismatch,
+    at_least,
+    check_fields,
+    coerce,
+    field_error,
+    one_of,
+    parse_size,
+)
 from .engine.config import EngineConfig, SamplingParams
 from .errors import BadInput
 
@@ -144,62 +152,13 @@ class JobSpec:
 # Parsing
 
 
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (list, tuple):
-        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
-    if origin is dict:
-        return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
-
-
 def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
-    """Check `value` against the annotation `tp`; returns the value (dataclasses built). Raises BadInput."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key, src)
-            except BadInput:
-                continue
-        raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key, src)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
-        k_tp, v_tp = typing.get_args(tp)
-        return {
-            _coerce(k, k_tp, key, src): (v if v_tp is Any else _coerce(v, v_tp, f"{key}.{k}", src))
-            for k, v in value.items()
-        }
-    if origin in (list, tuple):
-        elem = typing.get_args(tp)[0]
-        if isinstance(value, str) and elem is str:
-            value = [value]  # a single stop string / passthrough column is accepted as a one-item list
-        if not isinstance(value, list | tuple):
-            raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
-        return origin(_coerce(v, elem, f"{key}[{i}]", src) for i, v in enumerate(value))
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }[tp](value)
-    if not ok:
-        raise BadInput(f"{src}: key `{key}` must be {_type_name(tp)}, got {value!r}.")
-    return float(value) if tp is float else value
+    """Check `value` against the annotation `tp` (checks.coerce); returns the value, dataclasses built. Raises
+    BadInput naming the key."""
+    try:
+        return coerce(value, tp, key, lambda cls, raw, prefix: _build(cls, raw, prefix, src))
+    except TypeMismatch as e:
+        raise BadInput(f"{src}: key `{e.key}` must be {e.expected}, got {e.value!r}.") from None
 
 
 def _build(cls: type, raw: Any, prefix: str, src: str) -> Any:

@@ -146,6 +146,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of {role, content}) through the chat template; outputs in input order."""
+        if isinstance(conversations, dict):
+            raise ValueError(
+                "conversations: one turn {role, content} was given; a conversation is a list of turns: "
+                "llm.chat([turn, ...]), or a list of conversations"
+            )
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         ids = [self.encode_chat(c) for c in conversations]

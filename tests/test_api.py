@@ -93,6 +93,20 @@ def test_n_samples_and_per_prompt_params(llm, model_dir):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def test_sampling_params_check_types_as_the_job_file_does(llm):
+    """issue 24, item 9: these were a TypeError, an accepted 1.5, and a KeyError: 0."""
+    with pytest.raises(ValueError, match="SamplingParams.temperature must be a number"):
+        SamplingParams(temperature="hot")
+    with pytest.raises(ValueError, match="SamplingParams.max_new_tokens must be an integer"):
+        SamplingParams(max_new_tokens=1.5)
+    with pytest.raises(ValueError, match=r"SamplingParams.stop\[1\] must be a string"):
+        SamplingParams(stop=["a", 2])
+    assert SamplingParams(stop=None).stop == () and SamplingParams(stop="x").stop == ("x",)
+    assert isinstance(SamplingParams(temperature=1).temperature, float)
+    with pytest.raises(ValueError, match="conversations: one turn"):
+        llm.chat({"role": "user", "content": "Hi"}, use_tqdm=False)
+
+
 def test_api_mistakes_are_clear(llm):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

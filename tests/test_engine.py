@@ -45,3 +45,20 @@ def test_no_step_uses_more_pages_than_exist(tok_model, chat_prompts):
         assert snap.logical_pages >= snap.pages_used
 
     run_engine(engine, chat_prompts[:10], SamplingParams(max_new_tokens=20), on_step=check)
+
+
+def test_a_character_cut_by_the_length_limit_is_dropped(tok_model):
+    """issue 24, item 7: a completion cut at max_new_tokens in the middle of a multi-byte character ended in
+    U+FFFD; the text drops the incomplete character, the token ids keep its bytes."""
+    from batchrun.engine import Sequence
+
+    tok, _ = tok_model
+    engine = make_engine(tok_model, num_pages=16)
+    ids = tok.encode("日本語", add_special_tokens=False)
+    assert tok.decode(ids[:-1]).endswith("\ufffd"), "the case needs a character split over tokens"
+    seq = Sequence(0, [1], SamplingParams(max_new_tokens=len(ids) - 1))
+    seq.output_token_ids = ids[:-1]
+    seq.finish_reason = "length"
+    assert engine.completion_text(seq) == "日本"
+    seq.output_token_ids = ids
+    assert engine.completion_text(seq) == "日本語"

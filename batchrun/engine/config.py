@@ -99,11 +99,11 @@ class SamplingParams:
     response_format: dict[str, Any] | None = field(default=None, metadata={"check": check_response_format})
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        check_fields(self)
+        if self.stop is None:  # as vLLM's SamplingParams takes it: no stop strings
+            object.__setattr__(self, "stop", ())
+        check_fields(
+            self
+        )  # types as the job file's parser checks them (a string or a list: a tuple), then values
         if self.max_new_tokens == 0 and not (self.prompt_logprobs and self.n == 1):
             raise FieldError(
                 "max_new_tokens", "0 makes a scoring job: it needs prompt_logprobs: true and n: 1"

@@ -170,9 +170,12 @@ class OutputProcessor:
 
     # ---- text ----------------------------------------------------------------------------------------------
     def completion_text(self, seq: Sequence) -> str:
-        """The decoded completion; a stop string and what follows it are cut off."""
+        """The decoded completion; a stop string and what follows it are cut off, and so is a character the
+        length limit cut in half (its first bytes decode as U+FFFD; token_ids keep them)."""
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if seq.finish_reason == "stop":
+        if seq.finish_reason == "length":
+            text = text.rstrip("\ufffd")
+        elif seq.finish_reason == "stop":
             cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=len(text))
             text = text[:cut]
         return text

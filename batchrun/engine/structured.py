@@ -8,7 +8,8 @@ recompute preemption (the accepted tokens do not change) and each parallel sampl
 
 Formats (OpenAI's shapes plus three): {type: text} | {type: json_object} | {type: json_schema, json_schema:
 {name, schema, strict}} | {type: regex, regex} | {type: choice, choices: [...]} | {type: grammar, grammar: EBNF}.
-JSON is compact (no free whitespace), so a small model cannot wander off into blank lines.
+JSON is compact (no free whitespace, `,` and `:` as separators), so a small model cannot wander off into blank
+lines.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+COMPACT = (",", ":")  # JSON's separators, without the spaces xgrammar puts after them by default
 
 
 class Grammars:
@@ -58,11 +61,13 @@ class Grammars:
         kind = rf["type"]
         c = self.compiler
         if kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
         if kind == "json_schema":
             spec = rf["json_schema"]
             strict = bool(spec.get("strict", False))
-            return c.compile_json_schema(json.dumps(spec["schema"]), any_whitespace=False, strict_mode=strict)
+            return c.compile_json_schema(
+                json.dumps(spec["schema"]), any_whitespace=False, separators=COMPACT, strict_mode=strict
+            )
         if kind == "regex":
             return c.compile_regex(rf["regex"])
         if kind == "choice":
