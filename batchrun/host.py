@@ -42,6 +42,19 @@ def cpu_description() -> str:
     return f"{model}\n{flags}"
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo says none)."""
+    flags_line = cpu_description().partition("\n")[2]
+    return set(flags_line.partition(":")[2].split())
+
+
+def cpu_packs_bf16() -> bool:
+    """Whether oneDNN can reorder bf16 weights into its blocked layout here: it needs AVX-512 (BW, VL and DQ) or
+    AVX-NE-CONVERT, and raises elsewhere (an AMD EPYC with AVX2 only)."""
+    flags = cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16)."""
     return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", cpu_description()))

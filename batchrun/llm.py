@@ -83,6 +83,7 @@ class LLM:
         self.device = pick_device(engine.device)
         self.dtype = pick_dtype(model.dtype, self.device)
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
+        self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, config, self.dtype, self.device)
@@ -93,8 +94,9 @@ class LLM:
             from .engine import cpu_allocator, cpu_linear
 
             cpu_allocator.keep_freed_blocks()
+            # weights packed for oneDNN where this CPU can (the summary's packed_weights says which)
             if engine.pack_weights and cpu_linear.available(self.dtype):
-                cpu_linear.pack_linear_layers(hf_model)
+                self.packed_weights = cpu_linear.pack_linear_layers(hf_model) > 0
         self._token_texts: dict[int, str] = {}
         try:
             self.engine = Engine(

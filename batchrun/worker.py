@@ -190,5 +190,6 @@ def load_worker(spec: JobSpec, replica: int = 0) -> RowWorker:
         "dtype": str(llm.dtype).replace("torch.", ""),
         "model": str(llm.model_dir),
         "max_num_seqs": spec.engine.max_num_seqs,
+        "packed_weights": llm.packed_weights,
     }
     return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica))

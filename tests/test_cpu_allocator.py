@@ -86,3 +86,34 @@ def test_the_kv_pool_grows_by_the_pages_written():
     assert mapped.get("AnonHugePages", 0) == 0, mapped
     assert mapped["Rss"] <= 64, mapped
     assert k_pool.sum().item() == 16 * 2 * 64 and v_pool.sum().item() == 0  # zeros but the page written
+
+
+@pytest.mark.parametrize(
+    "flags, bf16",
+    [
+        ("fpu sse2 avx avx2 fma", False),  # an AMD EPYC with AVX2 only: oneDNN's bf16 reorder raised there
+        ("avx2 avx512f avx512bw avx512vl avx512dq", True),
+        ("avx2 avx_ne_convert", True),
+        ("avx2 avx512f avx512bw", False),
+    ],
+)
+def test_bf16_weights_are_packed_only_where_the_cpu_can(monkeypatch, flags, bf16):
+    """issue 24, item 6: `dtype: bfloat16` on an AVX2-only CPU crashed in the weight packing; the capability
+    check decides, forced here since the test machine's CPU varies."""
+    from batchrun import host
+    from batchrun.engine import cpu_linear
+
+    monkeypatch.setattr(host, "cpu_description", lambda: f"model name\t: test CPU\nflags\t\t: {flags}")
+    assert cpu_linear.available(torch.bfloat16) is bf16
+    assert cpu_linear.available(torch.float32) is torch.backends.mkldnn.is_available()
+
+
+def test_an_llm_on_a_cpu_without_bf16_packing_runs_bf16_unpacked(monkeypatch):
+    from batchrun import LLM, SamplingParams, host
+
+    monkeypatch.setattr(host, "cpu_description", lambda: "model name\t: test CPU\nflags\t\t: avx2 fma")
+    llm = LLM(device="cpu", dtype="bfloat16", num_pages=64)
+    assert not llm.packed_weights
+    assert not any(type(m).__name__ == "PackedLinear" for m in llm.engine.runner.model.modules())
+    out = llm.generate(["Hello"], SamplingParams(max_new_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import host
+
 BATCH_HINT = 64  # rows the blocked layout is chosen for: a decode step's order of magnitude
 
 
@@ -32,7 +34,11 @@ class PackedLinear(torch.nn.Module):
 
 
 def available(dtype: torch.dtype) -> bool:
-    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+    """Whether weights of `dtype` can be packed on this CPU: fp32 wherever oneDNN runs, bf16 only where its
+    reorder has the instructions it needs (host.cpu_packs_bf16); elsewhere the layers stay `nn.Linear`."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return dtype == torch.float32 or host.cpu_packs_bf16()
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
