@@ -88,6 +88,21 @@ def format_summary(s: dict) -> str:
             f"(paging ran up to {s['peak_running']})",
         ),
     ]
+    if s.get("window_freed_peak"):
+        lines.append(
+            (
+                "pages behind a window",
+                f"given back: peak {s['window_freed_peak']}, mean {s.get('window_freed_mean', 0):.1f}",
+            )
+        )
+    if s.get("structured_rows"):
+        lines.append(
+            (
+                "structured outputs",
+                f"{s['structured_complete']} of {s['structured_rows']} rows completed their grammar; compiling "
+                f"{s.get('grammar_compile_s', 0):.2f} s, masking {s.get('grammar_mask_s', 0):.2f} s",
+            )
+        )
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
 

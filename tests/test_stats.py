@@ -223,3 +223,16 @@ def test_step_time_breakdown_agrees_with_independent_clocks(tok_model, chat_prom
     assert 0 < times["attention"] < clocks["attention"] <= times["forward"]
     engine_phases = sum(times[p] for p in ("schedule", "prepare", "forward", "sample", "finish"))
     assert 0.9 * wall < engine_phases <= wall
+
+
+def test_the_printed_summary_names_window_pages_and_structured_rows_when_there_are_some():
+    from batchrun.report import format_summary
+    from batchrun.stats import SUMMARY_KEYS
+
+    s = dict.fromkeys(SUMMARY_KEYS, 0)
+    s.update(page_size=16, wall_s=1.0)
+    plain = format_summary(s)
+    assert "window" not in plain and "structured" not in plain
+    s.update(window_freed_peak=40, window_freed_mean=12.5, structured_rows=3, structured_complete=2)
+    text = format_summary(s)
+    assert "given back: peak 40, mean 12.5" in text and "2 of 3 rows completed their grammar" in text

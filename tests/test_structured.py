@@ -179,6 +179,8 @@ output: {{path: {tmp_path / "out"}}}
     assert out[(4, 0)]["finish_reason"] == "error" and "does not compile" in out[(4, 0)]["error"]
     summary = json.loads(run_cli("stats", str(tmp_path / "out"), "--json").stdout)
     assert summary["structured_rows"] == 2 and summary["structured_complete"] == 2
+    printed = run_cli("stats", str(tmp_path / "out")).stdout  # issue 24, item 12: the printed summary says so
+    assert "structured outputs" in printed and "2 of 2 rows completed their grammar" in printed, printed
     # a job-wide format that does not compile: exit 2 naming the key
     bad = job.read_text().replace(
         "sampling: {max_new_tokens: 48}", "sampling: {response_format: {type: regex, regex: '('}}"
