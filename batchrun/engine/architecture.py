@@ -115,12 +115,6 @@ class ModelAttention:
     head_dim: int
     v_head_dim: int
     layer_kinds: tuple[MaskKind, ...]  # per layer
-    softcap: bool  # some layer soft-caps its scores
-    sinks: bool  # some layer has attention sinks
-
-    @property
-    def kinds(self) -> frozenset[MaskKind]:
-        return frozenset(self.layer_kinds)
 
     @property
     def groups(self) -> KVGroups:
@@ -131,25 +125,6 @@ class ModelAttention:
         v_dim = self.v_head_dim if self.v_head_dim != self.head_dim else None
         layers = self.groups.layers_per_group
         return KVCacheShape(layers, self.num_kv_heads, self.head_dim, page_size, dtype, v_dim)
-
-    def describe(self) -> str:
-        """One line for logs and the README's table: the features in use."""
-        features = []
-        windows = sorted({k.window for k in self.kinds if k.window})
-        chunks = sorted({k.chunk for k in self.kinds if k.chunk})
-        if windows:
-            features.append("sliding window " + "/".join(map(str, windows)))
-        if chunks:
-            features.append("chunked " + "/".join(map(str, chunks)))
-        if self.softcap:
-            features.append("soft-capping")
-        if self.sinks:
-            features.append("sinks")
-        if self.v_head_dim != self.head_dim:
-            features.append(f"K/V head dims {self.head_dim}/{self.v_head_dim}")
-        if any(self.layers.scale_fixes):
-            features.append("query temperature by position")
-        return ", ".join(features) or "full attention"
 
 
 class ProbeAttention:
@@ -280,6 +255,4 @@ def inspect_model(model) -> ModelAttention:
         head_dim=head_dim,
         v_head_dim=v_head_dim,
         layer_kinds=tuple(c.kind for c in layer_calls),
-        softcap=any(c.softcap is not None for c in layer_calls),
-        sinks=any(c.sinks is not None for c in layer_calls),
     )

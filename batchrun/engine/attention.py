@@ -170,8 +170,8 @@ def split_step(layout: StepLayout, kind: MaskKind, page_size: int, device: torch
             query_pos = torch.arange(c - q, c, device=device)
             if c > q:  # earlier tokens are in the cache: read them through the block table
                 num_blocks = cdiv(c, page_size)
-                # a page behind the window (NULL) is masked: any real page stands in for it
-                pages = torch.tensor([max(p, 0) for p in layout.block_tables[i][:num_blocks]], device=device)
+                # a page behind the window (NULL) is masked: page 0 stands in for it
+                pages = torch.tensor(layout.block_tables[i][:num_blocks], device=device).clamp_(min=0)
                 mask = kind.visible(query_pos, torch.arange(num_blocks * page_size, device=device))[
                     None, None
                 ]
@@ -210,8 +210,6 @@ def _decode_batch(
 ) -> DecodeBatch:
     num_blocks = max(cdiv(context_lens[i], page_size) for _, i in rows)
     tables = [block_tables[i][:num_blocks] for _, i in rows]
-    if not kind.is_full:  # pages behind the window (NULL) are masked: page 0 stands in for them
-        tables = [[max(p, 0) for p in t] for t in tables]
     ctx = int_tensor([context_lens[i] for _, i in rows], device=device)
     key_pos = torch.arange(num_blocks * page_size, device=device)
     mask = key_pos[None, :] < ctx[:, None]
@@ -220,7 +218,8 @@ def _decode_batch(
         mask &= key_pos[None, :] >= first[:, None]
     return DecodeBatch(
         token_index=int_tensor([t for t, _ in rows], device=device),
-        page_index=padded_int_tensor(tables, num_blocks, torch.long, device).view(-1),
+        # pages behind a window (NULL = -1) are masked: page 0 stands in for them
+        page_index=padded_int_tensor(tables, num_blocks, torch.long, device).view(-1).clamp_(min=0),
         mask=mask[:, None, None, :],
         num_blocks=num_blocks,
     )
@@ -367,7 +366,6 @@ class AttentionMetadata:
         self.services = services
         self.layouts = layouts  # per KV cache group
         self.positions = positions  # [T] each packed token's position in its sequence
-        self.max_seq_len = max(layouts[0].context_lens)
         self._plans: dict[tuple[int, MaskKind], Any] = {}
         self._query_scales: dict[Any, torch.Tensor] = {}
 

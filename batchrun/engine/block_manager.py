@@ -243,11 +243,15 @@ class BlockManager:
             return 0  # full attention only: the common case, every step of every sequence
         for g, table in enumerate(seq.block_tables):
             first = min(self.first_block(g, seq.num_computed_tokens), len(table))
-            for b in range(first):
-                if table[b] != NULL_PAGE:
-                    self.release_page(table[b])
-                    table[b] = NULL_PAGE
-                    freed += 1
+            # the entries given back earlier are a run at the head: walk back from `first` to it, not from 0
+            # (every step, for every sequence and group)
+            start = first
+            while start > 0 and table[start - 1] != NULL_PAGE:
+                start -= 1
+            for b in range(start, first):
+                self.release_page(table[b])
+                table[b] = NULL_PAGE
+            freed += first - start
         self.num_window_freed += freed
         return freed
 
