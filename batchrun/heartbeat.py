@@ -1,12 +1,15 @@
-"""Heartbeats: `.batchrun/heartbeat-IofN.json` says what the run of one shard is doing, refreshed every few
-seconds while it runs and once more when it ends. `batchrun status` reads them next to the part files; a
-heartbeat of a running shard that stopped being refreshed is stale (the run was killed, or its node died)."""
+"""Heartbeats: `.batchrun/heartbeat-IofN.json` says what the run of one shard is doing (loading, running, then
+finished, stopped or failed), refreshed every few seconds by a thread of its own from the run's start (so a
+model that takes minutes to load is `loading`, not silent) and once more when it ends. `batchrun status` reads
+them next to the part files; a heartbeat of a loading or running shard that stopped being refreshed is stale
+(the run was killed, or its node died)."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,55 +29,72 @@ class Heartbeat:
         self.path = heartbeat_path(state_dir, shard.index, shard.count)
         self.interval_s = interval_s
         self.state: dict = {"shard": str(shard)}
-        self._started = 0.0
-        self._last = 0.0
+        self._lock = threading.Lock()  # the state, between the run's thread and the refreshing one
+        self._ended = threading.Event()
+        self._running_since = 0.0  # when the model had loaded (the rate counts from there)
         self._done_before = 0
 
     def start(
         self, input_rows: int | None, rows_total: int | None, rows_done_before: int, replicas: int
     ) -> None:
-        """`input_rows`: the whole input's (every shard's); `rows_total`: this shard's."""
-        self._started = time.monotonic()
+        """Loading starts. `input_rows`: the whole input's (every shard's, up to the limit); `rows_total`: this
+        shard's; `rows_done_before`: this shard's rows among them that earlier runs did."""
         self._done_before = rows_done_before
-        self.state.update(
-            {
-                "state": "running",
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "started": time.time(),
-                "input_rows": input_rows,
-                "shard_count": int(self.state["shard"].split("/")[1]),
-                "rows_total": rows_total,
-                "rows_done": rows_done_before,
-                "rows_done_this_run": 0,
-                "rows_per_s": 0.0,
-                "replicas": replicas,
-            }
-        )
-        self._write()
+        with self._lock:
+            self.state.update(
+                {
+                    "state": "loading",
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "started": time.time(),
+                    "input_rows": input_rows,
+                    "shard_count": int(self.state["shard"].split("/")[1]),
+                    "rows_total": rows_total,
+                    "rows_done": rows_done_before,
+                    "rows_done_this_run": 0,
+                    "rows_per_s": 0.0,
+                    "replicas": replicas,
+                }
+            )
+            self._write()
+        threading.Thread(target=self._refresh, name="batchrun-heartbeat", daemon=True).start()
 
-    def beat(self, rows_done_this_run: int, force: bool = False) -> None:
-        if not self._started or (not force and time.monotonic() - self._last < self.interval_s):
-            return
-        elapsed = time.monotonic() - self._started
-        self.state.update(
-            {
-                "rows_done": self._done_before + rows_done_this_run,
-                "rows_done_this_run": rows_done_this_run,
-                "rows_per_s": rows_done_this_run / elapsed if elapsed > 0 else 0.0,
-            }
-        )
-        self._write()
+    def running(self) -> None:
+        """The model loaded: rows start."""
+        with self._lock:
+            self._running_since = time.monotonic()
+            self.state["state"] = "running"
+            self._write()
+
+    def beat(self, rows_done_this_run: int) -> None:
+        """The run's counts (written by the next refresh)."""
+        elapsed = time.monotonic() - self._running_since if self._running_since else 0.0
+        with self._lock:
+            self.state.update(
+                {
+                    "rows_done": self._done_before + rows_done_this_run,
+                    "rows_done_this_run": rows_done_this_run,
+                    "rows_per_s": rows_done_this_run / elapsed if elapsed > 0 else 0.0,
+                }
+            )
 
     def finish(self, state: str, rows_done_this_run: int) -> None:
-        """running -> finished | stopped | failed."""
-        if not self._started:
+        """loading | running -> finished | stopped | failed; the refreshing stops."""
+        if "state" not in self.state:
             return
-        self.state["state"] = state
-        self.beat(rows_done_this_run, force=True)
+        self._ended.set()
+        self.beat(rows_done_this_run)
+        with self._lock:
+            self.state["state"] = state
+            self._write()
+
+    def _refresh(self) -> None:
+        while not self._ended.wait(self.interval_s):
+            with self._lock:
+                if not self._ended.is_set():
+                    self._write()
 
     def _write(self) -> None:
-        self._last = time.monotonic()
         self.state["updated"] = time.time()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
@@ -89,7 +109,10 @@ def read_heartbeats(state_dir: Path) -> list[dict]:
             beat = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if beat.get("state") == "running" and time.time() - beat.get("updated", 0) > STALE_AFTER_S:
+        if (
+            beat.get("state") in ("loading", "running")
+            and time.time() - beat.get("updated", 0) > STALE_AFTER_S
+        ):
             beat["state"] = "stale"
         beats.append(beat)
     return beats

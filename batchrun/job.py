@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .config import JobSpec
-from .errors import JobStopped
+from .engine.structured import check_format
+from .errors import BadInput, JobStopped
 from .heartbeat import Heartbeat
 from .lock import ShardLock
 from .loop import drive
@@ -28,7 +29,7 @@ from .model_loader import fingerprint_dtype
 from .replicas import replica_count, run_replicas
 from .rows import InputRow, OutputRow, Shard
 from .sinks import OutputSink, check_writable, move_legacy_state
-from .sources import open_source
+from .sources import InputSource, OpenAIBatchSource, open_source
 from .stats import StatsCollector, StatsFile
 from .worker import load_worker, row_samples
 
@@ -56,8 +57,7 @@ class Job:
         self.limit = limit if limit is not None else spec.input.limit
         self.progress = progress
         self.replicas = replicas if replicas is not None else spec.engine.replicas
-        self.source = open_source(spec.input, src)
-        self.source.check_unique_ids(self.limit)
+        self.source = check_job(spec, self.limit)
         check_writable(spec.output_dir, "output.path", src)
         self.lock = ShardLock(spec.state_dir, self.shard.index, self.shard.count)
         self.lock.acquire(wait, spec.output_dir, src)
@@ -75,6 +75,9 @@ class Job:
             move_legacy_state(spec)
             self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
             check_writable(self.stats_path.parent, "output.stats", src)
+            # this shard's rows (up to the limit) whose output earlier runs wrote and that stays, and the rows
+            # whose output was removed because their input changed
+            self.rows_before, self.rows_changed = self._recheck_done_rows() if self.sink.done else (0, 0)
         except BaseException:
             self.lock.release()
             raise
@@ -84,9 +87,41 @@ class Job:
         self.bar = None  # the progress bar, while run() goes
         self.rows_done = 0  # input rows written by this run
         self.write_s = 0.0  # seconds handing them to the sink
-        self.rows_before = self.sink.done.rows_per_shard.get(str(self.shard), 0)  # ... and by earlier runs
         self._last_postfix = 0.0
         self._pending: Iterator[InputRow] | None = None  # pending_rows(), made once
+
+    def _recheck_done_rows(self) -> tuple[int, int]:
+        """One pass over this shard's rows, before any model loads: an output made from another input than the
+        row's (its content hash differs) is removed, so the row runs again, or refuses the run, as
+        `input.on_change` says. Returns (rows whose output stays, rows whose output was removed)."""
+        done = self.sink.done
+        kept, changed = 0, []
+        for row in self.source.rows(self.shard, self.limit):
+            if row.id not in done.hashes:
+                continue
+            old = done.hashes[row.id]
+            if old is not None and old != row.input_hash:
+                changed.append(row.id)
+            elif self.sink.is_done(row.id, row_samples(row, self.params)):
+                kept += 1
+        if not changed:
+            return kept, 0
+        spec = self.spec
+        some = ", ".join(repr(i) for i in changed[:5]) + (", ..." if len(changed) > 5 else "")
+        what = f"{len(changed)} row{'s' if len(changed) > 1 else ''} of {self.source.describe()}"
+        if spec.input.on_change == "refuse":
+            raise BadInput(
+                f"{spec.source_file}: {what} changed since their output in {spec.output_dir} was written (ids "
+                f"{some}), and key `input.on_change` is refuse; set it to recompute to redo them, or use "
+                f"--overwrite to start over."
+            )
+        print(
+            f"batchrun: {what} changed since their output was written (ids {some}): recomputing them "
+            f"(input.on_change: recompute).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return kept, self.sink.forget(set(changed))
 
     def pending_rows(self) -> Iterator[InputRow]:
         """This shard's rows that do not have all their output rows yet, in input order: one pass over the
@@ -113,20 +148,20 @@ class Job:
 
     @property
     def job_rows(self) -> int:
-        """Input rows the output directory holds: earlier runs' and this run's."""
-        return self.rows_before + self.rows_done
+        """Input rows this shard's parts hold: earlier runs' (of any limit) and this run's."""
+        return self.sink.done.rows_per_shard.get(str(self.shard), 0) + self.rows_done
 
     # ---- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict | None:
         """Runs the job; returns the whole job's summary, or None when every row was already done (no model
         loaded)."""
         try:
-            if self.sink.done:  # a resume: nothing to do loads no model
-                rows = self.pending_rows()
-                first = next(rows, None)
-                if first is None:
-                    return None
-                self._pending = itertools.chain([first], rows)  # the run goes on from there
+            rows = self.pending_rows()
+            first = next(rows, None)
+            if first is None:  # nothing to do (or an input without rows) loads no model
+                self.sink.write_empty()
+                return None
+            self._pending = itertools.chain([first], rows)  # the run goes on from there
             return self._run()
         finally:
             self.lock.release()
@@ -166,6 +201,7 @@ class Job:
                 "rows": self.rows_done,
                 "shard": str(self.shard),
                 "replicas": count,
+                "rows_changed": self.rows_changed,
                 "time_write_s": self.write_s,
             }
         )
@@ -184,6 +220,7 @@ class Job:
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
         worker = load_worker(self.spec)
+        self.loaded()
         stats_file.start()
         stats, engine = worker.stats, worker.engine
         rows = self.pending_rows()
@@ -204,6 +241,10 @@ class Job:
         if not self.stop_requested:
             worker.engine.check_integrity()
         return stats.summary(rows=self.rows_done)
+
+    def loaded(self) -> None:
+        """Every engine has its model: the heartbeat goes from loading to running."""
+        self.heartbeat.running()
 
     def emit(self, rows: list[OutputRow]) -> None:
         """All output rows of one input row, to the sink."""
@@ -242,6 +283,20 @@ class Job:
             file=sys.stderr,
             flush=True,
         )
+
+
+def check_job(spec: JobSpec, limit: int | None) -> InputSource | OpenAIBatchSource:
+    """Everything about a job that needs no model weights, checked before any loads (`batchrun validate` too):
+    the input opens and its columns hold what they should, ids are unique, a job-wide response format
+    compiles into an enforced grammar. Returns the opened input."""
+    source = open_source(spec.input, spec.source_file)
+    source.check_unique_ids(limit)
+    if spec.sampling.structured:
+        try:
+            check_format(spec.sampling.response_format)
+        except ValueError as e:
+            raise BadInput(f"{spec.source_file}: key `sampling.response_format`: {e}.") from None
+    return source
 
 
 def run_job(job, overrides=None, **options: Any) -> dict | None:

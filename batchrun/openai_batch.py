@@ -47,16 +47,17 @@ def line_key(index: int) -> str:
 
 def parse_line(text: str, index: int) -> tuple[Any, dict]:
     """(custom_id or the line's key, request) from one input line; the request is {} and custom_id the line key
-    when the line is not even an object with a custom_id. Never raises: errors go into request["error"]."""
+    when the line is not even an object with a custom_id. Never raises: errors go into request["error"] (the
+    caller says which file and line)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return line_key(index), {"error": f"line {index + 1} is not JSON ({e.msg} at column {e.colno})"}
+        return line_key(index), {"error": f"not JSON ({e.msg} at column {e.colno})"}
     if not isinstance(obj, dict):
-        return line_key(index), {"error": f"line {index + 1} is not a JSON object"}
+        return line_key(index), {"error": "not a JSON object"}
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return line_key(index), {"error": f"line {index + 1} has no custom_id (a non-empty string)"}
+        return line_key(index), {"error": "no custom_id (a non-empty string)"}
     try:
         return custom_id, parse_request(obj)
     except BadRequest as e:
@@ -88,39 +89,47 @@ def parse_request(obj: dict) -> dict:
         if key in body and body[key] not in (neutral, None, [], {}):
             raise BadRequest(f"body.{key} is not supported by batchrun")
     sampling: dict[str, Any] = {k: body[k] for k in _SAME if body.get(k) is not None}
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        sampling["max_new_tokens"] = limit
+    fields = {k: k for k in sampling}  # sampling key -> the body field it came from (for error messages)
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(limit_field) is not None:
+        sampling["max_new_tokens"], fields["max_new_tokens"] = body[limit_field], limit_field
     stop = body.get("stop")
     if stop is not None:
-        sampling["stop"] = [stop] if isinstance(stop, str) else stop
+        sampling["stop"], fields["stop"] = ([stop] if isinstance(stop, str) else stop), "stop"
     logprobs = body.get("logprobs")
     if chat:
         if logprobs:
             sampling["logprobs"] = body.get("top_logprobs") or 0
+            fields["logprobs"] = "top_logprobs"
         elif body.get("top_logprobs"):
             raise BadRequest("body.top_logprobs needs body.logprobs: true")
     elif logprobs is not None and logprobs is not False:
-        sampling["logprobs"] = logprobs
+        sampling["logprobs"], fields["logprobs"] = logprobs, "logprobs"
     return {
         "custom_id": obj["custom_id"],
         "endpoint": "chat" if chat else "completion",
         "prompt": prompt,
         "model": body.get("model"),
         "sampling": sampling,
+        "fields": fields,
     }
 
 
 # ---- output --------------------------------------------------------------------------------------------------
-def request_id(fingerprint: str, index: int) -> str:
-    return f"batch_req_{fingerprint[:12]}_{index}"
+def request_id(fingerprint: str, index: int, input_hash: str | None) -> str:
+    """An output line's id: the job, the input line's content hash (how a rerun tells that the line changed)
+    and its index."""
+    return f"batch_req_{fingerprint[:12]}_{input_hash or 'x'}_{index}"
 
 
-def index_of_request_id(value: str) -> int | None:
+def parse_request_id(value: str) -> tuple[str | None, int | None]:
+    """(input hash, index) of an output line's id; the hash is None in lines written before it was kept."""
+    parts = value.split("_") if isinstance(value, str) else []
     try:
-        return int(value.rsplit("_", 1)[1])
-    except (AttributeError, IndexError, ValueError):
-        return None
+        index = int(parts[-1])
+    except (IndexError, ValueError):
+        return None, None
+    return (parts[3] if len(parts) == 5 and parts[3] != "x" else None), index
 
 
 def error_line(req_id: str, custom_id: str | None, message: str) -> dict:

@@ -42,6 +42,8 @@ class RowSide(Protocol):
 
     def pending_rows(self) -> Iterator[InputRow]: ...
 
+    def loaded(self) -> None: ...
+
     def emit(self, rows: list[OutputRow]) -> None: ...
 
     def tick(self, postfix: str, stats_file: StatsFile) -> None: ...
@@ -139,100 +141,130 @@ def _replica_main(r: int, spec, device: str, threads: int, rows_q, out_q, stop, 
         out_q.put(("failed", r, f"{type(e).__name__}: {e}"))
 
 
+class ReplicaRun:
+    """One run of a job's pending rows on `count` replica processes. The job's side of it: keep the shared row
+    queue fed (once every replica has loaded), take what the replicas send back (finished rows to the job,
+    statistics to the stats file), and watch the processes (a replica that dies stops the others)."""
+
+    def __init__(self, job: RowSide, count: int, stats_file: StatsFile):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.job, self.count, self.stats_file = job, count, stats_file
+        self.devices = replica_devices(count, job.spec.engine.device)
+        threads = max(1, (os.cpu_count() or 1) // count)
+        self.rows_q = ctx.Queue(maxsize=row_window(job.spec) * count)
+        self.out_q = ctx.Queue()
+        self.stop = ctx.Event()
+        self.procs = [
+            ctx.Process(
+                target=_replica_main,
+                args=(r, job.spec, self.devices[r], threads, self.rows_q, self.out_q, self.stop, os.getpid()),
+                name=f"batchrun-replica-{r}",
+                daemon=True,
+            )
+            for r in range(count)
+        ]
+        self.summaries: dict[int, dict] = {}  # each replica's latest summary
+        self.ready: set[int] = set()  # loaded (or failed)
+        self.ended: set[int] = set()  # done, failed or gone
+        self.failure: str | None = None
+        self.rows = job.pending_rows()
+        self.held: InputRow | None = None  # a row taken from the input that did not fit in the queue yet
+        self.sentinels = 0  # end-of-input markers still to queue, one per replica
+        self.more = True  # the input may hold more rows
+
+    def run(self) -> tuple[dict, str | None]:
+        """Start the replicas and run until each ended; returns the replicas' combined summary and the failure,
+        if one failed."""
+        for p in self.procs:
+            p.start()
+        t0 = time.monotonic()
+        try:
+            while len(self.ended) < self.count:
+                self._feed()
+                self._receive()
+                self._watch()
+                if self.failure or self.job.stop_requested:
+                    self.stop.set()
+                generated = sum(s["generated_tokens"] for s in self.summaries.values())
+                rate = generated / max(time.monotonic() - t0, 1e-9)
+                running = self.count - len(self.ended)
+                self.job.tick(
+                    f"{rate:.1f} tok/s, {running} of {self.count} replicas running", self.stats_file
+                )
+                if self.summaries and self.stats_file.due():
+                    self.stats_file.write(
+                        self._summary() | {"rows": self.job.rows_done}, job_rows=self.job.job_rows
+                    )
+        finally:
+            self.stop.set()
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if not self.summaries:
+            raise RuntimeError(self.failure or "no replica started")
+        return self._summary(), self.failure
+
+    def _summary(self) -> dict:
+        return combine([self.summaries[r] for r in sorted(self.summaries)])
+
+    def _feed(self) -> None:
+        """Fill the shared queue, once every replica is ready (the first to load would take every row)."""
+        while (self.more or self.held is not None or self.sentinels) and len(self.ready) == self.count:
+            if self.stop.is_set():
+                return
+            if self.held is None and self.more:
+                self.held = next(self.rows, None)
+                if self.held is None:
+                    self.more, self.sentinels = False, self.count
+            try:
+                self.rows_q.put_nowait(self.held)
+            except queue.Full:
+                return
+            if self.held is None:
+                self.sentinels -= 1
+            self.held = None
+
+    def _receive(self) -> None:
+        """Take one message from the replicas, if one comes within 0.1 s."""
+        try:
+            kind, r, payload = self.out_q.get(timeout=0.1)
+        except queue.Empty:
+            return
+        if kind == "ready":
+            self.ready.add(r)
+            if len(self.ready) == self.count:
+                self.job.loaded()
+                self.stats_file.start()  # every model loaded: this run counts from here
+        elif kind == "rows":
+            for group in payload:
+                self.job.emit(group)
+        elif kind in ("stats", "done"):
+            step_rows, self.summaries[r] = payload
+            self.stats_file.add(step_rows)
+            if kind == "done":
+                self.ended.add(r)
+        elif kind == "failed":
+            self.ended.add(r)
+            self.ready.add(r)
+            self.failure = self.failure or f"replica {r} ({self.devices[r]}) failed: {payload}"
+
+    def _watch(self) -> None:
+        """A replica gone without a word (killed, crashed) ends; one that did not exit cleanly is the failure."""
+        for r, p in enumerate(self.procs):
+            if r not in self.ended and not p.is_alive() and self.out_q.empty():
+                self.ended.add(r)
+                if p.exitcode != 0:
+                    how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                    self.failure = (
+                        self.failure or f"replica {r} (pid {p.pid}, {self.devices[r]}) died ({how})"
+                    )
+
+
 def run_replicas(job: RowSide, count: int, stats_file: StatsFile) -> tuple[dict, str | None]:
     """Run the job's pending rows on `count` replica processes; returns this run's summary (the replicas'
     combined) and the failure, if a replica failed."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    spec = job.spec
-    devices = replica_devices(count, spec.engine.device)
-    threads = max(1, (os.cpu_count() or 1) // count)
-    window = row_window(spec)
-    rows_q = ctx.Queue(maxsize=window * count)
-    out_q = ctx.Queue()
-    stop = ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_replica_main,
-            args=(r, spec, devices[r], threads, rows_q, out_q, stop, os.getpid()),
-            name=f"batchrun-replica-{r}",
-            daemon=True,
-        )
-        for r in range(count)
-    ]
-    for p in procs:
-        p.start()
-    summaries: dict[int, dict] = {}
-    generated: dict[int, int] = {}
-    ended: set[int] = set()
-    ready: set[int] = set()
-    failure = None
-    rows = job.pending_rows()
-    held = None  # a row taken from the input that did not fit in the queue yet
-    sentinels = 0  # end-of-input markers still to queue, one per replica
-    more = True
-    t0 = time.monotonic()
-    try:
-        while len(ended) < count:
-            # feed the shared queue, once every replica is ready (the first to load would take every row)
-            while (more or held is not None or sentinels) and len(ready) == count and not stop.is_set():
-                if held is None and more:
-                    held = next(rows, None)
-                    if held is None:
-                        more, sentinels = False, count
-                try:
-                    rows_q.put_nowait(held)
-                except queue.Full:
-                    break
-                if held is None:
-                    sentinels -= 1
-                held = None
-            # what the replicas send back
-            try:
-                kind, r, payload = out_q.get(timeout=0.1)
-            except queue.Empty:
-                kind = None
-            if kind == "ready":
-                ready.add(r)
-                if len(ready) == count:
-                    stats_file.start()  # every model loaded: this run counts from here
-            elif kind == "rows":
-                for group in payload:
-                    job.emit(group)
-            elif kind in ("stats", "done"):
-                step_rows, summary = payload
-                stats_file.add(step_rows)
-                summaries[r] = summary
-                generated[r] = summary["generated_tokens"]
-                if kind == "done":
-                    ended.add(r)
-            elif kind == "failed":
-                ended.add(r)
-                ready.add(r)
-                failure = failure or f"replica {r} ({devices[r]}) failed: {payload}"
-            for r, p in enumerate(procs):
-                if r not in ended and not p.is_alive() and out_q.empty():
-                    ended.add(r)
-                    if p.exitcode != 0:
-                        how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-                        failure = failure or f"replica {r} (pid {p.pid}, {devices[r]}) died ({how})"
-            if failure or job.stop_requested:
-                stop.set()
-            rate = sum(generated.values()) / max(time.monotonic() - t0, 1e-9)
-            job.tick(f"{rate:.1f} tok/s, {count - len(ended)} of {count} replicas running", stats_file)
-            if summaries and stats_file.due():
-                stats_file.write(
-                    {**combine(list(summaries.values())), "rows": job.rows_done}, job_rows=job.job_rows
-                )
-    finally:
-        stop.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if not summaries:
-        raise RuntimeError(failure or "no replica started")
-    run_summary = combine([summaries[r] for r in sorted(summaries)])
-    return run_summary, failure
+    return ReplicaRun(job, count, stats_file).run()

@@ -51,11 +51,16 @@ def format_summary(s: dict) -> str:
     lines = [
         (
             "wall time",
-            f"{s['wall_s']:.1f} s"
+            f"{s['wall_s'] + s.get('load_s', 0):.1f} s: loading the model {s.get('load_s', 0):.1f} s, "
+            f"running {s['wall_s']:.1f} s"
             + (f" over {s['runs']} runs" if s.get("runs", 1) > 1 else "")
             + (f" ({s['shards']} shards)" if s.get("shards") else ""),
         ),
-        ("rows", f"{s['rows']}"),
+        (
+            "rows",
+            f"{s['rows']}"
+            + (f" ({s['rows_changed']} recomputed: their input changed)" if s.get("rows_changed") else ""),
+        ),
         (
             "prompt tokens",
             f"{s['prompt_tokens']} ({s.get('prompt_tokens_per_s', 0):.1f}/s), "

@@ -6,6 +6,7 @@ write them out, the worker and the Python API turn them into engine requests."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -26,6 +27,7 @@ class InputRow:
     sampling: dict = field(default_factory=dict)  # this row's own sampling values (not yet checked)
     request: dict | None = None  # an OpenAI batch request: custom_id, endpoint (chat | completion), model
     error: str | None = None  # why the row cannot be served, known from reading it
+    input_hash: str | None = None  # what its output is made from (content_hash); its output records it
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,13 @@ def check_conversation(messages: Any) -> list[dict[str, str]]:
             "conversation has nothing to answer (no user turn, or it ends with an assistant turn)"
         )
     return turns
+
+
+def content_hash(*cells: Any) -> str:
+    """16 hex digits identifying an input row's content (its prompt, sampling cells, passthrough values; an
+    OpenAI request's whole line): a rerun compares it with the one its output recorded."""
+    text = json.dumps(cells, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def row_seed(seed: int, row_id: Any, sample: int) -> int:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import pyarrow.parquet as pq
 
-from .engine.block_manager import cdiv
+from .engine.page_pool import cdiv
 from .errors import BadInput
 
 

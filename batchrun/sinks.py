@@ -24,6 +24,7 @@ from .errors import BadInput
 from .rows import FINGERPRINT_KEY, OUTPUT_COLUMNS, OutputRow, Shard
 
 JOB_KEY = b"batchrun.job"
+INPUT_HASHES_KEY = b"batchrun.input_hashes"  # a Parquet part's rows' input hashes, in row order (JSON list)
 
 # keys added after the first release: left out of the fingerprint while they hold their default, so jobs
 # started before them keep resuming
@@ -47,6 +48,7 @@ def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
     if dtype is not None:
         d["model"]["dtype"] = dtype
     d["input"].pop("limit", None)  # a larger limit continues the same job
+    d["input"].pop("on_change", None)  # what a rerun does with changed rows, not what a row's output is
     output = {"format": d["output"]["format"], "token_ids": d["output"]["token_ids"]}
     keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "output": output}
     for (section, key), default in _LATER_KEYS.items():
@@ -82,10 +84,12 @@ def output_schema(id_type: pa.DataType, passthrough: list[pa.Field], optional: l
 # ---- part formats ------------------------------------------------------------------------------------------
 @dataclass
 class Done:
-    """What earlier runs wrote: (id, sample) pairs (Parquet) and whole rows (JSONL: a line is a request)."""
+    """What earlier runs wrote: (id, sample) pairs (Parquet) and whole rows (JSONL: a line is a request), and
+    the input hash each row's output was made from (None: written before the hashes were kept)."""
 
     pairs: set = field(default_factory=set)
     rows: set = field(default_factory=set)
+    hashes: dict = field(default_factory=dict)
     rows_per_shard: dict[str, int] = field(default_factory=dict)  # "I/N" (from the part's name) -> input rows
 
     def has(self, row_id: Any, num_samples: int) -> bool:
@@ -97,6 +101,14 @@ class Done:
     def count(self, part: Path, input_rows: int) -> None:
         shard = part_shard(part)
         self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) + input_rows
+
+    def forget(self, ids: set, shard: str, input_rows: int) -> None:
+        """These rows' outputs were removed from the shard's parts (`input_rows` of them)."""
+        self.pairs = {p for p in self.pairs if p[0] not in ids}
+        self.rows -= ids
+        for row_id in ids:
+            self.hashes.pop(row_id, None)
+        self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) - input_rows
 
 
 def rows_in_part(part: Path) -> int:
@@ -129,7 +141,9 @@ class ParquetParts:
         cols = {name: [getattr(r, name) for r in rows] for name in self.columns}
         for name in self.passthrough:
             cols[name] = [r.row.passthrough[name] for r in rows]
-        pq.write_table(pa.table(cols, schema=self.schema), path)
+        hashes = json.dumps([r.row.input_hash for r in rows]).encode()
+        schema = self.schema.with_metadata({**self.schema.metadata, INPUT_HASHES_KEY: hashes})
+        pq.write_table(pa.table(cols, schema=schema), path)
 
     @staticmethod
     def read_done(part: Path, fp: str, done: Done) -> str | None:
@@ -138,10 +152,36 @@ class ParquetParts:
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs == fp:
             table = pq.read_table(part, columns=["id", "sample"])
-            samples = table.column("sample").to_pylist()
-            done.pairs.update(zip(table.column("id").to_pylist(), samples))
+            ids, samples = table.column("id").to_pylist(), table.column("sample").to_pylist()
+            hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null")) or [None] * len(ids)
+            done.pairs.update(zip(ids, samples))
+            done.hashes.update(zip(ids, hashes))
             done.count(part, sum(1 for s in samples if s == 0))  # a row's samples are written together
         return theirs
+
+    @staticmethod
+    def drop(part: Path, ids: set) -> int:
+        """Rewrite the part without the rows of these ids (whole, under a temporary name, then renamed; removed
+        when nothing is left); returns the input rows dropped."""
+        pf = pq.ParquetFile(part)
+        meta = pf.schema_arrow.metadata or {}
+        table = pf.read()
+        ids_column = table.column("id").to_pylist()
+        keep = [i for i, row_id in enumerate(ids_column) if row_id not in ids]
+        if len(keep) == len(ids_column):
+            return 0
+        samples = table.column("sample").to_pylist()
+        dropped = sum(1 for i, row_id in enumerate(ids_column) if row_id in ids and samples[i] == 0)
+        if not keep:
+            part.unlink()
+            return dropped
+        hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null"))
+        if hashes is not None:
+            meta = {**meta, INPUT_HASHES_KEY: json.dumps([hashes[i] for i in keep]).encode()}
+        tmp = part.with_name(f".{part.name}.tmp")
+        pq.write_table(table.take(keep).replace_schema_metadata(meta), tmp)
+        os.replace(tmp, part)
+        return dropped
 
 
 class JsonlParts:
@@ -164,7 +204,7 @@ class JsonlParts:
     def line(self, samples: list[OutputRow]) -> dict:
         first = samples[0]
         row = first.row
-        req_id = openai_batch.request_id(self.fp, row.index)
+        req_id = openai_batch.request_id(self.fp, row.index, row.input_hash)
         request = row.request or {
             "custom_id": str(row.id),
             "endpoint": "chat" if isinstance(row.prompt, list) else "completion",
@@ -181,14 +221,35 @@ class JsonlParts:
         lines = 0
         with open(part, encoding="utf-8") as f:
             for text in f:
-                line = json.loads(text)
-                key = line.get("custom_id")
-                if key is None:
-                    key = openai_batch.line_key(openai_batch.index_of_request_id(line["id"]))
+                key, input_hash = JsonlParts._key(json.loads(text))
                 done.rows.add(key)
+                done.hashes[key] = input_hash
                 lines += 1
         done.count(part, lines)
         return fp
+
+    @staticmethod
+    def _key(line: dict) -> tuple[Any, str | None]:
+        """(row id, input hash) of an output line: its custom_id, or the input line's key when it had none."""
+        input_hash, index = openai_batch.parse_request_id(line["id"])
+        key = line.get("custom_id")
+        return (openai_batch.line_key(index) if key is None else key), input_hash
+
+    @staticmethod
+    def drop(part: Path, ids: set) -> int:
+        """Rewrite the part without the lines of these ids (as ParquetParts.drop); returns the lines dropped."""
+        with open(part, encoding="utf-8") as f:
+            lines = [text for text in f if text.strip()]
+        keep = [text for text in lines if JsonlParts._key(json.loads(text))[0] not in ids]
+        if len(keep) == len(lines):
+            return 0
+        if not keep:
+            part.unlink()
+            return len(lines)
+        tmp = part.with_name(f".{part.name}.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, part)
+        return len(lines) - len(keep)
 
 
 def _by_input_row(rows: list[OutputRow]) -> list[list[OutputRow]]:
@@ -290,9 +351,9 @@ class PartWriter:
         if len(self.buffer) >= self.rows_per_part or time.monotonic() - self._last_flush >= self.max_wait_s:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, empty_ok: bool = False) -> None:
         self._last_flush = time.monotonic()
-        if not self.buffer:
+        if not self.buffer and not empty_ok:
             return
         name = f"{self.prefix}-{self.num_parts:05d}{self.fmt.suffix}"
         tmp = self.out_dir / f".{name}.tmp"
@@ -322,6 +383,7 @@ class OutputSink:
     ):
         src = spec.source_file
         self.dir = spec.output_dir
+        self.shard = shard
         self.fingerprint = fingerprint(spec, shard, dtype)
         self.optional = optional_columns(spec)
         if overwrite:
@@ -333,14 +395,14 @@ class OutputSink:
             )
         self.done = read_done(self.dir, self.fingerprint, src) if resume else Done()
         if spec.output_format == "jsonl":
-            fmt = JsonlParts(self.fingerprint, spec.model.path or "batchrun-default-model")
+            self.format = JsonlParts(self.fingerprint, spec.model.path or "batchrun-default-model")
         else:
-            fmt = ParquetParts(
+            self.format = ParquetParts(
                 output_schema(id_type, passthrough, self.optional), self.fingerprint, spec.name
             )
         self.writer = PartWriter(
             self.dir,
-            fmt,
+            self.format,
             shard,
             rows_per_part=spec.output.rows_per_part,
             max_wait_s=spec.output.flush_seconds,
@@ -348,6 +410,23 @@ class OutputSink:
 
     def is_done(self, row_id: Any, num_samples: int) -> bool:
         return self.done.has(row_id, num_samples)
+
+    def forget(self, ids: set) -> int:
+        """Remove these input rows' outputs from this shard's parts (their input changed: they are pending
+        again), each part rewritten whole; returns the input rows removed."""
+        removed = sum(
+            type(self.format).drop(part, ids)
+            for part in existing_parts(self.dir)
+            if part_shard(part) == str(self.shard) and part.suffix == self.format.suffix
+        )
+        self.done.forget(ids, str(self.shard), removed)
+        return removed
+
+    def write_empty(self) -> None:
+        """For an input with no rows: an empty part (Parquet: the output schema, no rows), unless the directory
+        holds parts already, so the directory reads as a table with the job's columns."""
+        if not existing_parts(self.dir) and isinstance(self.format, ParquetParts):
+            self.writer.flush(empty_ok=True)
 
     def add(self, rows: list[OutputRow]) -> None:
         self.writer.add(rows)

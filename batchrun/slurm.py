@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .config import JobSpec
 from .errors import EXIT_STOPPED, BadInput
+from .sinks import check_writable
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,11 @@ def _batchrun_executable() -> str:
 
 
 def write_script(spec: JobSpec, job_file: Path, opts: SlurmOptions, path: Path | None = None) -> Path:
+    check_writable(spec.output_dir, "output.path", spec.source_file)
+    check_writable(spec.state_dir / "slurm", "output.path", spec.source_file)  # the tasks' logs go there
+    if path is not None:
+        check_writable(path.parent, "--script", spec.source_file)
     path = path or spec.state_dir / "slurm" / f"{spec.name}.sbatch"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    (spec.state_dir / "slurm").mkdir(parents=True, exist_ok=True)
     path.write_text(render_script(spec, job_file, opts, _batchrun_executable()))
     path.chmod(0o755)
     return path

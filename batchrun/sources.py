@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from . import openai_batch
 from .config import InputSpec
 from .errors import BadInput
-from .rows import OUTPUT_COLUMNS, InputRow, Shard
+from .rows import OUTPUT_COLUMNS, InputRow, Shard, content_hash
 
 BATCH_ROWS = 1024
 
@@ -47,9 +47,7 @@ class InputSource:
 
     def _check_columns(self) -> None:
         names = set(self.schema.names)
-        what = (
-            f"input.parquet {self.spec.parquet}" if self.spec.parquet else f"dataset {self.spec.dataset.path}"
-        )
+        what = self.describe()
         wanted = [("input.prompt_column", self.spec.prompt_column)]
         if self.spec.id_column:
             wanted.append(("input.id_column", self.spec.id_column))
@@ -61,12 +59,23 @@ class InputSource:
                     f"{self.source}: key `{key}`: column {col!r} is not in {what}; "
                     f"its columns are: {', '.join(sorted(names))}."
                 )
+        kind = self.schema.field(self.spec.prompt_column).type
+        if not _holds_prompts(kind):
+            raise BadInput(
+                f"{self.source}: key `input.prompt_column`: column {self.spec.prompt_column!r} of {what} holds "
+                f"{kind}; expected strings, or conversations (lists of {{role, content}} strings)."
+            )
         for i, col in enumerate(self.spec.passthrough):
             if col in OUTPUT_COLUMNS and col != self.spec.id_column:
                 raise BadInput(
                     f"{self.source}: key `input.passthrough[{i}]`: column {col!r} clashes with an output "
                     f"column of the same name; rename it in the input."
                 )
+
+    def describe(self) -> str:
+        return (
+            f"input.parquet {self.spec.parquet}" if self.spec.parquet else f"dataset {self.spec.dataset.path}"
+        )
 
     @property
     def id_type(self) -> pa.DataType:
@@ -97,14 +106,18 @@ class InputSource:
                 if limit is not None and index >= limit:
                     return
                 if shard.owns(index):
+                    prompt = data[spec.prompt_column][j]
+                    passthrough = {c: data[c][j] for c in spec.passthrough}
+                    sampling = {
+                        k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None
+                    }
                     yield InputRow(
                         index=index,
                         id=data[spec.id_column][j] if spec.id_column else index,
-                        prompt=data[spec.prompt_column][j],
-                        passthrough={c: data[c][j] for c in spec.passthrough},
-                        sampling={
-                            k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None
-                        },
+                        prompt=prompt,
+                        passthrough=passthrough,
+                        sampling=sampling,
+                        input_hash=content_hash(prompt, sampling, passthrough),
                     )
                 index += 1
 
@@ -156,6 +169,9 @@ class OpenAIBatchSource:
     def passthrough_fields(self) -> list[pa.Field]:
         return []
 
+    def describe(self) -> str:
+        return f"input.openai_batch {self.spec.openai_batch}"
+
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         """(file, 1-based line number, text) of every non-blank line."""
         for f in self.files:
@@ -177,6 +193,7 @@ class OpenAIBatchSource:
             if not shard.owns(index):
                 continue
             row_id, request = openai_batch.parse_line(text, index)
+            request["line"] = f"{Path(f).name} line {number}"  # where the request is, for its errors
             error = request.get("error")
             yield InputRow(
                 index=index,
@@ -184,7 +201,8 @@ class OpenAIBatchSource:
                 prompt=request.get("prompt"),
                 sampling=request.get("sampling", {}),
                 request=request,  # with its error, when it has one: the output line needs its custom_id
-                error=f"{Path(f).name} line {number}: {error}" if error else None,
+                error=f"{request['line']}: {error}" if error else None,
+                input_hash=content_hash(text.strip()),
             )
 
     def ids(self, limit: int | None = None) -> Iterator[Any]:
@@ -198,6 +216,19 @@ class OpenAIBatchSource:
                 f"{self.source}: key `input.openai_batch`: custom_id {dup[1]!r} appears more than once (row "
                 f"{dup[0]}); custom ids must be unique, since outputs and resume are keyed on them."
             )
+
+
+def _holds_prompts(kind: pa.DataType) -> bool:
+    """Whether a column of this Arrow type can hold prompts: text, or lists of {role, content} turns (a column
+    of nulls too: its rows become error rows)."""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind):
+        return True
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        turn = kind.value_type
+        return pa.types.is_struct(turn) and {"role", "content"} <= {
+            turn.field(i).name for i in range(turn.num_fields)
+        }
+    return False
 
 
 def first_duplicate(ids: Iterator[Any]) -> tuple[int, Any] | None:

@@ -62,9 +62,14 @@ FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
 # resumed runs). "sum"; "max"; "mean" (weighted by steps); "rate" (summed tokens over the combined wall time);
 # "first" (the same for all).
 SUMMARY_KEYS = {
-    "wall_s": ("max", "sum"),
+    "wall_s": ("max", "sum"),  # the run after the model loaded
+    "load_s": ("max", "sum"),  # loading the model (replicas load side by side)
     "runs": ("max", "sum"),
     "rows": ("sum", "sum"),
+    "rows_changed": (
+        "sum",
+        "sum",
+    ),  # rows recomputed because their input changed since their output was written
     "steps": ("sum", "sum"),
     "prompt_tokens": ("sum", "sum"),
     "prompt_tokens_computed": ("sum", "sum"),
@@ -208,8 +213,10 @@ class StatsCollector:
         replica: int = 0,
         min_interval_s: float = 0.1,
         debug_recount: bool = False,
+        load_s: float = 0.0,
     ):
         self.engine = engine
+        self.load_s = load_s  # seconds the model took to load, before this collector's start
         self.extra = dict(extra or {})  # facts about the run (job, device, dtype...) added to the summary
         self.replica = replica
         self.min_interval_s = min_interval_s
@@ -296,8 +303,10 @@ class StatsCollector:
         mean_reservation = a.reservation_sum / a.reservation_n if a.reservation_n else 0
         s = {
             "wall_s": wall,
+            "load_s": self.load_s,
             "runs": 1,
             "rows": rows,
+            "rows_changed": 0,  # the job counts them: it compares the input with the output
             "steps": a.steps,
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_computed": self.prompt_tokens_computed,

@@ -1,5 +1,9 @@
 """`batchrun status DIR`: how far a job is, read from its output directory alone (the part files and the
-per-shard heartbeats in `.batchrun/`), during a run or after it, for one process, replicas or a Slurm array."""
+per-shard heartbeats in `.batchrun/`), during a run or after it, for one process, replicas or a Slurm array.
+
+A shard is pending (nothing yet), loading, running, finished, stopped, failed, stale (its heartbeat stopped
+while loading or running: killed, or its node died) or partial (parts but no heartbeat). Rows done and total
+count the same rows: those of the input up to the run's limit."""
 
 from __future__ import annotations
 
@@ -44,9 +48,14 @@ def job_status(out_dir: Path) -> dict:
     shards = []
     for i in range(count):
         b = beats.get((i, count), {})
-        rows_done = done.get((i, count), 0)
         total = len(range(i, input_rows, count)) if input_rows is not None else b.get("rows_total")
-        state = b.get("state") or ("pending" if rows_done == 0 else "partial")
+        state = b.get("state") or ("pending" if not done.get((i, count)) else "partial")
+        # the parts, which may hold rows beyond the last run's limit: no more than its total...
+        rows_done = done.get((i, count), 0)
+        rows_done = min(rows_done, total) if total is not None else rows_done
+        if state in ("loading", "running", "finished", "stopped") and b.get("rows_done") is not None:
+            # ... and the run's own count of its rows done, refreshed every few seconds (parts may be newer)
+            rows_done = max(rows_done, b["rows_done"])
         if state in ("stopped", "failed", "stale") and total is not None and rows_done >= total:
             state = "finished"
         shards.append(
@@ -55,7 +64,8 @@ def job_status(out_dir: Path) -> dict:
                 "state": state,
                 "rows_done": rows_done,
                 "rows_total": total,
-                "rows_per_s": b.get("rows_per_s", 0.0) if state == "running" else 0.0,
+                # a finished run's rate is its average (rows over the time after its model loaded)
+                "rows_per_s": b.get("rows_per_s", 0.0) if state in ("running", "finished") else 0.0,
                 "replicas": b.get("replicas"),
                 "host": b.get("host"),
                 "pid": b.get("pid"),
@@ -65,9 +75,10 @@ def job_status(out_dir: Path) -> dict:
     rows_done = sum(s["rows_done"] for s in shards)
     totals = [s["rows_total"] for s in shards]
     rows_total = sum(totals) if all(t is not None for t in totals) else None
-    rate = sum(s["rows_per_s"] for s in shards)
+    running = [s["rows_per_s"] for s in shards if s["state"] == "running"]
+    rate = sum(running) if running else sum(s["rows_per_s"] for s in shards)
     left = None if rows_total is None else max(0, rows_total - rows_done)
-    if left is None or (left and rate <= 0):
+    if left is None or (left and (rate <= 0 or not running)):
         eta = None
     else:
         eta = left / rate if left else 0.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 
 from .config import JobSpec, coerce_field
@@ -95,12 +96,15 @@ class RowWorker:
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         values = {}
         for key, value in row.sampling.items():
-            where = f"body field for {key}" if row.request else f"column {columns.get(key)!r} ({key})"
+            if row.request:  # an OpenAI request: its file and line, and the body's own field name
+                where, name = row.request["line"], f"body.{row.request['fields'].get(key, key)}"
+            else:
+                where, name = f"column {columns.get(key)!r}", key
             if key == "response_format" and isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not JSON ({e.msg})") from None
+                    raise ValueError(f"{where}: `{name}` is not JSON ({e.msg})") from None
             if (
                 isinstance(value, float)
                 and value.is_integer()
@@ -108,9 +112,9 @@ class RowWorker:
             ):
                 value = int(value)  # an integer column with nulls reads as floats
             if key not in fields:
-                raise ValueError(f"{where}: {key} is not supported")
+                raise ValueError(f"{where}: `{name}` is not supported")
             try:
-                values[key] = coerce_field(SamplingParams, key, value, key, where)
+                values[key] = coerce_field(SamplingParams, key, value, name, where)
             except BadInput as e:
                 raise ValueError(str(e).rstrip(".")) from None
         try:
@@ -177,7 +181,9 @@ class RowWorker:
 def load_worker(spec: JobSpec, replica: int = 0) -> RowWorker:
     """The LLM of a job file and its worker, whose statistics carry the facts about them for the summary. A
     job-wide response format that does not compile stops the job here, before any row."""
+    t0 = time.perf_counter()
     llm = LLM.from_spec(spec.model, spec.engine, spec.source_file)
+    load_s = time.perf_counter() - t0
     if spec.sampling.structured:
         try:
             llm.engine.grammars.compile(spec.sampling.response_format)
@@ -192,4 +198,4 @@ def load_worker(spec: JobSpec, replica: int = 0) -> RowWorker:
         "max_num_seqs": spec.engine.max_num_seqs,
         "packed_weights": llm.packed_weights,
     }
-    return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica))
+    return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica, load_s=load_s))

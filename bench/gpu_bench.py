@@ -1,4 +1,5 @@
-"""GPU check, for the accelerator machine (bench/gpu_check.sh runs it after the kernel tests).
+"""GPU check, for the accelerator machine (bench/gpu_check.sh runs it, `python -m bench.gpu_bench`, after the
+kernel tests).
 
 1. Decode-path timing of the paged Triton kernel at batch 64 / 128 / 256 and context 512 / 2048 / 4096
    (Llama-8B-like heads: 32 query heads, 8 KV heads, head dim 128, bf16, 16-token pages in shuffled order),
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import re
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from .common import ROOT, table
 
 
 def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -353,14 +352,30 @@ def main() -> None:
             f"Decode attention (32 query / 8 KV heads, head dim 128, bf16, 16-token pages shuffled); floor = K/V bytes "
             f"/ the measured copy bandwidth ({bw / 1e9:.0f} GB/s, its reads and writes counted)",
             "",
-            "| batch | context | paged kernel ms | floor ms | % of floor | gather + SDPA ms | speed-up vs SDPA |",
-            "|---|---|---|---|---|---|---|",
+            *table(
+                [
+                    "batch",
+                    "context",
+                    "paged kernel ms",
+                    "floor ms",
+                    "% of floor",
+                    "gather + SDPA ms",
+                    "vs SDPA",
+                ],
+                [
+                    [
+                        r["batch"],
+                        r["context"],
+                        f"{r['kernel_ms']:.3f}",
+                        f"{r['floor_ms']:.3f}",
+                        f"{r['of_floor']:.0%}",
+                        f"{r['gather_sdpa_ms']:.3f}",
+                        f"{r['vs_sdpa']:.2f}x",
+                    ]
+                    for r in rows
+                ],
+            ),
         )
-        for r in rows:
-            report.add(
-                f"| {r['batch']} | {r['context']} | {r['kernel_ms']:.3f} | {r['floor_ms']:.3f} | "
-                f"{r['of_floor']:.0%} | {r['gather_sdpa_ms']:.3f} | {r['vs_sdpa']:.2f}x |"
-            )
 
     def exact():
         report.add(

@@ -24,4 +24,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 BATCHRUN_TRITON_GPU=1 timeout 240 "$py" -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_kernels.py \
   >"$out/kernel-tests.txt" 2>&1 || echo "kernel tests: exit $?" >>"$out/kernel-tests.txt"
 tail -3 "$out/kernel-tests.txt"
-"$py" bench/gpu_bench.py --kernel-tests "$out/kernel-tests.txt" --out "$out/table.md"
+"$py" -m bench.gpu_bench --kernel-tests "$out/kernel-tests.txt" --out "$out/table.md"

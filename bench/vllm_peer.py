@@ -1,5 +1,5 @@
-"""The peer's side of `bench/speed.py`: vLLM's CPU build on the same prompt token ids, timed on `generate`
-alone. Runs in vLLM's own virtual environment (bench/speed.py says how to make it), never in batchrun's.
+"""The peer's side of `bench/vs_vllm.py`: vLLM's CPU build on the same prompt token ids, timed on `generate`
+alone. Runs in vLLM's own virtual environment (bench/vs_vllm.py says how to make it), never in batchrun's.
 
 Usage: VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 /tmp/vllm-venv/bin/python bench/vllm_peer.py \
            MODEL_DIR PROMPTS.json DTYPE on|off MAX_NEW_TOKENS RESULT.json

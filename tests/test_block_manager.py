@@ -55,7 +55,7 @@ def test_hash_collision_is_checked_against_tokens():
     a.num_computed_tokens = 3
     bm.register_full_pages(a, a.num_computed_tokens)
     page = a.block_table[0]
-    bm.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
+    bm.pool.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
     assert bm.match_prefix(seq(1, [1, 2, 3])).num_blocks == 0
 
 
@@ -78,7 +78,7 @@ def test_fork_shares_pages_and_copy_on_write():
     child = seq(1, range(6))
     bm.fork(parent, child)
     assert child.block_table == parent.block_table
-    assert all(bm.ref_count[p] == 2 for p in parent.block_table)
+    assert all(bm.pool.ref_count[p] == 2 for p in parent.block_table)
     parent.append_token(50)
     child.append_token(51)
     assert bm.num_pages_to_grow(child, 1) == 1  # the shared half-full page must be copied
@@ -311,8 +311,8 @@ def test_prefix_sharing_with_a_window_matches_only_what_the_window_reads():
     match_c = bm.match_prefix(c)
     assert match_c.num_blocks == 3 and match_c.tables[1][:2] == [NULL_PAGE] * 2
     revived = match_c.tables[1][2]
-    assert bm.ref_count[revived] == 0 and bm.page_hash.get(revived) is not None
+    assert bm.pool.ref_count[revived] == 0 and bm.pool.page_hash.get(revived) is not None
     bm.allocate_sequence(b, 100, match)
     bm.allocate_sequence(c, 100, match_c)
-    assert bm.ref_count[revived] == 1
+    assert bm.pool.ref_count[revived] == 1
     bm.check_integrity([a, b, c])

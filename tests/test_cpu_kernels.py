@@ -3,6 +3,7 @@ reference, and the engine with it against Hugging Face `generate`; the greedy ar
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +97,31 @@ def test_a_build_killed_midway_does_not_hang_the_next_process():
     probe = "from batchrun.engine.cpu_kernels import load; assert load() is not None"
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=300)
     assert not stale.exists()
+
+
+def test_the_build_folder_is_keyed_by_source_torch_and_cpu(tmp_path, monkeypatch):
+    """Issue 24, item 5: two checkouts (or installed versions) of other sources, or two torch versions, rebuilt
+    each other's build in turn in one folder per CPU; each now has its own, and `make install` builds it."""
+    from batchrun.engine import cpu_kernels
+
+    here = build_dir()
+    other = tmp_path / "cpu_kernels.cpp"
+    other.write_bytes(cpu_kernels.SOURCE.read_bytes() + b"\n// another version\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", other)
+    assert build_dir() != here
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert build_dir() != here
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "cpu_description", lambda: "another CPU")
+    assert build_dir() != here
+    monkeypatch.undo()
+    assert build_dir() == here
+    makefile = (Path(__file__).parent.parent / "Makefile").read_text()
+    assert (
+        "python -m batchrun.engine.cpu_kernels"
+        in makefile.split("$(STAMP): pyproject.toml")[1].split("\n\n")[0]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

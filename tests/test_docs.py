@@ -3,7 +3,7 @@
 import re
 import subprocess
 
-from helpers import ROOT
+from helpers import BATCHRUN, ROOT
 
 from batchrun.rows import OUTPUT_COLUMNS
 from batchrun.stats import COLUMNS, SUMMARY_KEYS
@@ -67,3 +67,28 @@ def test_commands_that_need_no_model_do_not_import_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_readme_command_table_and_help_agree():
+    """Issue 24, item 15: every option of every command is in the README's row for it and the other way round,
+    and the top-level --help cuts no description short."""
+    import click
+
+    from batchrun.cli import main
+
+    rows = {}
+    for line in _section("Commands").splitlines():
+        m = re.match(r"\| `batchrun (\w+)([^|]*(?:\\\|[^|]*)*)` \|", line)
+        if m:
+            rows[m.group(1)] = set(re.findall(r"--[a-z][a-z-]*", m.group(2)))
+    assert set(rows) == set(main.commands), (set(rows), set(main.commands))
+    for name, command in main.commands.items():
+        options = {
+            o for p in command.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts
+        }
+        options = {o for o in options if o.startswith("--") and o != "--help"}
+        assert rows[name] == options, (name, rows[name] ^ options)
+        assert all(p.help for p in command.params if isinstance(p, click.Option)), name
+    top = subprocess.run([BATCHRUN, "--help"], capture_output=True, text=True, env={"COLUMNS": "80"}).stdout
+    listing = top.split("Commands:")[1]
+    assert "..." not in listing and len(listing.strip().splitlines()) == len(main.commands), top

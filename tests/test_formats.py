@@ -388,3 +388,36 @@ def test_scoring_job(tmp_path, model_dir, tok_model):
     bad = text.replace("  prompt_logprobs: true", "")
     r = run_cli("submit", str(write_job(tmp_path / "bad.yaml", bad)), "--quiet")
     assert r.returncode == 2 and "scoring" in r.stderr, r.stderr
+
+
+def test_openai_error_lines_name_the_body_field_and_the_file_line(tmp_path):
+    """Issue 24, item 10: errors named batchrun's keys (max_new_tokens, logprobs) for the body's max_tokens and
+    top_logprobs; they now name the body's field and the file's own 1-based line (blank lines counted)."""
+
+    def req(custom_id, url="/v1/chat/completions", **body):
+        body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+    lines = [
+        req("ok", max_tokens=2),
+        "",
+        req("a", max_tokens="abc"),
+        req("b", logprobs=True, top_logprobs=50),
+        req("c", max_completion_tokens=1.5),
+        "{not json",
+    ]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: e\ninput: {{openai_batch: {tmp_path / 'b.jsonl'}}}\nengine: {{num_pages: 64}}\n"
+        f"output: {{path: {tmp_path / 'out'}}}\n",
+    )
+    assert run_cli("submit", str(job), "--quiet").returncode == 0
+    got = {(x["custom_id"] or "broken"): x["error"] for x in read_lines(tmp_path / "out").values()}
+    assert got["ok"] is None
+    assert got["a"]["message"].startswith("b.jsonl line 3: key `body.max_tokens` must be an integer"), got
+    assert got["b"]["message"].startswith(
+        "b.jsonl line 4: key `body.top_logprobs` must be a number in [0, 20]"
+    )
+    assert got["c"]["message"].startswith("b.jsonl line 5: key `body.max_completion_tokens`"), got
+    assert got["broken"]["message"].startswith("b.jsonl line 6: not JSON"), got

@@ -8,6 +8,7 @@ import pytest
 from helpers import ROOT, read_outputs, run_cli, write_job, write_prompts
 
 from batchrun.config import load_job
+from batchrun.errors import BadInput
 from batchrun.job import Job
 from batchrun.rows import Shard
 from batchrun.sources import InputSource
@@ -81,13 +82,25 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path):
     assert "context" in reasons["r4"][1] or "KV" in reasons["r4"][1]
 
 
-def test_non_string_prompt_column_gives_error_rows(tmp_path):
+def test_a_prompt_column_of_numbers_is_exit_2_before_the_load_and_a_null_prompt_an_error_row(tmp_path):
+    """Issue 24, item 4: a column that cannot hold prompts is the job's mistake, found by `validate` and before
+    any model loads (it used to load the model and make every row an error row, exit 0)."""
     pq.write_table(
         pa.table({"id": [1, 2], "prompt": [3, 4], "category": ["a", "b"]}), tmp_path / "in.parquet"
     )
+    with pytest.raises(BadInput, match=r"`input.prompt_column`: column 'prompt' .* holds int64"):
+        run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
+    job_file = write_job(
+        tmp_path / "v.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out="x")
+    )
+    r = run_cli("validate", str(job_file))
+    assert r.returncode == 2 and "input.prompt_column" in r.stderr and "int64" in r.stderr, r.stderr
+    pq.write_table(
+        pa.table({"id": [1, 2], "prompt": [None, "Hi."], "category": ["a", "b"]}), tmp_path / "in.parquet"
+    )
     rows = run_job(tmp_path, f"parquet: {tmp_path / 'in.parquet'}")
-    assert [r["finish_reason"] for r in rows.values()] == ["error", "error"]
-    assert all("neither a string nor a conversation" in r["error"] for r in rows.values())
+    assert rows[(1, 0)]["finish_reason"] == "error" and rows[(1, 0)]["error"] == "prompt is null"
+    assert rows[(2, 0)]["finish_reason"] in ("eos", "length")
     assert pq.read_schema(next((tmp_path / "out").glob("part-*.parquet"))).field("id").type == pa.int64()
 
 
@@ -267,3 +280,92 @@ def test_unwritable_output_path_is_exit_2(tmp_path):
     )
     r = run_cli("submit", str(job), "--quiet")
     assert r.returncode == 2 and "output.path" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- issue 24, items 3, 4 and 8 -------------------------------------------------------------------------------
+def _bogus_model(tmp_path):
+    """A model directory a load would fail on: a job that gets past its checks without loading says so."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    return tmp_path / "model"
+
+
+def test_an_input_without_rows_loads_no_model_and_leaves_an_empty_table_of_the_job_columns(tmp_path):
+    write_prompts(tmp_path / "in.parquet", [], extra={"category": []})
+    job = write_job(
+        tmp_path / "job.yaml",
+        JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+        + f"model: {{path: {_bogus_model(tmp_path)}}}\n",
+    )
+    r = run_cli("validate", str(job))
+    assert r.returncode == 0 and "input 0 rows (nothing to do" in r.stdout, r.stdout + r.stderr
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0 and "nothing to do" in r.stdout and "has no rows" in r.stdout, (
+        r.stdout + r.stderr
+    )
+    table = pq.read_table(tmp_path / "out")
+    assert table.num_rows == 0 and table.column_names[:3] == ["id", "sample", "completion"], table.schema
+    assert "category" in table.column_names
+    r = run_cli("submit", str(job), "--quiet")  # again: still one (empty) part, still nothing to do
+    assert r.returncode == 0 and len(list((tmp_path / "out").glob("part-*"))) == 1
+
+
+def test_slurm_with_an_unwritable_output_is_exit_2(tmp_path):
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:1], extra={"category": ["a"]})
+    (tmp_path / "a-file").write_text("")  # no directory can be made under a file (root included)
+    job = write_job(
+        tmp_path / "job.yaml",
+        JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "a-file" / "out"),
+    )
+    r = run_cli("slurm", str(job), "--array", "2")
+    assert r.returncode == 2 and "output.path" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_heartbeat_beats_while_the_model_loads():
+    """`status` called a loading run stale: the heartbeat only beat inside the step loop. It now refreshes on a
+    thread of its own from the start, in state loading."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from batchrun.heartbeat import Heartbeat, read_heartbeats
+
+    with tempfile.TemporaryDirectory() as d:
+        beat = Heartbeat(Path(d), Shard(), interval_s=0.05)
+        beat.start(10, 10, 0, 1)
+        first = read_heartbeats(Path(d))[0]
+        time.sleep(0.3)  # no beat() call: the load blocks the run's thread
+        later = read_heartbeats(Path(d))[0]
+        assert first["state"] == later["state"] == "loading" and later["updated"] > first["updated"]
+        beat.running()
+        beat.beat(4)
+        time.sleep(0.2)
+        assert read_heartbeats(Path(d))[0]["state"] == "running"
+        assert read_heartbeats(Path(d))[0]["rows_done"] == 4
+        beat.finish("finished", 10)
+        done = read_heartbeats(Path(d))[0]
+        time.sleep(0.2)
+        assert done["state"] == "finished" and read_heartbeats(Path(d))[0]["updated"] == done["updated"]
+
+
+def test_status_counts_the_rows_of_the_limit_and_a_finished_rate_and_the_summary_the_load(tmp_path):
+    from batchrun.report import format_summary
+    from batchrun.status import format_status, job_status
+
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:4], extra={"category": ["a"] * 4})
+    job_file = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    summary = Job(load_job(job_file), progress=False).run()
+    st = job_status(tmp_path / "out")
+    assert st["rows_done"] == st["rows_total"] == 4 and st["shards"][0]["state"] == "finished"
+    assert st["rows_per_s"] > 0 and st["shards"][0]["rows_per_s"] > 0, st  # it used to say 0.0 rows/s
+    printed = format_summary(summary)
+    assert summary["load_s"] > 0 and "loading the model" in printed, printed
+    assert f"{summary['wall_s'] + summary['load_s']:.1f} s" in printed
+    # the first row changes; a rerun of the first 2 rows recomputes it: 2 of 2, though the parts hold 4
+    write_prompts(tmp_path / "in.parquet", ["Name a bird.", *PROMPTS[1:4]], extra={"category": ["a"] * 4})
+    assert Job(load_job(job_file), progress=False, limit=2).run()["rows_changed"] == 1
+    st = job_status(tmp_path / "out")
+    assert st["rows_done"] == st["rows_total"] == 2, format_status(st)
+    assert "2 of 2 rows done (100.0%)" in format_status(st)

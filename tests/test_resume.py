@@ -1,5 +1,6 @@
 """Runs that lose nothing: kill -9 and resume, SIGTERM and resume, shards, refusing another job's parts."""
 
+import json
 import signal
 import subprocess
 import time
@@ -226,9 +227,9 @@ def test_dtype_auto_resolves_by_the_cpu_and_enters_the_fingerprint(monkeypatch):
     assert len({hash_of(auto), hash_of(bf16), hash_of(fp32)}) == 3
 
 
-def test_a_resume_reads_the_input_once(tmp_path, monkeypatch):
-    """The check for nothing to do and the run share one pass over the input (a resume used to scan it for done
-    rows twice)."""
+def test_a_resume_reads_the_input_twice_and_a_first_run_once(tmp_path, monkeypatch):
+    """The check for nothing to do and the run share one pass over the input; a resume makes one more, before
+    any model loads, comparing the done rows' input with what their output was made from (issue 24, item 1)."""
     from batchrun.config import load_job
     from batchrun.job import Job
     from batchrun.sources import InputSource
@@ -239,10 +240,93 @@ def test_a_resume_reads_the_input_once(tmp_path, monkeypatch):
         f"name: once\ninput: {{parquet: {tmp_path / 'in.parquet'}, id_column: id}}\n"
         f"sampling: {{max_new_tokens: 2}}\nengine: {{num_pages: 64}}\noutput: {{path: {tmp_path / 'out'}}}\n",
     )
-    assert Job(load_job(job_file), limit=3, progress=False).run()["rows"] == 3
     passes = []
     rows = InputSource.rows
     monkeypatch.setattr(InputSource, "rows", lambda self, *a, **k: passes.append(1) or rows(self, *a, **k))
+    assert Job(load_job(job_file), limit=3, progress=False).run()["rows"] == 3
+    assert len(passes) == 1
+    passes.clear()
     summary = Job(load_job(job_file), progress=False).run()
-    assert summary["rows"] == 6 and len(passes) == 1
+    assert summary["rows"] == 6 and len(passes) == 2
     assert len(read_outputs(tmp_path / "out")) == 6
+
+
+def _parts_bytes(out):
+    return {p.name: p.read_bytes() for p in sorted(out.glob("part-*"))}
+
+
+def test_a_row_whose_input_changed_is_recomputed_or_refused_never_kept(tmp_path):
+    """Issue 24, item 1: the cron pattern (a file regenerated at the same path) used to keep every old
+    completion with "nothing to do". Each part records its rows' input hashes; a rerun recomputes the changed
+    rows (removing their old outputs first: every row once) or, with input.on_change: refuse, exits 2."""
+    prompts = [f"Name a colour number {i}." for i in range(6)]
+    write_prompts(tmp_path / "in.parquet", prompts, extra={"category": ["k"] * 6})
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: changes\nmodel: {{dtype: float32}}\n"
+        f"input: {{parquet: {tmp_path / 'in.parquet'}, id_column: id, passthrough: [category]}}\n"
+        f"sampling: {{max_new_tokens: 4}}\nengine: {{num_pages: 128}}\n"
+        f"output: {{path: {tmp_path / 'out'}, rows_per_part: 2, flush_seconds: 0}}\n",
+    )
+    assert run_cli("submit", str(job), "--quiet").returncode == 0
+    before = read_outputs(tmp_path / "out")
+    # the nightly file is regenerated: two prompts and one passthrough value differ
+    prompts[1], prompts[4] = "Name a fruit.", "Name a tree."
+    write_prompts(tmp_path / "in.parquet", prompts, extra={"category": ["k"] * 5 + ["z"]})
+    parts = _parts_bytes(tmp_path / "out")
+    r = run_cli("submit", str(job), "--quiet", "--set", "input.on_change=refuse")
+    assert r.returncode == 2, r.stderr
+    assert "3 rows of input.parquet" in r.stderr and "input.on_change" in r.stderr and "'r1'" in r.stderr, (
+        r.stderr
+    )
+    assert _parts_bytes(tmp_path / "out") == parts, "refusing touches nothing"
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "3 rows of input.parquet" in r.stderr and "recomputing" in r.stderr, r.stderr
+    after = read_outputs(tmp_path / "out")  # (read_outputs fails on a row written twice)
+    assert sorted(after) == sorted(before)
+    fresh = run_cli("submit", str(job), "--quiet", "--set", f"output.path={tmp_path / 'fresh'}")
+    assert fresh.returncode == 0, fresh.stderr
+    want = read_outputs(tmp_path / "fresh")
+    assert {k: v["completion"] for k, v in after.items()} == {k: v["completion"] for k, v in want.items()}
+    assert after[("r5", 0)]["category"] == "z"
+    assert [k for k in after if after[k]["completion"] != before[k]["completion"]] != []
+    summary = json.loads(run_cli("stats", str(tmp_path / "out"), "--json").stdout)
+    assert summary["rows_changed"] == 3 and summary["rows"] == 6, summary
+    assert "recomputed" in run_cli("stats", str(tmp_path / "out")).stdout
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout
+
+
+def test_a_changed_openai_batch_line_is_recomputed(tmp_path):
+    def line(custom_id, text):
+        body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 3}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
+
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("\n".join([line("a", "Hi."), line("b", "Say yes."), line("c", "Say no.")]) + "\n")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: oai\nmodel: {{dtype: float32}}\ninput: {{openai_batch: {batch}}}\n"
+        f"engine: {{num_pages: 64}}\noutput: {{path: {tmp_path / 'out'}, rows_per_part: 1, flush_seconds: 0}}\n",
+    )
+    assert run_cli("submit", str(job), "--quiet").returncode == 0
+    batch.write_text("\n".join([line("a", "Hi."), line("b", "Name a fish."), line("c", "Say no.")]) + "\n")
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0 and "1 row of input.openai_batch" in r.stderr, r.stderr
+    lines = [
+        json.loads(t) for p in (tmp_path / "out").glob("part-*.jsonl") for t in p.read_text().splitlines()
+    ]
+    assert sorted(x["custom_id"] for x in lines) == ["a", "b", "c"]  # once each
+    fresh = run_cli("submit", str(job), "--quiet", "--set", f"output.path={tmp_path / 'fresh'}")
+    assert fresh.returncode == 0
+    want = {
+        json.loads(t)["custom_id"]: json.loads(t)
+        for p in (tmp_path / "fresh").glob("part-*.jsonl")
+        for t in p.read_text().splitlines()
+    }
+    got = {x["custom_id"]: x for x in lines}
+    content = lambda x: x["response"]["body"]["choices"][0]["message"]["content"]  # noqa: E731
+    assert content(got["b"]) == content(want["b"]) and got["b"]["id"] == want["b"]["id"]

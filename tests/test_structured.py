@@ -197,3 +197,133 @@ output: {{path: {tmp_path / "out"}}}
     )
     r = run_cli("validate", str(write_job(tmp_path / "bad2.yaml", bad.replace("type: regex", "type: xml"))))
     assert r.returncode == 2 and "sampling.response_format" in r.stderr, r.stderr
+
+
+# ---- issue 24, items 2 and 4: every schema feature is enforced or refused, and refused before the load ----------
+# (schema, an instance it forbids): whatever the checker lets through, the grammar itself must reject the instance
+FEATURES = {
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1]),
+    "not": ({"type": "integer", "not": {"const": 1}}, 1),
+    "if/then": ({"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 5}}, 7),
+    "allOf": ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, 3),
+    "oneOf overlapping": ({"oneOf": [{"type": "integer"}, {"minimum": 0}]}, 3),
+    "external $ref": ({"$ref": "http://example.com/x.json"}, "a"),
+    "dependentRequired": (
+        {"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+        {"a": 1},
+    ),
+    "format idn-email": ({"type": "string", "format": "idn-email"}, "zz zz"),
+    "multipleOf on a number": ({"type": "number", "multipleOf": 0.5}, 0.3),
+    "minLength without type": ({"minLength": 3}, "ab"),
+    "minimum without type": ({"minimum": 3}, 1),
+    # enforced: the checker must let these through, and the grammar rejects the instance
+    "maxLength": ({"type": "string", "maxLength": 2}, "abc"),
+    "pattern": ({"type": "string", "pattern": "^a+$"}, "b"),
+    "format date": ({"type": "string", "format": "date"}, "nope"),
+    "minimum": ({"type": "integer", "minimum": 5}, 3),
+    "multipleOf on an integer": ({"type": "integer", "multipleOf": 3}, 4),
+    "minItems": ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1]),
+    "required without type": ({"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}),
+    "additionalProperties": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+        {"b": 1},
+    ),
+    "local $ref": ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}, "a"),
+    "oneOf by type": ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, True),
+    "oneOf by discriminator": (
+        {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"k": {"const": "a"}, "x": {"type": "integer"}},
+                    "required": ["k"],
+                },
+                {
+                    "type": "object",
+                    "properties": {"k": {"const": "b"}, "y": {"type": "string"}},
+                    "required": ["k"],
+                },
+            ]
+        },
+        {"k": "c"},
+    ),
+    "allOf of one": ({"allOf": [{"type": "integer", "minimum": 3}]}, 1),
+}
+ENFORCED = {
+    "maxLength", "pattern", "format date", "minimum", "multipleOf on an integer", "minItems",
+    "required without type", "additionalProperties", "local $ref", "oneOf by type", "oneOf by discriminator",
+    "allOf of one",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_a_schema_feature_is_enforced_by_the_grammar_or_refused(name):
+    """Asks xgrammar itself: a schema the checker lets through compiles into a grammar that rejects an instance
+    the schema forbids (so no feature is silently dropped); the known-unenforced ones are refused, naming it."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from batchrun.engine.structured import unenforced_feature
+
+    schema, forbidden = FEATURES[name]
+    if name != "external $ref":  # (unresolvable here) the instance really is one the schema forbids
+        checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+        assert not jsonschema.Draft202012Validator(schema, format_checker=checker).is_valid(forbidden)
+    found = unenforced_feature(schema)
+    assert (found is None) == (name in ENFORCED), found
+    if found is None:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
+        assert not _is_grammar_accept_string(grammar, json.dumps(forbidden, separators=(",", ":")))
+
+
+def test_unenforced_schemas_are_errors_in_the_api_and_rows_without_cpp_log_prefixes(llm, tmp_path):
+    unique = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "u",
+            "schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        },
+    }
+    external = {
+        "type": "json_schema",
+        "json_schema": {"name": "e", "schema": {"$ref": "http://x.org/a.json"}},
+    }
+    for rf, what in ((unique, "uniqueItems"), (external, "$ref")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            llm.generate(["x"], SamplingParams(response_format=rf), use_tqdm=False)
+    # a compile error reads without xgrammar's "[hh:mm:ss] /project/cpp/...:N: " prefix
+    bad_items = {
+        "type": "json_schema",
+        "json_schema": {"name": "b", "schema": {"type": "array", "items": [1]}},
+    }
+    with pytest.raises(ValueError) as e:
+        llm.generate(["x"], SamplingParams(response_format=bad_items), use_tqdm=False)
+    assert "does not compile" in str(e.value) and "/project/" not in str(e.value) and "[" not in str(e.value)
+
+
+def test_job_wide_format_checks_come_before_the_model_load(tmp_path):
+    """A job-wide format that does not compile or is not enforced is exit 2 from `validate` and from `submit`
+    before any weights load (the model directory here has none: a load would fail otherwise)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "in.parquet")
+    base = f"""
+name: early
+model: {{path: {tmp_path / "model"}}}
+input: {{parquet: {tmp_path / "in.parquet"}}}
+output: {{path: {tmp_path / "out"}}}
+"""
+    cases = {
+        "does not compile": "sampling: {response_format: {type: regex, regex: '('}}",
+        "uniqueItems": "sampling: {response_format: {type: json_schema, json_schema: {name: u, schema: "
+        "{type: array, uniqueItems: true}}}}",
+    }
+    for i, (expected, sampling) in enumerate(cases.items()):
+        job = write_job(tmp_path / f"j{i}.yaml", base + sampling + "\n")
+        for command in ("validate", "submit"):
+            r = run_cli(command, str(job))
+            assert r.returncode == 2, (command, r.stderr)
+            assert "sampling.response_format" in r.stderr and expected in r.stderr, (command, r.stderr)

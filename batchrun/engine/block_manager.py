@@ -1,10 +1,5 @@
-"""Pure integer bookkeeping of KV pages: free lists, reference counts, prefix hashes and CPU swap slots.
-
-No tensors here. The accelerator pool has `num_pages` pages of `page_size` token slots; the CPU pool has
-`num_cpu_pages`. A page's reference count is the number of block tables holding it. A freed page that carries
-a prefix hash keeps its contents and can be revived by a later sequence until the allocator reuses it; free
-pages without a hash are handed out before pages with one; among those with a hash, the least recently freed
-first (so a popular prefix survives longest).
+"""The block tables of sequences: which pages each one holds, taken from and given back to the page pools
+(page_pool.py), with prefix sharing, copy-on-write forks and swapping to CPU pages.
 
 KV cache groups: a model whose layers attend differently (full attention, a sliding window of W tokens, chunks)
 has one group per kind of layer, and a sequence one block table per group (`Sequence.block_tables`); the pages
@@ -15,26 +10,11 @@ their entries become `NULL`. A model of one kind has one group, and everything b
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from .page_pool import CpuPagePool, PageCopy, PagePool, cdiv, chain_hash
 from .sequence import NULL_PAGE, Sequence
-
-
-class PageCopy(NamedTuple):
-    src: int
-    dst: int
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: the pages that `a` tokens fill at `b` tokens a page."""
-    return -(-a // b)
-
-
-def chain_hash(prev_hash: int | None, tokens: Iterable[int]) -> int:
-    """Hash of a full page, chained over every token before it (through prev_hash) and in it."""
-    return hash((prev_hash, tuple(tokens)))
 
 
 class PrefixMatch(NamedTuple):
@@ -46,136 +26,23 @@ class PrefixMatch(NamedTuple):
     hashes: list[int]
 
 
-class BlockManager:
-    def __init__(
-        self,
-        num_pages: int,
-        page_size: int,
-        num_cpu_pages: int = 0,
-        prefix_sharing: bool = True,
-        first_keys: list | None = None,
-    ):
-        """`first_keys`: per KV cache group, a function from a query position to the first key position that
-        query sees (MaskKind.first_key); None: one group of full attention."""
-        if num_pages < 1:
-            raise ValueError("the accelerator pool needs at least one page")
-        self.num_pages = num_pages
+class PageLayout:
+    """How many pages a sequence's tables hold: `page_size` tokens a page, and per KV cache group the first key
+    position a query at a given position sees (`first_keys`, MaskKind.first_key; None: one full-attention
+    group)."""
+
+    def __init__(self, page_size: int, first_keys: list[Callable[[int], int]] | None = None):
         self.page_size = page_size
-        self.num_cpu_pages = num_cpu_pages
-        self.prefix_sharing = prefix_sharing
         self.first_keys = list(first_keys) if first_keys else [lambda pos: 0]
         self.num_groups = len(self.first_keys)
         self.windowed = any(fk(1 << 40) > 0 for fk in self.first_keys)  # some group gives pages back
-        self.ref_count = [0] * num_pages
-        # a stack: the page freed last is handed out first, so the pages ever touched (and the process's memory
-        # on the CPU, where the pool is lazily zeroed) stay at the peak in use, not the whole pool
-        self._free_uncached: list[int] = list(range(num_pages - 1, -1, -1))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
-        self.page_hash: dict[int, int] = {}  # page -> hash, for full pages with known contents
-        self.page_tokens: dict[int, tuple[int, ...]] = {}  # page -> its tokens, to rule out collisions
-        self.hash_to_page: dict[tuple[int, int], int] = {}  # (group, hash) -> page
-        self.page_group: dict[int, int] = {}  # page -> group, for pages with a hash
-        self.cpu_ref_count = [0] * num_cpu_pages
-        self._cpu_free: deque[int] = deque(range(num_cpu_pages))
-        # counters for statistics
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
-        self.num_cow_copies = 0
-        self.num_window_freed = 0  # pages released because they fell behind their group's window
 
-    # ---- accelerator pages -------------------------------------------------------------------------------
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free_uncached) + len(self._free_cached)
-
-    @property
-    def num_used_pages(self) -> int:
-        return self.num_pages - self.num_free_pages
-
-    def allocate_page(self) -> int:
-        if self._free_uncached:
-            page = self._free_uncached.pop()
-        elif self._free_cached:
-            page, _ = self._free_cached.popitem(last=False)
-            self._forget_hash(page)
-        else:
-            raise RuntimeError("no free page: the scheduler must check before allocating")
-        assert self.ref_count[page] == 0
-        self.ref_count[page] = 1
-        return page
-
-    def acquire_page(self, page: int) -> None:
-        """Add a reference to a page in use, or revive a free cached page."""
-        if self.ref_count[page] == 0:
-            del self._free_cached[page]
-        self.ref_count[page] += 1
-
-    def release_page(self, page: int) -> None:
-        assert self.ref_count[page] > 0, f"page {page} released more often than held"
-        self.ref_count[page] -= 1
-        if self.ref_count[page] == 0:
-            if page in self.page_hash:
-                self._free_cached[page] = None
-            else:
-                self._free_uncached.append(page)
-
-    def _forget_hash(self, page: int) -> None:
-        h = self.page_hash.pop(page, None)
-        self.page_tokens.pop(page, None)
-        group = self.page_group.pop(page, None)
-        if h is not None and self.hash_to_page.get((group, h)) == page:
-            del self.hash_to_page[(group, h)]
-
-    def _register(self, group: int, h: int, page: int, tokens: tuple[int, ...]) -> None:
-        if (group, h) not in self.hash_to_page and page not in self.page_hash:
-            self.hash_to_page[(group, h)] = page
-            self.page_hash[page] = h
-            self.page_group[page] = group
-            self.page_tokens[page] = tokens
-
-    # ---- sequences ----------------------------------------------------------------------------------------
     def pages_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.page_size)
 
     def first_block(self, group: int, pos: int) -> int:
         """The first block of `group` that queries at positions >= pos still read."""
         return self.first_keys[group](pos) // self.page_size
-
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
-        window still reads at the prefix's end). The last token is never matched: its logits are needed, so at
-        least one token of the prompt is always computed."""
-        if not self.prefix_sharing or seq.prompt_logprobs is not None:
-            return PrefixMatch(0, [[] for _ in range(self.num_groups)], [])  # a scoring sequence computes all
-        tokens = seq.token_ids
-        P = self.page_size
-        hashes: list[int] = []
-        prev = None
-        for i in range((len(tokens) - 1) // P):
-            chunk = tuple(tokens[i * P : (i + 1) * P])
-            prev = chain_hash(prev, chunk)
-            hashes.append(prev)
-        # per group, the last block before each k that is not cached (-1: none), then the longest prefix k for
-        # which every group holds the blocks it reads: those from first_block(group, k * P) on
-        last_miss = []
-        for g in range(self.num_groups):
-            latest, misses = -1, []
-            for i, h in enumerate(hashes):
-                page = self.hash_to_page.get((g, h))
-                if page is None or self.page_tokens.get(page) != tuple(tokens[i * P : (i + 1) * P]):
-                    latest = i
-                misses.append(latest)
-            last_miss.append(misses)
-        for k in range(len(hashes), 0, -1):
-            if all(last_miss[g][k - 1] < self.first_block(g, k * P) for g in range(self.num_groups)):
-                tables = [self._cached_table(g, hashes, k) for g in range(self.num_groups)]
-                return PrefixMatch(k, tables, hashes[:k])
-        return PrefixMatch(0, [[] for _ in range(self.num_groups)], [])
-
-    def _cached_table(self, group: int, hashes: list[int], k: int) -> list[int]:
-        """The group's table of the first k blocks from the cache (NULL before the blocks it reads)."""
-        first = self.first_block(group, k * self.page_size)
-        return [NULL_PAGE] * first + [self.hash_to_page[(group, hashes[i])] for i in range(first, k)]
 
     def max_pages_held(self, group: int, start: int, end: int, max_chunk: int) -> int:
         """The most pages `group` holds while a sequence computes its tokens [start, end) in steps of at most
@@ -200,6 +67,73 @@ class BlockManager:
             total += max(prefill, decode)
         return total
 
+
+class BlockManager:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_cpu_pages: int = 0,
+        prefix_sharing: bool = True,
+        first_keys: list | None = None,
+    ):
+        self.pool = PagePool(num_pages)
+        self.cpu_pool = CpuPagePool(num_cpu_pages)
+        self.layout = PageLayout(page_size, first_keys)
+        self.num_pages, self.num_cpu_pages, self.page_size = num_pages, num_cpu_pages, page_size
+        self.num_groups = self.layout.num_groups
+        self.prefix_sharing = prefix_sharing
+        # counters for statistics
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_cow_copies = 0
+        self.num_window_freed = 0  # pages released because they fell behind their group's window
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.pool.num_free
+
+    @property
+    def num_free_cpu_pages(self) -> int:
+        return self.cpu_pool.num_free
+
+    def _no_tables(self) -> list[list[int]]:
+        return [[] for _ in range(self.num_groups)]
+
+    # ---- admission ------------------------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
+        window still reads at the prefix's end). The last token is never matched: its logits are needed, so at
+        least one token of the prompt is always computed."""
+        if not self.prefix_sharing or seq.prompt_logprobs is not None:
+            return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
+        tokens, P = seq.token_ids, self.page_size
+        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range((len(tokens) - 1) // P)]
+        hashes: list[int] = []
+        for chunk in chunks:
+            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+        # per group, its cached pages and the last block before each k that is not cached (-1: none); then the
+        # longest prefix k for which every group holds the blocks it reads: those from first_block(g, k * P) on
+        pages = [[self.pool.cached(g, h, c) for h, c in zip(hashes, chunks)] for g in range(self.num_groups)]
+        last_miss = []
+        for group_pages in pages:
+            latest, misses = -1, []
+            for i, page in enumerate(group_pages):
+                latest = i if page is None else latest
+                misses.append(latest)
+            last_miss.append(misses)
+        first_block = self.layout.first_block
+        for k in range(len(hashes), 0, -1):
+            firsts = [first_block(g, k * P) for g in range(self.num_groups)]
+            if all(last_miss[g][k - 1] < firsts[g] for g in range(self.num_groups)):
+                tables = [[NULL_PAGE] * f + pages[g][f:k] for g, f in enumerate(firsts)]
+                return PrefixMatch(k, tables, hashes[:k])
+        return PrefixMatch(0, self._no_tables(), [])
+
     def num_new_pages_for_admission(
         self, seq: Sequence, match: PrefixMatch | None = None, max_chunk: int | None = None
     ) -> int:
@@ -212,8 +146,8 @@ class BlockManager:
         need = 0
         for g, table in enumerate(match.tables):
             held = [p for p in table if p != NULL_PAGE]
-            most = self.max_pages_held(g, start, end, max_chunk or end)
-            need += max(0, most - len(held)) + sum(1 for p in held if self.ref_count[p] == 0)
+            most = self.layout.max_pages_held(g, start, end, max_chunk or end)
+            need += max(0, most - len(held)) + sum(1 for p in held if self.pool.ref_count[p] == 0)
         return need
 
     def allocate_sequence(self, seq: Sequence, max_new_tokens: int, match: PrefixMatch | None = None) -> int:
@@ -224,7 +158,7 @@ class BlockManager:
         for table in match.tables:
             for p in table:
                 if p != NULL_PAGE:
-                    self.acquire_page(p)
+                    self.pool.acquire(p)
         seq.block_tables = [list(t) for t in match.tables]
         seq.block_hashes = list(match.hashes)
         seq.num_computed_tokens = match.num_blocks * self.page_size
@@ -235,54 +169,57 @@ class BlockManager:
         assert not cow, "a new sequence never writes into a shared page"
         return n
 
+    # ---- running ----------------------------------------------------------------------------------------------
     def trim(self, seq: Sequence) -> int:
         """Release the pages each windowed group of `seq` will not read again (wholly before the first key its
         next query sees); returns how many."""
         freed = 0
-        if not self.windowed:
+        if not self.layout.windowed:
             return 0  # full attention only: the common case, every step of every sequence
         for g, table in enumerate(seq.block_tables):
-            first = min(self.first_block(g, seq.num_computed_tokens), len(table))
+            first = min(self.layout.first_block(g, seq.num_computed_tokens), len(table))
             # the entries given back earlier are a run at the head: walk back from `first` to it, not from 0
             # (every step, for every sequence and group)
             start = first
             while start > 0 and table[start - 1] != NULL_PAGE:
                 start -= 1
             for b in range(start, first):
-                self.release_page(table[b])
+                self.pool.release(table[b])
                 table[b] = NULL_PAGE
             freed += first - start
         self.num_window_freed += freed
         return freed
 
+    def _shared_first_page(self, seq: Sequence, table: list[int]) -> bool:
+        """The page seq's next token is written into is held by another table too (a fork): copy on write."""
+        first = seq.num_computed_tokens // self.page_size
+        return first < len(table) and table[first] != NULL_PAGE and self.pool.ref_count[table[first]] > 1
+
     def num_pages_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free pages that computing seq's next `num_new_tokens` tokens takes: new pages past the end of each
         block table, plus a private copy when the first page written into is shared (copy-on-write)."""
-        first = seq.num_computed_tokens // self.page_size
-        end_pages = self.pages_needed(seq.num_computed_tokens + num_new_tokens)
+        end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
         needed = 0
         for g, table in enumerate(seq.block_tables):
-            start = max(len(table), self.first_block(g, seq.num_computed_tokens))
-            needed += max(0, end_pages - start)
-            if first < len(table) and table[first] != NULL_PAGE and self.ref_count[table[first]] > 1:
-                needed += 1
+            start = max(len(table), self.layout.first_block(g, seq.num_computed_tokens))
+            needed += max(0, end_pages - start) + self._shared_first_page(seq, table)
         return needed
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> list[PageCopy]:
         """Make the slots of seq's next `num_new_tokens` tokens writable; returns the copy-on-write copies."""
         cows = []
         first = seq.num_computed_tokens // self.page_size
-        end_pages = self.pages_needed(seq.num_computed_tokens + num_new_tokens)
+        end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
         for g, table in enumerate(seq.block_tables):
-            if first < len(table) and table[first] != NULL_PAGE and self.ref_count[table[first]] > 1:
-                page, new_page = table[first], self.allocate_page()
-                self.release_page(page)
+            if self._shared_first_page(seq, table):
+                page, new_page = table[first], self.pool.allocate()
+                self.pool.release(page)
                 table[first] = new_page
                 self.num_cow_copies += 1
                 cows.append(PageCopy(page, new_page))
-            skip = self.first_block(g, seq.num_computed_tokens)  # blocks its queries never read
+            skip = self.layout.first_block(g, seq.num_computed_tokens)  # blocks its queries never read
             while len(table) < end_pages:
-                table.append(NULL_PAGE if len(table) < skip else self.allocate_page())
+                table.append(NULL_PAGE if len(table) < skip else self.pool.allocate())
         return cows
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -290,17 +227,14 @@ class BlockManager:
         for table in parent.block_tables:
             for p in table:
                 if p != NULL_PAGE:
-                    self.acquire_page(p)
+                    self.pool.acquire(p)
         child.block_tables = [list(t) for t in parent.block_tables]
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free_sequence(self, seq: Sequence) -> None:
-        for table in seq.block_tables:
-            for p in reversed(table):  # the tail first, so the LRU keeps a prefix's head longest
-                if p != NULL_PAGE:
-                    self.release_page(p)
-        seq.block_tables = [[] for _ in range(self.num_groups)]
+        self.pool.release_tables(seq.block_tables)
+        seq.block_tables = self._no_tables()
         seq.block_hashes = []
 
     def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
@@ -315,23 +249,23 @@ class BlockManager:
         full = min(num_tokens // P, len(seq.block_tables[0]))
         if len(seq.block_hashes) >= full:
             return  # the common case, every step of every decode: nothing newly full
-        tokens = seq.token_ids
-        while len(seq.block_hashes) < full:
-            i = len(seq.block_hashes)
-            chunk = tuple(tokens[i * P : (i + 1) * P])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
-            seq.block_hashes.append(h)
+        tokens, start = seq.token_ids, len(seq.block_hashes)
+        for i in range(start, full):
+            chunk = tokens[i * P : (i + 1) * P]
+            seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk))
+        self._register_tables(seq, start)
+
+    def _register_tables(self, seq: Sequence, start: int = 0) -> None:
+        """Index seq's hashed pages from block `start` on, in every group that holds them."""
+        tokens, P = seq.token_ids, self.page_size
+        for i in range(start, len(seq.block_hashes)):
             for g, table in enumerate(seq.block_tables):
                 if i < len(table) and table[i] != NULL_PAGE:
-                    self._register(g, h, table[i], chunk)
+                    self.pool.register(g, seq.block_hashes[i], table[i], tuple(tokens[i * P : (i + 1) * P]))
 
-    # ---- CPU swap pool --------------------------------------------------------------------------------------
-    @property
-    def num_free_cpu_pages(self) -> int:
-        return len(self._cpu_free)
-
+    # ---- swapping -------------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return seq.num_held_pages() <= len(self._cpu_free)
+        return seq.num_held_pages() <= self.cpu_pool.num_free
 
     def swap_out(self, seq: Sequence) -> list[PageCopy]:
         """Move seq's pages to CPU pages; returns (accelerator page, CPU page) copies to make *before* any
@@ -339,15 +273,8 @@ class BlockManager:
         copies = []
         seq.cpu_block_tables = []
         for table in seq.block_tables:
-            cpu_table = []
-            for page in table:
-                if page == NULL_PAGE:
-                    cpu_table.append(NULL_PAGE)
-                    continue
-                cpu_page = self._cpu_free.popleft()
-                self.cpu_ref_count[cpu_page] = 1
-                copies.append(PageCopy(page, cpu_page))
-                cpu_table.append(cpu_page)
+            cpu_table = [NULL_PAGE if p == NULL_PAGE else self.cpu_pool.allocate() for p in table]
+            copies += [PageCopy(p, c) for p, c in zip(table, cpu_table) if p != NULL_PAGE]
             seq.cpu_block_tables.append(cpu_table)
         hashes = seq.block_hashes
         self.free_sequence(seq)
@@ -356,7 +283,7 @@ class BlockManager:
 
     def num_pages_to_swap_in(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free pages that bringing seq back and computing its next tokens takes."""
-        end_pages = self.pages_needed(seq.num_computed_tokens + num_new_tokens)
+        end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
         return sum(
             sum(1 for p in t if p != NULL_PAGE) + max(0, end_pages - len(t)) for t in seq.cpu_block_tables
         )
@@ -366,24 +293,16 @@ class BlockManager:
         copies = []
         seq.block_tables = []
         for cpu_table in seq.cpu_block_tables:
-            table = []
-            for cpu_page in cpu_table:
-                if cpu_page == NULL_PAGE:
-                    table.append(NULL_PAGE)
-                    continue
-                copies.append(PageCopy(cpu_page, self.allocate_page()))
-                self.cpu_ref_count[cpu_page] = 0
-                self._cpu_free.append(cpu_page)
-                table.append(copies[-1].dst)
+            table = [NULL_PAGE if c == NULL_PAGE else self.pool.allocate() for c in cpu_table]
+            for c, p in zip(cpu_table, table):
+                if c != NULL_PAGE:
+                    copies.append(PageCopy(c, p))
+                    self.cpu_pool.release(c)
             seq.block_tables.append(table)
-        seq.cpu_block_tables = [[] for _ in range(self.num_groups)]
-        # The swapped-in pages are private copies; re-register them only where the hash is not taken.
+        seq.cpu_block_tables = self._no_tables()
+        # the swapped-in pages are private copies; re-register them only where the hash is not taken
         if self.prefix_sharing:
-            tokens, P = seq.token_ids, self.page_size
-            for i, h in enumerate(seq.block_hashes):
-                for g, table in enumerate(seq.block_tables):
-                    if i < len(table) and table[i] != NULL_PAGE:
-                        self._register(g, h, table[i], tuple(tokens[i * P : (i + 1) * P]))
+            self._register_tables(seq)
         return copies
 
     def free_cpu_pages(self, seq: Sequence) -> None:
@@ -391,22 +310,14 @@ class BlockManager:
         for cpu_table in seq.cpu_block_tables:
             for cpu_page in cpu_table:
                 if cpu_page != NULL_PAGE:
-                    self.cpu_ref_count[cpu_page] = 0
-                    self._cpu_free.append(cpu_page)
-        seq.cpu_block_tables = [[] for _ in range(self.num_groups)]
+                    self.cpu_pool.release(cpu_page)
+        seq.cpu_block_tables = self._no_tables()
         seq.block_hashes = []
 
     # ---- checks ----------------------------------------------------------------------------------------------
     def check_integrity(self, sequences: Iterable[Sequence] = ()) -> None:
         """free + used == total in both pools, and every reference count equals the number of block tables
         (of `sequences`: pass every live sequence) that hold the page. Raises AssertionError."""
-        free = list(self._free_uncached) + list(self._free_cached)
-        assert len(free) == len(set(free)), "a page is on a free list twice"
-        assert all(self.ref_count[p] == 0 for p in free), "a free page has references"
-        used = [p for p in range(self.num_pages) if self.ref_count[p] > 0]
-        assert len(used) + len(free) == self.num_pages, (
-            f"free {len(free)} + used {len(used)} != total {self.num_pages}"
-        )
         expected = [0] * self.num_pages
         expected_cpu = [0] * self.num_cpu_pages
         groups_of_page: dict[int, set[int]] = {}
@@ -421,12 +332,6 @@ class BlockManager:
                 for p in table:
                     if p != NULL_PAGE:
                         expected_cpu[p] += 1
-        assert expected == self.ref_count, "reference counts differ from the block tables"
-        assert expected_cpu == self.cpu_ref_count, "CPU page references differ from the CPU block tables"
+        self.pool.check(expected)
+        self.cpu_pool.check(expected_cpu)
         assert all(len(g) == 1 for g in groups_of_page.values()), "a page is held by two groups"
-        cpu_free = set(self._cpu_free)
-        assert len(cpu_free) == len(self._cpu_free)
-        assert all(self.cpu_ref_count[p] == 0 for p in cpu_free)
-        assert len(cpu_free) + sum(1 for c in self.cpu_ref_count if c) == self.num_cpu_pages
-        for page, h in self.page_hash.items():
-            assert self.hash_to_page.get((self.page_group[page], h)) == page, "hash index out of step"

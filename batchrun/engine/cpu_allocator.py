@@ -3,10 +3,10 @@
 glibc's malloc takes blocks over its mmap threshold (at most 32 MB by its own adjustment) straight from the
 kernel and gives them back when they are freed, so the largest tensors of a step -- the logits (256 rows x
 49,152 fp32 = 50 MB), a long prompt's activations -- fault in fresh zeroed pages every step and are unmapped
-after it. Raising the mmap and trim thresholds keeps freed blocks in the heap for the next step. Measured on
-the reference workload (`python bench/speed.py --one batchrun --dtype float32 --sharing off`, with glibc's
-MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set and not, alternated twice): 114.4 / 104.3 tok/s against 99.8 /
-98.6. The price: the process keeps its peak heap instead of returning it to the system.
+after it. Raising the mmap and trim thresholds keeps freed blocks in the heap for the next step: faster on the
+reference workload of `python -m bench.vs_vllm` (fp32, sharing off; glibc's MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ set and not, alternated: the figures are in bench/RESULTS.md). The price: the process
+keeps its peak heap instead of returning it to the system.
 """
 
 from __future__ import annotations

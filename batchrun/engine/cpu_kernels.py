@@ -1,10 +1,13 @@
 """batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
 the greedy argmax over a step's logits.
 
-Built once with torch's C++ extension builder (a C++ compiler and `ninja` are needed) into the cache folder
-(`$BATCHRUN_CACHE/torch_extensions`, default ~/.cache/batchrun), then loaded in well under a second. Where it
-cannot be built, `load()` warns with the reason and returns None: `attention: torch` falls back to `gather`, and
-`argmax_rows` to torch's argmax.
+Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
+(`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
+(`$BATCHRUN_CACHE/torch_extensions`, default ~/.cache/batchrun), then loaded in well under a second. The build
+folder is keyed by the source, the torch and Python versions and the CPU: two checkouts or installed versions
+never rebuild each other's build in turn, and a job waits on a build lock only while its very build is made.
+Where it cannot be built, `load()` warns with the reason and returns None: `attention: torch` falls back to
+`gather`, and `argmax_rows` to torch's argmax.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def load():
 
 
 def build_dir() -> Path:
-    """Where the extension is built: one folder per kind of CPU (-march=native; a cache folder may be shared
-    between machines)."""
-    return cache_dir() / "torch_extensions" / f"cpu_kernels-{_cpu_id()}"
+    """Where the extension is built: one folder per source, torch, Python and kind of CPU (-march=native; a
+    cache folder may be shared between machines and versions)."""
+    return cache_dir() / "torch_extensions" / f"cpu_kernels-{_build_key()}"
 
 
 def _build(cpp_extension, build: Path):
@@ -81,8 +84,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
-def _cpu_id() -> str:
+def _build_key() -> str:
     import hashlib
     import platform
+    import sys
 
-    return hashlib.sha256(f"{platform.machine()}|{cpu_description()}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(
+        f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{cpu_description()}".encode()
+    )
+    return key.hexdigest()[:16]
+
+
+if __name__ == "__main__":  # `make install`: build now, not in the first job
+    built = load()
+    print(f"batchrun CPU kernels: {'built in ' + str(build_dir()) if built is not None else 'not built'}")

@@ -115,7 +115,9 @@ class Engine:
                 return str(e)
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
-        pages = self.block_manager.pages_to_run(num_prompt_tokens, total, self.config.max_num_batched_tokens)
+        pages = self.block_manager.layout.pages_to_run(
+            num_prompt_tokens, total, self.config.max_num_batched_tokens
+        )
         if pages > self.num_pages:
             return (
                 f"prompt of {num_prompt_tokens} tokens + {params.max_new_tokens} new tokens needs {pages} KV "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import PageCopy
+from .page_pool import PageCopy
 
 
 @dataclass(frozen=True)

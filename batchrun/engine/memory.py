@@ -69,7 +69,7 @@ def count(
         k, rest = divmod(computed, P)
         for table in seq.block_tables:
             # entries given back (NULL) are a run of full pages at the head of a windowed group's table
-            null = table.count(NULL_PAGE) if bm.windowed else 0
+            null = table.count(NULL_PAGE) if bm.layout.windowed else 0
             held = table[null:]
             freed += null
             logical_pages += len(held)
@@ -121,7 +121,7 @@ def recount(
         num_waiting,
         num_swapped,
         pages_used=len(holders),
-        pages_allocatable=sum(1 for c in bm.ref_count if c == 0),
+        pages_allocatable=sum(1 for c in bm.pool.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
         tokens_cached_per_sequence=cached,

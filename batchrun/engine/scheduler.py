@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager, PageCopy
+from .block_manager import BlockManager
 from .config import EngineConfig
+from .page_pool import PageCopy
 from .sequence import Sequence
 
 

@@ -19,7 +19,7 @@ PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "st
 
 class PhaseTimes:
     """Seconds per phase (the summary's `time_<phase>_s`), and finer `parts` that the code times where it does
-    the work (the attention backend's K/V writes, decode kernel, prompts), for bench/profile_step.py; `counts`
+    the work (the attention backend's K/V writes, decode kernel, prompts), for bench/micro/profile_step.py; `counts`
     beside them (the bytes the decode kernel read)."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ tokens each, under one KV budget, run twice by the same engine:
   groups  KV cache groups (what batchrun does): the sliding layers' pages behind the window go back to the pool
   kept    every layer in one group, every page held to the end (batchrun before KV cache groups)
 
-  python bench/window_memory.py [--rows 24] [--budget-seqs 4] [--chunk 1024]
+  python -m bench.micro.window_memory [--rows 24] [--budget-seqs 4] [--chunk 1024]
 
 Prints, per mode: KV memory held per running sequence in decode-only steps (mean, as a share of what full
 attention holds), sequences running at once (peak and mean over decode steps), generated tokens per second,

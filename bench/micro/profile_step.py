@@ -1,11 +1,11 @@
-"""Where batchrun's time goes on bench/speed.py's reference workload (one process, the API):
+"""Where batchrun's time goes on bench/vs_vllm.py's reference workload (one process, the API):
 
-  python bench/profile_step.py run [--dtype float32] [--sharing off]   torch.profiler over the whole batch: the
+  python -m bench.micro.profile_step run [--dtype float32] [--sharing off]   torch.profiler over the whole batch: the
       top operators by self time
-  python bench/profile_step.py attention [--dtype ...] [--sharing ...]  the attention's parts as the engine times
+  python -m bench.micro.profile_step attention [--dtype ...] [--sharing ...]  the attention's parts as the engine times
       them (PhaseTimes.parts): K/V writes in steps with prompts and in decode-only steps, the C++ decode (and the
       K/V bytes it read per second), the prompts' attention, and the batch's wall time
-  python bench/profile_step.py startup                                  cProfile of `LLM()` after timing the
+  python -m bench.micro.profile_step startup                                  cProfile of `LLM()` after timing the
       torch and transformers imports
 
 The figures in bench/RESULTS.md's "why 1.5x is out of reach" and start-up paragraphs come from these.
@@ -14,19 +14,16 @@ The figures in bench/RESULTS.md's "why 1.5x is out of reach" and start-up paragr
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ..common import reference_prompts
+from ..vs_vllm import MAX_NEW
 
 
 def reference_run(dtype: str, sharing: str):
     """An LLM on the reference workload; returns it and a function that generates the whole batch: (wall
     seconds, tokens generated). The attention's parts are timed by the engine itself (TorchAttention.forward's
     `times.part`)."""
-    from speed import MAX_NEW, reference_prompts
-
     from batchrun import LLM, SamplingParams
 
     llm = LLM(dtype=dtype, device="cpu", prefix_sharing=sharing == "on")

@@ -1,31 +1,19 @@
 """The host operations a step does at 256 running sequences, timed one by one: the greedy argmax over the
 logits (torch's, torch's plain max for comparison, batchrun's C++ one) and integer tensors from Python lists
-(`torch.tensor` against `attention.int_tensor`). The figures bench/RESULTS.md and the code's comments quote.
+(`torch.tensor` against `attention.int_tensor`). The figures bench/RESULTS.md quotes.
 
-    python bench/host_ops.py
+    python -m bench.micro.host_ops
 """
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ..common import best_seconds, cpu_name
 
 
-def best_us(fn, repeat: int = 5, number: int = 50) -> float:
-    """The best of `repeat` means over `number` calls, in microseconds."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - t0) / number * 1e6)
-    return min(times)
+def best_us(fn, number: int = 50) -> float:
+    return best_seconds(fn, repeat=5, number=number) * 1e6
 
 
 def main() -> None:
@@ -35,7 +23,7 @@ def main() -> None:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     kernel = load()
     assert kernel is not None, "the CPU kernels could not be built here"
-    print(f"{torch.get_num_threads()} threads; 256 rows x 49,152 logits")
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads; 256 rows x 49,152 logits")
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(256, 49152).to(dtype)
         assert torch.equal(kernel.argmax_rows(x), x.float().argmax(-1))

@@ -6,13 +6,12 @@ heads: 9 query heads, 3 KV heads, head dim 64; 16-token pages in shuffled order)
 2. SDPA per sequence: each sequence's pages indexed out (a copy), one unpadded SDPA each;
 3. C++ paged decode: one call reads every sequence's K/V in the pages (batchrun's `attention: torch` on the CPU).
 
-Each is checked against the plain PyTorch reference first. Usage: python bench/attention_cpu.py [--seqs 60]
+Each is checked against the plain PyTorch reference first. Usage: python -m bench.micro.attention_cpu [--seqs 60]
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +27,7 @@ from batchrun.engine.attention import (
 )
 from batchrun.engine.cpu_kernels import load
 
-
-def best_of(fn, n: int = 20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from ..common import best_seconds
 
 
 def main() -> None:
@@ -115,7 +106,7 @@ def measure(dtype, layout: StepLayout, ctxs: list[int], tables: list[list[int]],
         fn()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), (fn.__name__, err)
-        times.append(best_of(fn))
+        times.append(best_seconds(fn))
     return times + [float("nan")] * (3 - len(times))
 
 

@@ -1,0 +1,209 @@
+"""What the benchmarks share: the workloads, one way to run batchrun on them, timers, a measurement in a process
+of its own, random-weight models, and Markdown tables. The benchmarks are modules run from the repository root:
+
+  python -m bench.vs_hf        batchrun against Hugging Face `generate` (and swap, sharing, logprobs, ...)
+  python -m bench.vs_vllm      batchrun against vLLM's CPU build, and where a step's time goes
+  bash bench/gpu_check.sh      the GPU check (bench/gpu_bench.py), on the accelerator machine
+  python -m bench.micro.NAME   micro-benchmarks: attention_cpu, host_ops, profile_step, window_memory
+
+What they write goes under out/; the figures that matter go into bench/RESULTS.md with the date and the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "out" / "bench"
+WORDS = (
+    "river stone paper light window garden music number planet engine silver forest market winter bridge "
+    "letter signal harbor candle mirror ladder basket circle thunder meadow lantern orchard copper valley"
+).split()
+ASKS = (
+    "Summarise the notes above in two sentences.",
+    "What do these words have in common?",
+    "Write a short poem using some of these words.",
+    "Explain the list above to a child.",
+    "Pick three words above and tell a tiny story.",
+)
+
+
+# ---- workloads -----------------------------------------------------------------------------------------------
+def chat_prompts(tok, n: int, lo: int, hi: int, seed: int = 0) -> list[str]:
+    """Chat prompts whose templated length is roughly uniform in [lo, hi] tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        target, ask, words = rng.randint(lo, hi), rng.choice(ASKS), []
+        while True:
+            text = (" ".join(words) + "\n" + ask).strip()
+            if len(chat_ids(tok, [text])[0]) >= target:
+                break
+            words += rng.sample(WORDS, 8)
+        prompts.append(text)
+    return prompts
+
+
+def reference_prompts(seed: int = 11) -> list[str]:
+    """The vLLM comparison's workload: 30 questions behind one ~330-token shared context, interleaved with 30
+    prompts of 20-130 words of their own (so sharing is not just admission order)."""
+    rng = random.Random(seed)
+    context = "Notes from the archive: " + " ".join(rng.choice(WORDS) for _ in range(300))
+    shared = [f"{context}\n\nQuestion {i}: {rng.choice(ASKS)}" for i in range(30)]
+    own = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 130))) + "\n" + rng.choice(ASKS)
+        for _ in range(30)
+    ]
+    return [p for pair in zip(shared, own) for p in pair]
+
+
+def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as one user turn through the chat template (what a job file's string prompt is)."""
+    return [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for p in prompts
+    ]
+
+
+def write_prompts(work: Path, prompts: list[str]) -> Path:
+    """prompts.parquet (id, prompt) in `work`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    work.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": list(range(len(prompts))), "prompt": prompts}), work / "prompts.parquet")
+    return work / "prompts.parquet"
+
+
+# ---- batchrun on a workload ----------------------------------------------------------------------------------
+def run_batchrun(work: Path, label: str, sections: dict[str, dict]) -> dict:
+    """One job on `work`/prompts.parquet through the Python API (`batchrun.run_job`), written to out-<label>;
+    `sections`: the job file's sections to set (engine, sampling, model, ...). Returns the job's summary with
+    `tokens_per_s` (generated tokens over the run's wall time, tokenizing and writing included), this process's
+    peak RSS and every row's token ids."""
+    import pyarrow.parquet as pq
+
+    from batchrun import run_job
+
+    out = work / f"out-{label}"
+    job: dict[str, Any] = {
+        "name": f"bench-{label}",
+        "input": {"parquet": str(work / "prompts.parquet"), "id_column": "id"},
+        "output": {"path": str(out), "token_ids": True},
+    }
+    for section, values in sections.items():
+        job[section] = {**job.get(section, {}), **values}
+    summary = run_job(job, overwrite=True, progress=False)
+    rows = sorted(
+        pq.read_table(out, columns=["id", "prompt_token_ids", "completion_token_ids"]).to_pylist(),
+        key=lambda r: r["id"],
+    )
+    return {
+        **summary,
+        "label": label,
+        "tokens_per_s": summary["generated_tokens"] / summary["wall_s"],
+        "peak_rss_mib": peak_rss_mib(),
+        "prompt_ids": [r["prompt_token_ids"] for r in rows],
+        "completions": [r["completion_token_ids"] for r in rows],
+    }
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+def best_seconds(fn: Callable[[], Any], repeat: int = 5, number: int = 1) -> float:
+    """The best of `repeat` means over `number` calls (after one warm-up call), in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / number)
+    return best
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def in_process(module: str, function: str, **kwargs) -> dict:
+    """`module.function(**kwargs)` in a fresh Python process (its peak memory and start are its own); returns
+    what it returned (JSON). The module serves it with `serve_one()`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "--one",
+        json.dumps({"function": function, "kwargs": kwargs}, default=str),
+    ]
+    print(f"  running {kwargs.get('label', function)} ...", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{module}.{function}({kwargs.get('label', '')}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def serve_one(functions: dict[str, Callable[..., dict]]) -> bool:
+    """In a process `in_process` started: run the function it asked for, print its result; True if so."""
+    if len(sys.argv) != 3 or sys.argv[1] != "--one":
+        return False
+    call = json.loads(sys.argv[2])
+    print(json.dumps(functions[call["function"]](**call["kwargs"])))
+    return True
+
+
+def random_model(config, work: Path, name: str, tokenizer_from: Path | None = None, dtype=None) -> Path:
+    """A model of `config` with random weights (seed 0), saved under `work`/`name` with a tokenizer's files."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    target = work / name
+    model.save_pretrained(target)
+    if tokenizer_from is not None:
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(target)
+    return target
+
+
+def cpu_name() -> str:
+    from batchrun.host import cpu_description
+
+    return cpu_description() or "an unknown CPU"
+
+
+# ---- reporting -----------------------------------------------------------------------------------------------
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A Markdown table; floats with one decimal unless already formatted."""
+    cell = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows),
+    ]
+
+
+def save(report: dict, path: Path, text: str) -> None:
+    """The report as JSON at `path` (under out/) and its text on stdout."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(text)
+
+
+def environment() -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "cpu": cpu_name()}
