@@ -113,7 +113,7 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, re
     )
     summary = job.run()
     if summary is None:
-        if job.rows_before:
+        if job.rows.before:
             click.echo(
                 f"nothing to do: every row of shard {job.shard} already has its output in {spec.output_dir}/"
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,21 @@ def pick_device(requested: str) -> torch.device:
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(f"engine.device is {requested!r} but no CUDA device is available; use auto or cpu.")
     return torch.device(requested)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in what dtype a model runs: `engine.device` and `model.dtype` resolved once (`place`), then
+    passed down to whatever needs them (the job's fingerprint, the model's load)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
+def place(device_request: str, dtype_request: str) -> Placement:
+    """`engine.device` and `model.dtype` as this machine resolves them (auto included)."""
+    device = pick_device(device_request)
+    return Placement(device, pick_dtype(dtype_request, device))
 
 
 def cpu_description() -> str:

@@ -23,6 +23,7 @@ from .config import JobSpec
 from .engine.structured import check_format
 from .errors import BadInput, JobStopped
 from .heartbeat import Heartbeat
+from .host import place
 from .lock import ShardLock
 from .loop import drive
 from .model_loader import fingerprint_dtype
@@ -34,63 +35,17 @@ from .stats import StatsCollector, StatsFile
 from .worker import load_worker, row_samples
 
 
-class Job:
-    """One shard of one job. Constructing it checks everything that needs no model (the input, its ids, the
-    output directory and statistics path) and takes the shard's lock; `run()` loads the model (or starts the
-    replicas) and streams the rows through."""
+class ShardRows:
+    """This shard's input rows against its output, counted once before any model loads: `before`, the rows
+    (up to the limit) whose output earlier runs wrote and that stays; `changed`, those whose output was removed
+    because their input changed (`input.on_change`); and the pending ones, in input order."""
 
-    def __init__(
-        self,
-        spec: JobSpec,
-        shard: Shard | None = None,
-        resume: bool = True,
-        overwrite: bool = False,
-        limit: int | None = None,
-        progress: bool = True,
-        wait: bool = False,
-        replicas: int | str | None = None,
-    ):
-        src = spec.source_file
-        self.spec = spec
-        self.params = spec.sampling
-        self.shard = shard or Shard()
-        self.limit = limit if limit is not None else spec.input.limit
-        self.progress = progress
-        self.replicas = replicas if replicas is not None else spec.engine.replicas
-        self.source = check_job(spec, self.limit)
-        check_writable(spec.output_dir, "output.path", src)
-        self.lock = ShardLock(spec.state_dir, self.shard.index, self.shard.count)
-        self.lock.acquire(wait, spec.output_dir, src)
-        try:
-            dtype = fingerprint_dtype(spec.model.dtype, spec.engine.device)
-            self.sink = OutputSink(
-                spec,
-                self.shard,
-                self.source.id_type,
-                self.source.passthrough_fields(),
-                resume,
-                overwrite,
-                dtype,
-            )
-            move_legacy_state(spec)
-            self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
-            check_writable(self.stats_path.parent, "output.stats", src)
-            # this shard's rows (up to the limit) whose output earlier runs wrote and that stays, and the rows
-            # whose output was removed because their input changed
-            self.rows_before, self.rows_changed = self._recheck_done_rows() if self.sink.done else (0, 0)
-        except BaseException:
-            self.lock.release()
-            raise
-        self.overwrite = overwrite
-        self.heartbeat = Heartbeat(spec.state_dir, self.shard)
-        self.stop_requested = False
-        self.bar = None  # the progress bar, while run() goes
-        self.rows_done = 0  # input rows written by this run
-        self.write_s = 0.0  # seconds handing them to the sink
-        self._last_postfix = 0.0
-        self._pending: Iterator[InputRow] | None = None  # pending_rows(), made once
+    def __init__(self, spec: JobSpec, source, sink: OutputSink, shard: Shard, limit: int | None):
+        self.spec, self.source, self.sink, self.shard, self.limit = spec, source, sink, shard, limit
+        self._pending: Iterator[InputRow] | None = None  # pending(), made once
+        self.before, self.changed = self._recheck() if sink.done else (0, 0)
 
-    def _recheck_done_rows(self) -> tuple[int, int]:
+    def _recheck(self) -> tuple[int, int]:
         """One pass over this shard's rows, before any model loads: an output made from another input than the
         row's (its content hash differs) is removed, so the row runs again, or refuses the run, as
         `input.on_change` says. Returns (rows whose output stays, rows whose output was removed)."""
@@ -102,7 +57,7 @@ class Job:
             old = done.hashes[row.id]
             if old is not None and old != row.input_hash:
                 changed.append(row.id)
-            elif self.sink.is_done(row.id, row_samples(row, self.params)):
+            elif self.sink.is_done(row.id, row_samples(row, self.spec.sampling)):
                 kept += 1
         if not changed:
             return kept, 0
@@ -123,16 +78,20 @@ class Job:
         )
         return kept, self.sink.forget(set(changed))
 
-    def pending_rows(self) -> Iterator[InputRow]:
+    def pending(self) -> Iterator[InputRow]:
         """This shard's rows that do not have all their output rows yet, in input order: one pass over the
-        input, whoever asks (run()'s check for nothing to do, then the run itself)."""
+        input, whoever asks (the job's check for nothing to do, then the run itself)."""
         if self._pending is None:
             self._pending = (
                 r
                 for r in self.source.rows(self.shard, self.limit)
-                if not self.sink.is_done(r.id, row_samples(r, self.params))
+                if not self.sink.is_done(r.id, row_samples(r, self.spec.sampling))
             )
         return self._pending
+
+    def put_back(self, row: InputRow) -> None:
+        """Return a row taken from pending() to its head (the job peeks at the first to see if there is work)."""
+        self._pending = itertools.chain([row], self.pending())
 
     def input_rows(self) -> int | None:
         """The whole input's rows (every shard's, up to the limit), from metadata when the input can say."""
@@ -141,10 +100,67 @@ class Job:
             return None
         return min(n, self.limit) if self.limit is not None else n
 
-    def total_rows(self) -> int | None:
+    def shard_rows(self) -> int | None:
         """This shard's input rows (done ones included)."""
         n = self.input_rows()
         return None if n is None else len(range(self.shard.index, n, self.shard.count))
+
+
+class Job:
+    """One shard of one job. Constructing it checks everything that needs no model (the input, its ids, the
+    output directory and statistics path) and takes the shard's lock; `run()` loads the model (or starts the
+    replicas) and streams the rows through."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        shard: Shard | None = None,
+        resume: bool = True,
+        overwrite: bool = False,
+        limit: int | None = None,
+        progress: bool = True,
+        wait: bool = False,
+        replicas: int | str | None = None,
+    ):
+        src = spec.source_file
+        self.spec = spec
+        self.shard = shard or Shard()
+        self.limit = limit if limit is not None else spec.input.limit
+        self.progress = progress
+        self.replicas = replicas if replicas is not None else spec.engine.replicas
+        self.source = check_job(spec, self.limit)
+        self.placement = place(spec.engine.device, spec.model.dtype)  # once: the fingerprint, then the load
+        check_writable(spec.output_dir, "output.path", src)
+        self.lock = ShardLock(spec.state_dir, self.shard.index, self.shard.count)
+        self.lock.acquire(wait, spec.output_dir, src)
+        try:
+            dtype = fingerprint_dtype(spec.model.dtype, self.placement)
+            self.sink = OutputSink(
+                spec,
+                self.shard,
+                self.source.id_type,
+                self.source.passthrough_fields(),
+                resume,
+                overwrite,
+                dtype,
+            )
+            move_legacy_state(spec)
+            self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
+            check_writable(self.stats_path.parent, "output.stats", src)
+            self.rows = ShardRows(spec, self.source, self.sink, self.shard, self.limit)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.overwrite = overwrite
+        self.heartbeat = Heartbeat(spec.state_dir, self.shard)
+        self.stop_requested = False
+        self.bar = None  # the progress bar, while run() goes
+        self.rows_done = 0  # input rows written by this run
+        self.write_s = 0.0  # seconds handing them to the sink
+        self._last_postfix = 0.0
+
+    def pending_rows(self) -> Iterator[InputRow]:
+        return self.rows.pending()
 
     @property
     def job_rows(self) -> int:
@@ -161,7 +177,7 @@ class Job:
             if first is None:  # nothing to do (or an input without rows) loads no model
                 self.sink.write_empty()
                 return None
-            self._pending = itertools.chain([first], rows)  # the run goes on from there
+            self.rows.put_back(first)  # the run goes on from there
             return self._run()
         finally:
             self.lock.release()
@@ -170,11 +186,11 @@ class Job:
         from tqdm.auto import tqdm
 
         count = replica_count(self.replicas, self.spec.engine.device)
-        total = self.total_rows()
-        self.heartbeat.start(self.input_rows(), total, self.rows_before, count)
+        total = self.rows.shard_rows()
+        self.heartbeat.start(self.rows.input_rows(), total, self.rows.before, count)
         stats_file = StatsFile(self.stats_path, self.sink.fingerprint, fresh=self.overwrite)
         self.bar = tqdm(
-            total=None if total is None else max(0, total - self.rows_before),
+            total=None if total is None else max(0, total - self.rows.before),
             unit="row",
             desc=self.spec.name,
             disable=not self.progress,
@@ -201,7 +217,7 @@ class Job:
                 "rows": self.rows_done,
                 "shard": str(self.shard),
                 "replicas": count,
-                "rows_changed": self.rows_changed,
+                "rows_changed": self.rows.changed,
                 "time_write_s": self.write_s,
             }
         )
@@ -219,7 +235,7 @@ class Job:
 
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
-        worker = load_worker(self.spec)
+        worker = load_worker(self.spec, placement=self.placement)
         self.loaded()
         stats_file.start()
         stats, engine = worker.stats, worker.engine

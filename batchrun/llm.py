@@ -21,7 +21,7 @@ from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
-from .host import pick_device, pick_dtype
+from .host import Placement, place
 from .loop import drive
 from .rows import check_conversation, row_seed
 
@@ -70,18 +70,23 @@ class LLM:
         self._load(model_spec, engine_config, "LLM(...)")
 
     @classmethod
-    def from_spec(cls, model: ModelSpec, engine: EngineConfig, source: str) -> LLM:
-        """The model and engine of a job file's `model:` and `engine:` sections; errors name `source`."""
+    def from_spec(
+        cls, model: ModelSpec, engine: EngineConfig, source: str, placement: Placement | None = None
+    ) -> LLM:
+        """The model and engine of a job file's `model:` and `engine:` sections; errors name `source`.
+        `placement`: the device and dtype, where the caller resolved them already (host.place)."""
         llm = cls.__new__(cls)
-        llm._load(model, engine, source)
+        llm._load(model, engine, source, placement)
         return llm
 
-    def _load(self, model: ModelSpec, engine: EngineConfig, source: str) -> None:
+    def _load(
+        self, model: ModelSpec, engine: EngineConfig, source: str, placement: Placement | None = None
+    ) -> None:
         from . import model_loader
         from .engine import loading
 
-        self.device = pick_device(engine.device)
-        self.dtype = pick_dtype(model.dtype, self.device)
+        placement = placement or place(engine.device, model.dtype)
+        self.device, self.dtype = placement.device, placement.dtype
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load

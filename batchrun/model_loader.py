@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import BadInput
-from .host import cache_dir, pick_device, pick_dtype
+from .host import Placement, cache_dir
 
 if TYPE_CHECKING:  # torch loads with the model, not for `batchrun validate`
     pass
@@ -167,7 +167,7 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def fingerprint_dtype(requested: str, device_request: str) -> str:
+def fingerprint_dtype(requested: str, placement: Placement) -> str:
     """What the job fingerprint records for `model.dtype`: the dtype `auto` resolves to on this machine —
     but `auto` itself where it resolves to what it meant before bf16 on CPUs (fp32 on a CPU, the GPU's half
     type), so jobs started then keep resuming. Two runs that would compute in different dtypes never share
@@ -176,10 +176,8 @@ def fingerprint_dtype(requested: str, device_request: str) -> str:
         return requested
     import torch
 
-    device = pick_device(device_request)
-    resolved = pick_dtype(requested, device)
-    if device.type == "cpu" and resolved != torch.float32:
-        return str(resolved).replace("torch.", "")
+    if placement.device.type == "cpu" and placement.dtype != torch.float32:
+        return str(placement.dtype).replace("torch.", "")
     return "auto"
 
 

@@ -134,14 +134,13 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, r
     m = engine.memory_snapshot()
     if recount:
         check_snapshot(engine, m)
-    plan = step.plan
     return {
         "step": step_index,
         "time_s": time_s,
         "num_running": m.num_running,
         "num_waiting": m.num_waiting,
         "num_swapped": m.num_swapped,
-        "batch_tokens": plan.num_batched_tokens,
+        "batch_tokens": step.num_batched_tokens,
         "pages_total": m.pages_total,
         "pages_used": m.pages_used,
         "pages_free": m.pages_free,
@@ -150,10 +149,10 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, r
         "internal_waste_slots": m.internal_waste_slots,
         "logical_pages": m.logical_pages,
         "shared_pages_saved": m.shared_pages_saved,
-        "swap_out_pages": len(plan.swap_out),
-        "swap_in_pages": len(plan.swap_in),
-        "preemptions": len(plan.preempted),
-        "recomputations": len(plan.recomputed),
+        "swap_out_pages": step.num_swapped_out_pages,
+        "swap_in_pages": step.num_swapped_in_pages,
+        "preemptions": step.num_preempted,
+        "recomputations": step.num_recomputed,
         "reserved_slots_contiguous": m.reserved_slots_contiguous,
         "tokens_cached_per_sequence": m.tokens_cached_per_sequence,
         "external_fragmentation": m.external_fragmentation,
@@ -240,11 +239,10 @@ class StatsCollector:
         self.step_index += 1
         self.generated_tokens += step.num_generated
         self.prompt_tokens_computed += step.num_prompt_tokens
-        self.prompt_tokens += sum(s.num_prompt_tokens for s in step.finished if s.sample_index == 0)
-        for seq in step.finished:
-            if seq.grammar is not None:
-                self.structured_rows += 1
-                self.structured_complete += seq.grammar.is_terminated()
+        self.prompt_tokens += step.num_finished_prompt_tokens
+        structured, complete = step.structured_finished
+        self.structured_rows += structured
+        self.structured_complete += complete
         self._aggregate(row)
         for seq in self.engine.running_sequences():
             if seq.seq_id not in self.agg.seen_reservations:

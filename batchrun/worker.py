@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .config import JobSpec, coerce_field
 from .engine import SamplingParams
 from .errors import BadInput
+from .host import Placement
 from .llm import LLM
 from .rows import InputRow, OutputRow, check_conversation, row_seed
 from .stats import StatsCollector
@@ -178,11 +179,12 @@ class RowWorker:
         return state.results
 
 
-def load_worker(spec: JobSpec, replica: int = 0) -> RowWorker:
+def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = None) -> RowWorker:
     """The LLM of a job file and its worker, whose statistics carry the facts about them for the summary. A
-    job-wide response format that does not compile stops the job here, before any row."""
+    job-wide response format that does not compile stops the job here, before any row. `placement`: the device
+    and dtype the job resolved (a replica resolves its own device)."""
     t0 = time.perf_counter()
-    llm = LLM.from_spec(spec.model, spec.engine, spec.source_file)
+    llm = LLM.from_spec(spec.model, spec.engine, spec.source_file, placement)
     load_s = time.perf_counter() - t0
     if spec.sampling.structured:
         try:

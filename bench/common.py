@@ -4,7 +4,7 @@ of its own, random-weight models, and Markdown tables. The benchmarks are module
   python -m bench.vs_hf        batchrun against Hugging Face `generate` (and swap, sharing, logprobs, ...)
   python -m bench.vs_vllm      batchrun against vLLM's CPU build, and where a step's time goes
   bash bench/gpu_check.sh      the GPU check (bench/gpu_bench.py), on the accelerator machine
-  python -m bench.micro.NAME   micro-benchmarks: attention_cpu, host_ops, profile_step, window_memory
+  python -m bench.micro.profile_step   profiles through the engine's own timers
 
 What they write goes under out/; the figures that matter go into bench/RESULTS.md with the date and the CPU.
 """
@@ -165,13 +165,17 @@ def serve_one(functions: dict[str, Callable[..., dict]]) -> bool:
     return True
 
 
-def random_model(config, work: Path, name: str, tokenizer_from: Path | None = None, dtype=None) -> Path:
-    """A model of `config` with random weights (seed 0), saved under `work`/`name` with a tokenizer's files."""
+def random_model(
+    config, work: Path, name: str, tokenizer_from: Path | None = None, dtype=None, device: str = "cpu"
+) -> Path:
+    """A model of `config` with random weights (seed 0, made on `device`), saved under `work`/`name` with a
+    tokenizer's files."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
     if dtype is not None:
         model = model.to(dtype)
     target = work / name
@@ -196,6 +200,11 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
         "|" + "---|" * len(header),
         *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows),
     ]
+
+
+def columns(spec: dict[str, str], items: list[dict]) -> list[str]:
+    """A Markdown table of dicts: `spec` maps each header to a format string of an item's keys."""
+    return table(list(spec), [[fmt.format(**x) for fmt in spec.values()] for x in items])
 
 
 def save(report: dict, path: Path, text: str) -> None:

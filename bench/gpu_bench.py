@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import ROOT, table
+from .common import ROOT, columns, random_model
 
 
 def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -81,7 +81,7 @@ def time_decode(batch: int, ctx: int, bw: float) -> dict:
     kv_bytes = 2 * batch * ctx * Hkv * D * k_cache.element_size()
     floor = (
         kv_bytes / bw
-    )  # bw counts the copy's reads and writes: the memory's traffic; attention reads K/V once
+    )  # bw counts the copy's reads and writes (the memory's traffic); attention reads K/V once
     return {
         "batch": batch,
         "context": ctx,
@@ -91,6 +91,17 @@ def time_decode(batch: int, ctx: int, bw: float) -> dict:
         "gather_sdpa_ms": t_sdpa * 1e3,
         "vs_sdpa": t_sdpa / t_kernel,
     }
+
+
+DECODE_COLUMNS = {  # the decode table's header and how each cell shows a row of `time_decode`
+    "batch": "{batch}",
+    "context": "{context}",
+    "paged kernel ms": "{kernel_ms:.3f}",
+    "floor ms": "{floor_ms:.3f}",
+    "% of floor": "{of_floor:.0%}",
+    "gather + SDPA ms": "{gather_sdpa_ms:.3f}",
+    "vs SDPA": "{vs_sdpa:.2f}x",
+}
 
 
 def decode_table() -> tuple[list[dict], float]:
@@ -104,24 +115,14 @@ def decode_table() -> tuple[list[dict], float]:
 
 
 # model shapes made on the GPU machine with random weights (no checkpoint travels): SmolLM2-135M's, and an
-# 8B Llama's with 4 of its 32 layers; both with the tokenizer's vocabulary
-_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
+# 8B Llama's with 4 of its 32 layers; both with the tokenizer's vocabulary. Fields: hidden, intermediate,
+# layers, query heads, KV heads, head dim, rope theta, tied embeddings.
+_FIELDS = "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim"
 SHAPES = {
-    name: {
-        **dict(zip(_FIELDS, sizes)),
-        "head_dim": head_dim,
-        "rope_theta": theta,
-        "tie_word_embeddings": tied,
-    }
-    for name, sizes, head_dim, theta, tied in [
-        ("smollm2-135m", (576, 1536, 30, 9, 3), 64, 100000.0, True),
-        ("llama-8b-4-layers", (4096, 14336, 4, 32, 8), 128, 500000.0, False),
+    name: {**dict(zip(_FIELDS.split(), sizes)), "rope_theta": theta, "tie_word_embeddings": tied}
+    for name, sizes, theta, tied in [
+        ("smollm2-135m", (576, 1536, 30, 9, 3, 64), 100000.0, True),
+        ("llama-8b-4-layers", (4096, 14336, 4, 32, 8, 128), 500000.0, False),
     ]
 }
 
@@ -133,23 +134,12 @@ def sync() -> None:
 
 def make_model(name: str, tokenizer_dir: Path, work: Path, device: str = "cuda") -> Path:
     """A Llama model of SHAPES[name] with random weights (bf16), saved with the tokenizer files."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        **SHAPES[name],
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    target = work / name
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-    return target
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(max_position_embeddings=4096, **ids, **SHAPES[name])
+    return random_model(config, work, name, tokenizer_dir, torch.bfloat16, device)
 
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int, device: str, batch: bool) -> list[list[int]]:
@@ -158,12 +148,8 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int, device: str, batc
     pad = hf.config.eos_token_id
     with torch.inference_mode():
         if not batch:
-            return [
-                hf.generate(input_ids=torch.tensor([p], device=device), pad_token_id=pad, **kw)[
-                    0, len(p) :
-                ].tolist()
-                for p in prompts
-            ]
+            one = lambda p: hf.generate(input_ids=torch.tensor([p], device=device), pad_token_id=pad, **kw)  # noqa: E731
+            return [one(p)[0, len(p) :].tolist() for p in prompts]
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -352,29 +338,7 @@ def main() -> None:
             f"Decode attention (32 query / 8 KV heads, head dim 128, bf16, 16-token pages shuffled); floor = K/V bytes "
             f"/ the measured copy bandwidth ({bw / 1e9:.0f} GB/s, its reads and writes counted)",
             "",
-            *table(
-                [
-                    "batch",
-                    "context",
-                    "paged kernel ms",
-                    "floor ms",
-                    "% of floor",
-                    "gather + SDPA ms",
-                    "vs SDPA",
-                ],
-                [
-                    [
-                        r["batch"],
-                        r["context"],
-                        f"{r['kernel_ms']:.3f}",
-                        f"{r['floor_ms']:.3f}",
-                        f"{r['of_floor']:.0%}",
-                        f"{r['gather_sdpa_ms']:.3f}",
-                        f"{r['vs_sdpa']:.2f}x",
-                    ]
-                    for r in rows
-                ],
-            ),
+            *columns(DECODE_COLUMNS, rows),
         )
 
     def exact():

@@ -22,8 +22,18 @@ import os
 import time
 from pathlib import Path
 
-from .common import OUT, WORDS, chat_prompts, environment, in_process, peak_rss_mib, run_batchrun, save, table
-from .common import write_prompts as write_parquet
+from .common import (
+    OUT,
+    WORDS,
+    chat_prompts,
+    columns,
+    environment,
+    in_process,
+    peak_rss_mib,
+    run_batchrun,
+    save,
+    write_prompts,
+)
 
 MODULE = "bench.vs_hf"
 
@@ -82,7 +92,7 @@ def hf_run(work: str, label: str, batch: int, new: int) -> dict:
 
 
 def prepare(work: Path, prompts: list[str]) -> str:
-    write_parquet(work, prompts)
+    write_prompts(work, prompts)
     (work / "prompts.json").write_text(json.dumps(prompts))
     return str(work)
 
@@ -137,8 +147,12 @@ def main() -> None:
     lines = [
         f"\n== batchrun vs HF generate, {r['date']}, {r['cpu']}, {r['cpus']} CPUs{' (quick)' * args.quick} =="
     ]
-    row = lambda x: [x["label"], x["tokens_per_s"], x["generated_tokens"], f"{x['peak_rss_mib']:.0f}"]  # noqa: E731
-    header = ["run", "generated tok/s", "generated tokens", "peak RSS MiB"]
+    runs_spec = {
+        "run": "{label}",
+        "generated tok/s": "{tokens_per_s:.1f}",
+        "generated tokens": "{generated_tokens}",
+        "peak RSS MiB": "{peak_rss_mib:.0f}",
+    }
 
     if "throughput" in only:
         print(f"throughput: {n_main} chat prompts of 20-400 tokens, max_new_tokens {new_main}, batch 32")
@@ -153,7 +167,7 @@ def main() -> None:
             "speedup_128": wide["tokens_per_s"] / hf["tokens_per_s"],
             "memory_ratio": br["peak_rss_mib"] / hf["peak_rss_mib"],
         }
-        lines += table(header, [row(br), row(hf), row(wide)])
+        lines += columns(runs_spec, [br, hf, wide])
         lines.append(
             f"batchrun / HF generate: **{t['speedup']:.2f}x** tokens/s, {t['memory_ratio']:.2f}x peak RSS; "
             f"with max_num_seqs 128: {t['speedup_128']:.2f}x"
@@ -174,7 +188,7 @@ def main() -> None:
             "speedup_16": br["tokens_per_s"] / hf16["tokens_per_s"],
             "speedup_60": br["tokens_per_s"] / hf60["tokens_per_s"],
         }
-        lines += ["", *table(header, [row(br), row(hf16), row(hf60)])]
+        lines += ["", *columns(runs_spec, [br, hf16, hf60])]
         lines.append(
             f"batchrun / HF generate: {b['speedup_16']:.2f}x (batches of 16), {b['speedup_60']:.2f}x (of 60)"
         )
@@ -192,30 +206,17 @@ def main() -> None:
                 work, way, 64, new, {**ignore, "engine": {"num_pages": quarter, "preemption": way}}
             )
         r["preemption"] = {**runs, "num_pages": quarter}
-        lines += [
-            "",
-            *table(
-                [
-                    f"run ({quarter} pages when constrained)",
-                    "tok/s",
-                    "preemptions",
-                    "swapped-out pages",
-                    "recomputations",
-                    "vs unconstrained",
-                ],
-                [
-                    [
-                        k,
-                        x["tokens_per_s"],
-                        x["preemptions"],
-                        x["swap_out_pages"],
-                        x["recomputations"],
-                        f"{x['tokens_per_s'] / free['tokens_per_s']:.2f}x",
-                    ]
-                    for k, x in runs.items()
-                ],
-            ),
-        ]
+        for x in runs.values():
+            x["vs_free"] = x["tokens_per_s"] / free["tokens_per_s"]
+        spec = {
+            f"run ({quarter} pages when constrained)": "{label}",
+            "tok/s": "{tokens_per_s:.1f}",
+            "preemptions": "{preemptions}",
+            "swapped-out pages": "{swap_out_pages}",
+            "recomputations": "{recomputations}",
+            "vs unconstrained": "{vs_free:.2f}x",
+        }
+        lines += ["", *columns(spec, list(runs.values()))]
 
     if "sharing" in only:
         new = 16 if args.quick else 32
@@ -238,22 +239,14 @@ def main() -> None:
             "speedup": on["tokens_per_s"] / off["tokens_per_s"],
             "peak_pages_ratio": on["peak_pages_used"] / off["peak_pages_used"],
         }
-        lines += [
-            "",
-            *table(
-                ["run", "tok/s", "peak pages", "prompt tokens computed", "duplication saved (peak)"],
-                [
-                    [
-                        x["label"],
-                        x["tokens_per_s"],
-                        x["peak_pages_used"],
-                        x["prompt_tokens_computed"],
-                        f"{x['duplication_saved_peak']:.1%}",
-                    ]
-                    for x in (on, off)
-                ],
-            ),
-        ]
+        spec = {
+            "run": "{label}",
+            "tok/s": "{tokens_per_s:.1f}",
+            "peak pages": "{peak_pages_used}",
+            "prompt tokens computed": "{prompt_tokens_computed}",
+            "duplication saved (peak)": "{duplication_saved_peak:.1%}",
+        }
+        lines += ["", *columns(spec, [on, off])]
         lines.append(
             f"sharing on / off: {r['sharing']['speedup']:.2f}x tokens/s, "
             f"{r['sharing']['peak_pages_ratio']:.2f}x peak pages"
@@ -270,18 +263,20 @@ def main() -> None:
             runs[b].append(ours(work, f"{b}-{i}", 256, 64, b_extra))
         best = {k: max(x["tokens_per_s"] for x in v) for k, v in runs.items()}
         r[key] = {**runs, "ratio": best[b] / best[a]}
-        extra = {
-            "structured": lambda x: [
-                f"{x['structured_complete']}/{x['structured_rows']}",
-                f"{x['grammar_compile_s'] * 1e3:.1f}",
-                f"{x['grammar_mask_s'] / x['steps'] * 1e3:.2f}",
-            ]
-        }.get(key)
-        cols = ["rows complete", "compile ms", "mask ms per step"] if extra else []
-        lines += [
-            "",
-            *table(header + cols, [row(x) + (extra(x) if extra else []) for x in runs[a] + runs[b]]),
-        ]
+        spec = runs_spec
+        if key == "structured":
+            for x in runs[a] + runs[b]:
+                x["mask_ms"], x["compile_ms"] = (
+                    x["grammar_mask_s"] / x["steps"] * 1e3,
+                    x["grammar_compile_s"] * 1e3,
+                )
+            spec = {
+                **runs_spec,
+                "rows complete": "{structured_complete}/{structured_rows}",
+                "compile ms": "{compile_ms:.1f}",
+                "mask ms per step": "{mask_ms:.2f}",
+            }
+        lines += ["", *columns(spec, runs[a] + runs[b])]
         lines.append(f"{b} / {a}: {r[key]['ratio']:.2f}x generated tokens/s (best run of each)")
 
     save(r, Path(args.out), "\n".join(lines))

@@ -31,12 +31,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from batchrun.engine.timing import PHASES
+
 from .common import (
     OUT,
     ROOT,
     WORDS,
     best_seconds,
     chat_ids,
+    columns,
     environment,
     in_process,
     random_model,
@@ -50,7 +53,6 @@ from .common import (
 MODULE = "bench.vs_vllm"
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/tmp/vllm-venv/bin/python")
 MAX_NEW = 64
-PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "stats", "write")
 HOST_PHASES = ("schedule", "prepare", "sample", "finish", "stats", "write")
 
 
@@ -67,17 +69,9 @@ def batchrun_run(work: str, dtype: str, sharing: str, label: str, model: str | N
         },
     )
     keep = (
-        "label",
-        "generated_tokens",
-        "wall_s",
-        "tokens_per_s",
-        "prompt_tokens_computed",
-        "steps",
-        "mean_running",
-        "dtype",
-        "prompt_ids",
-        "completions",
+        "label generated_tokens wall_s tokens_per_s prompt_tokens_computed steps mean_running dtype".split()
     )
+    keep += ["prompt_ids", "completions"]
     return {**{k: r[k] for k in keep}, "times": {p: r[f"time_{p}_s"] for p in PHASES}}
 
 
@@ -102,16 +96,9 @@ def run_vllm(model_dir: Path, prompts_file: Path, dtype: str, sharing: str) -> d
         "TOKENIZERS_PARALLELISM": "false",
     }
     result = prompts_file.parent / "vllm-result.json"
-    cmd = [
-        VLLM_PYTHON,
-        str(ROOT / "bench" / "vllm_peer.py"),
-        str(model_dir),
-        str(prompts_file),
-        dtype,
-        sharing,
-    ]
+    args = [ROOT / "bench" / "vllm_peer.py", model_dir, prompts_file, dtype, sharing, MAX_NEW, result]
     proc = subprocess.run(
-        [*cmd, str(MAX_NEW), str(result)], capture_output=True, text=True, env={**os.environ, **env}
+        [VLLM_PYTHON, *map(str, args)], capture_output=True, text=True, env={**os.environ, **env}
     )
     if proc.returncode != 0:
         raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
@@ -144,21 +131,12 @@ def compare(work: Path, model_dir: Path, config, ids: list[list[int]], runs: int
             key = f"{dtype}, sharing {sharing}"
             got: dict[str, list] = {"batchrun": [], "vllm": []}
             for i in range(runs):
-                b = in_process(
-                    MODULE,
-                    "batchrun_run",
-                    work=work,
-                    dtype=dtype,
-                    sharing=sharing,
-                    label=f"{dtype}-{sharing}-{i}",
-                )
+                label = f"{dtype}-{sharing}-{i}"
+                b = in_process(MODULE, "batchrun_run", work=work, dtype=dtype, sharing=sharing, label=label)
                 assert b.pop("prompt_ids") == ids, "batchrun and the peer must see the same prompt token ids"
-                lens = (
-                    [len(x) for x in ids],
-                    [len(c) for c in b["completions"]],
-                    b["prompt_tokens_computed"],
-                )
-                b["matmul_share"] = workload_flops(config, *lens) / b["wall_s"] / limits[dtype]
+                lens = [len(x) for x in ids], [len(c) for c in b["completions"]]
+                flops = workload_flops(config, *lens, b["prompt_tokens_computed"])
+                b["matmul_share"] = flops / b["wall_s"] / limits[dtype]
                 got["batchrun"].append(b)
                 msg = f"{key} #{i}: batchrun {b['tokens_per_s']:.1f} tok/s"
                 if have_vllm:
@@ -240,27 +218,26 @@ def format_report(r: dict) -> str:
     if "configs" in r:
         if not r["vllm_available"]:
             lines.append(f"(vLLM not found at {VLLM_PYTHON}: batchrun's side only)")
-        rows = []
-        for key, e in r["configs"].items():
-            rows.append(
-                [
-                    key,
-                    ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["batchrun"]),
-                    ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["vllm"]) or "-",
-                    f"**{e['ratio']:.2f}x**" if "ratio" in e else "-",
-                    f"{e['identical_rows']}/{r['prompts']}" if "identical_rows" in e else "-",
-                    ", ".join(f"{x['matmul_share']:.0%}" for x in e["batchrun"]),
-                ]
-            )
-        header = [
-            "configuration",
-            "batchrun tok/s",
-            "vLLM tok/s",
-            "batchrun / vLLM",
-            "identical rows",
-            "batchrun: share of matmul limit",
+        shown = [
+            {
+                "configuration": key,
+                "b_tok_s": ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["batchrun"]),
+                "v_tok_s": ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["vllm"]) or "-",
+                "ratio": f"**{e['ratio']:.2f}x**" if "ratio" in e else "-",
+                "identical": f"{e['identical_rows']}/{r['prompts']}" if "identical_rows" in e else "-",
+                "shares": ", ".join(f"{x['matmul_share']:.0%}" for x in e["batchrun"]),
+            }
+            for key, e in r["configs"].items()
         ]
-        lines += table(header, rows)
+        spec = {
+            "configuration": "{configuration}",
+            "batchrun tok/s": "{b_tok_s}",
+            "vLLM tok/s": "{v_tok_s}",
+            "batchrun / vLLM": "{ratio}",
+            "identical rows": "{identical}",
+            "batchrun: share of matmul limit": "{shares}",
+        }
+        lines += columns(spec, shown)
         lim = r["matmul_limit_flops_per_s"]
         lines.append(
             f"matrix-product limit: {lim['float32'] / 1e9:.0f} GFLOP/s fp32, {lim['bfloat16'] / 1e9:.0f} "
@@ -274,14 +251,8 @@ def format_report(r: dict) -> str:
         for key, e in r["configs"].items():
             x = max(e["batchrun"], key=lambda z: z["tokens_per_s"])
             per = per_step(x)
-            rows.append(
-                [
-                    key,
-                    x["steps"],
-                    *(f"{per[p]:.2f}" for p in PHASES),
-                    f"{sum(per[p] for p in HOST_PHASES):.2f}",
-                ]
-            )
+            host = sum(per[p] for p in HOST_PHASES)
+            rows.append([key, x["steps"], *(f"{per[p]:.2f}" for p in PHASES), f"{host:.2f}"])
         lines += table(["configuration", "steps", *PHASES, "host work"], rows)
     if "host" in r:
         x, per = r["host"], per_step(r["host"])

@@ -31,7 +31,7 @@ def test_allocate_free_roundtrip_and_lru_order():
     assert bm.allocate_sequence(a, 100) == 10
     assert len(a.block_table) == 3 and bm.num_free_pages == 5
     a.num_computed_tokens = 10
-    bm.register_full_pages(a, a.num_computed_tokens)
+    bm.prefix_cache.register_full_pages(a, a.num_computed_tokens)
     assert len(a.block_hashes) == 2  # two full pages of 4
     bm.check_integrity([a])
     bm.free_sequence(a)
@@ -41,7 +41,7 @@ def test_allocate_free_roundtrip_and_lru_order():
     b = seq(1, list(range(8)) + [99, 98])
     assert bm.num_new_pages_for_admission(b) == 3
     bm.allocate_sequence(b, 100)
-    assert b.num_computed_tokens == 8 and bm.prefix_hit_tokens == 8
+    assert b.num_computed_tokens == 8 and bm.prefix_cache.hit_tokens == 8
     # uncached pages are handed out before cached ones
     c = seq(2, range(100, 120))
     bm.allocate_sequence(c, 100)
@@ -53,10 +53,10 @@ def test_hash_collision_is_checked_against_tokens():
     a = seq(0, [1, 2, 3])
     bm.allocate_sequence(a, 10)
     a.num_computed_tokens = 3
-    bm.register_full_pages(a, a.num_computed_tokens)
+    bm.prefix_cache.register_full_pages(a, a.num_computed_tokens)
     page = a.block_table[0]
     bm.pool.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
-    assert bm.match_prefix(seq(1, [1, 2, 3])).num_blocks == 0
+    assert bm.prefix_cache.match(seq(1, [1, 2, 3])).num_blocks == 0
 
 
 def test_last_prompt_token_is_always_computed():
@@ -64,7 +64,7 @@ def test_last_prompt_token_is_always_computed():
     a = seq(0, range(8))
     bm.allocate_sequence(a, 100)
     a.num_computed_tokens = 8
-    bm.register_full_pages(a, a.num_computed_tokens)
+    bm.prefix_cache.register_full_pages(a, a.num_computed_tokens)
     b = seq(1, range(8))
     bm.allocate_sequence(b, 100)
     assert b.num_computed_tokens == 4 and b.num_uncomputed_tokens == 4
@@ -116,7 +116,7 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
             if bm.num_new_pages_for_admission(s) <= bm.num_free_pages:
                 bm.allocate_sequence(s, 10**6)
                 s.num_computed_tokens = s.num_tokens
-                bm.register_full_pages(s, s.num_computed_tokens)
+                bm.prefix_cache.register_full_pages(s, s.num_computed_tokens)
                 running.append(s)
         elif op == "grow" and running:
             s = running[r % len(running)]
@@ -124,7 +124,7 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
             if bm.num_pages_to_grow(s, 1) <= bm.num_free_pages:
                 bm.grow(s, 1)
                 s.num_computed_tokens += 1
-                bm.register_full_pages(s, s.num_computed_tokens)
+                bm.prefix_cache.register_full_pages(s, s.num_computed_tokens)
             else:
                 s.output_token_ids.pop()
         elif op == "fork" and running:
@@ -298,17 +298,17 @@ def test_prefix_sharing_with_a_window_matches_only_what_the_window_reads():
     a = seq(0, list(range(30)))
     bm.allocate_sequence(a, 100)
     a.num_computed_tokens = 30
-    bm.register_full_pages(a, 30)
+    bm.prefix_cache.register_full_pages(a, 30)
     bm.trim(a)  # the window group keeps the pages from 26 - 2 on: blocks 6, 7
     window_a = list(a.block_tables[1])
     b = seq(1, list(range(29)) + [99, 98])  # shares 29 tokens: 7 full pages
-    match = bm.match_prefix(b)
+    match = bm.prefix_cache.match(b)
     assert match.num_blocks == 7  # positions 0..27; the next query (28) reads keys 24.. (block 6) only
     full, window = match.tables
     assert full == a.block_tables[0][:7] and window == [NULL_PAGE] * 6 + window_a[6:7]
     # a prefix whose window reads a page `a` gave back: it is free but cached, so it is revived
     c = seq(2, list(range(12)) + [77] * 10)
-    match_c = bm.match_prefix(c)
+    match_c = bm.prefix_cache.match(c)
     assert match_c.num_blocks == 3 and match_c.tables[1][:2] == [NULL_PAGE] * 2
     revived = match_c.tables[1][2]
     assert bm.pool.ref_count[revived] == 0 and bm.pool.page_hash.get(revived) is not None

@@ -295,6 +295,6 @@ def test_prefix_sharing_and_copy_on_write_per_group(family):
     for i, samples in enumerate(seqs):
         assert [s.output_token_ids for s in samples] == [expected[i]] * 2, f"prompt {i}"
     bm = engine.block_manager
-    assert bm.prefix_hit_tokens >= 3 * WINDOW and bm.num_cow_copies > 0 and bm.num_window_freed > 0
+    assert bm.prefix_cache.hit_tokens >= 3 * WINDOW and bm.num_cow_copies > 0 and bm.num_window_freed > 0
     engine.check_integrity()
     assert engine.num_used_pages == 0

@@ -216,7 +216,11 @@ def test_dtype_auto_resolves_by_the_cpu_and_enters_the_fingerprint(monkeypatch):
     fp32 = load_job(ROOT / "jobs" / "demo.yaml", ["model.dtype=float32", "engine.device=cpu"])
 
     def hash_of(spec):
-        return fingerprint(spec, Shard(), model_loader.fingerprint_dtype(spec.model.dtype, "cpu"))
+        return fingerprint(
+            spec,
+            Shard(),
+            model_loader.fingerprint_dtype(spec.model.dtype, host.place("cpu", spec.model.dtype)),
+        )
 
     monkeypatch.setattr(host, "cpu_has_fast_bf16", lambda: True)
     assert host.pick_dtype("auto", cpu) == torch.bfloat16

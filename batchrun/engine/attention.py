@@ -9,7 +9,7 @@ once per engine (`make_backend`):
   K/V in the pages (`cpu_kernels.cpp`), prompts through SDPA;
 - `GatherAttention` (`gather`): plain PyTorch, gathering each group's pages into a padded batch for SDPA (what
   `torch` falls back to where the C++ kernel cannot be built, or on a GPU, and what the kernel was measured
-  against: bench/micro/attention_cpu.py);
+  against: bench/RESULTS.md);
 - `TritonAttention` (the GPU default): the paged kernels in `batchrun_kernels`, which read K/V in the pages.
 A backend builds its metadata once per step and mask kind (`prepare`, from host integers: nothing in the
 forward waits on the device to learn a shape), and every layer of that kind runs from it (`forward`).
@@ -41,7 +41,7 @@ _ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch.device | None = None):
     """A 1-D integer tensor of Python ints, through an `array.array`'s buffer: faster than `torch.tensor`, which
-    converts one element at a time (bench/micro/host_ops.py), and a step builds several from lists."""
+    converts one element at a time (bench/RESULTS.md), and a step builds several from lists."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     t = torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)

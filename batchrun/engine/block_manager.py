@@ -10,62 +10,11 @@ their entries become `NULL`. A model of one kind has one group, and everything b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Iterable
 
-from .page_pool import CpuPagePool, PageCopy, PagePool, cdiv, chain_hash
+from .page_pool import CpuPagePool, PageCopy, PageLayout, PagePool, held_pages
+from .prefix_cache import PrefixCache, PrefixMatch
 from .sequence import NULL_PAGE, Sequence
-
-
-class PrefixMatch(NamedTuple):
-    """Cached pages holding a prefix of a sequence: `num_blocks` full pages, each group's table for them
-    (NULL where a windowed group no longer needs the page) and the pages' hashes."""
-
-    num_blocks: int
-    tables: list[list[int]]
-    hashes: list[int]
-
-
-class PageLayout:
-    """How many pages a sequence's tables hold: `page_size` tokens a page, and per KV cache group the first key
-    position a query at a given position sees (`first_keys`, MaskKind.first_key; None: one full-attention
-    group)."""
-
-    def __init__(self, page_size: int, first_keys: list[Callable[[int], int]] | None = None):
-        self.page_size = page_size
-        self.first_keys = list(first_keys) if first_keys else [lambda pos: 0]
-        self.num_groups = len(self.first_keys)
-        self.windowed = any(fk(1 << 40) > 0 for fk in self.first_keys)  # some group gives pages back
-
-    def pages_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.page_size)
-
-    def first_block(self, group: int, pos: int) -> int:
-        """The first block of `group` that queries at positions >= pos still read."""
-        return self.first_keys[group](pos) // self.page_size
-
-    def max_pages_held(self, group: int, start: int, end: int, max_chunk: int) -> int:
-        """The most pages `group` holds while a sequence computes its tokens [start, end) in steps of at most
-        `max_chunk` tokens: all of them in a full group; in a windowed one, those a step's queries read."""
-        if not self.windowed:
-            return self.pages_needed(end)
-        most, c = 0, start
-        while c < end:
-            e = min(c + max_chunk, end)
-            most = max(most, self.pages_needed(e) - self.first_block(group, c))
-            c = e
-        return most
-
-    def pages_to_run(self, num_prompt_tokens: int, num_tokens: int, max_chunk: int) -> int:
-        """The most pages one sequence holds at once over its life: a prompt prefilled in chunks, then decoded
-        to `num_tokens` (in a windowed group, the decode's span is largest at the last page boundaries)."""
-        total = 0
-        for g in range(self.num_groups):
-            prefill = self.max_pages_held(g, 0, num_prompt_tokens, max_chunk)
-            tail = max(num_prompt_tokens, num_tokens - self.page_size)
-            decode = self.max_pages_held(g, tail, num_tokens, 1) if num_tokens > num_prompt_tokens else 0
-            total += max(prefill, decode)
-        return total
 
 
 class BlockManager:
@@ -82,10 +31,8 @@ class BlockManager:
         self.layout = PageLayout(page_size, first_keys)
         self.num_pages, self.num_cpu_pages, self.page_size = num_pages, num_cpu_pages, page_size
         self.num_groups = self.layout.num_groups
-        self.prefix_sharing = prefix_sharing
+        self.prefix_cache = PrefixCache(self.pool, self.layout, enabled=prefix_sharing)
         # counters for statistics
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
         self.num_cow_copies = 0
         self.num_window_freed = 0  # pages released because they fell behind their group's window
 
@@ -105,35 +52,6 @@ class BlockManager:
         return [[] for _ in range(self.num_groups)]
 
     # ---- admission ------------------------------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
-        window still reads at the prefix's end). The last token is never matched: its logits are needed, so at
-        least one token of the prompt is always computed."""
-        if not self.prefix_sharing or seq.prompt_logprobs is not None:
-            return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
-        tokens, P = seq.token_ids, self.page_size
-        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range((len(tokens) - 1) // P)]
-        hashes: list[int] = []
-        for chunk in chunks:
-            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
-        # per group, its cached pages and the last block before each k that is not cached (-1: none); then the
-        # longest prefix k for which every group holds the blocks it reads: those from first_block(g, k * P) on
-        pages = [[self.pool.cached(g, h, c) for h, c in zip(hashes, chunks)] for g in range(self.num_groups)]
-        last_miss = []
-        for group_pages in pages:
-            latest, misses = -1, []
-            for i, page in enumerate(group_pages):
-                latest = i if page is None else latest
-                misses.append(latest)
-            last_miss.append(misses)
-        first_block = self.layout.first_block
-        for k in range(len(hashes), 0, -1):
-            firsts = [first_block(g, k * P) for g in range(self.num_groups)]
-            if all(last_miss[g][k - 1] < firsts[g] for g in range(self.num_groups)):
-                tables = [[NULL_PAGE] * f + pages[g][f:k] for g, f in enumerate(firsts)]
-                return PrefixMatch(k, tables, hashes[:k])
-        return PrefixMatch(0, self._no_tables(), [])
-
     def num_new_pages_for_admission(
         self, seq: Sequence, match: PrefixMatch | None = None, max_chunk: int | None = None
     ) -> int:
@@ -141,7 +59,7 @@ class BlockManager:
         takes, prefix-cache hits deducted: a full group holds the whole prompt, a windowed one what a step reads.
         A hit on a free cached page still takes that page off the free list. `match`: match_prefix(seq), when
         the caller has it already."""
-        match = match if match is not None else self.match_prefix(seq)
+        match = match if match is not None else self.prefix_cache.match(seq)
         start, end = match.num_blocks * self.page_size, seq.num_tokens
         need = 0
         for g, table in enumerate(match.tables):
@@ -154,16 +72,13 @@ class BlockManager:
         """Admit a waiting sequence: reuse its cached prefix pages, then give it pages for its next uncomputed
         tokens, at most `max_new_tokens` of them (a chunk, or the whole prompt). Returns how many."""
         assert not any(seq.block_tables), "a sequence is admitted once"
-        match = match if match is not None else self.match_prefix(seq)
-        for table in match.tables:
-            for p in table:
-                if p != NULL_PAGE:
-                    self.pool.acquire(p)
+        match = match if match is not None else self.prefix_cache.match(seq)
+        self.pool.acquire_tables(match.tables)
         seq.block_tables = [list(t) for t in match.tables]
         seq.block_hashes = list(match.hashes)
         seq.num_computed_tokens = match.num_blocks * self.page_size
-        self.prefix_query_tokens += seq.num_tokens
-        self.prefix_hit_tokens += seq.num_computed_tokens
+        self.prefix_cache.query_tokens += seq.num_tokens
+        self.prefix_cache.hit_tokens += seq.num_computed_tokens
         n = min(max_new_tokens, seq.num_uncomputed_tokens)
         cow = self.grow(seq, n)
         assert not cow, "a new sequence never writes into a shared page"
@@ -224,10 +139,7 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every page of the parent (parallel sampling)."""
-        for table in parent.block_tables:
-            for p in table:
-                if p != NULL_PAGE:
-                    self.pool.acquire(p)
+        self.pool.acquire_tables(parent.block_tables)
         child.block_tables = [list(t) for t in parent.block_tables]
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -236,32 +148,6 @@ class BlockManager:
         self.pool.release_tables(seq.block_tables)
         seq.block_tables = self._no_tables()
         seq.block_hashes = []
-
-    def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
-        """Hash the pages of seq that its first `num_tokens` tokens fill, so other sequences can reuse them.
-
-        The scheduler calls this with the tokens computed by the end of the step being planned: a page whose
-        K/V is written in this step can already serve a sequence admitted in the same step, because every layer
-        writes the step's new K/V before any sequence attends."""
-        if not self.prefix_sharing:
-            return
-        P = self.page_size
-        full = min(num_tokens // P, len(seq.block_tables[0]))
-        if len(seq.block_hashes) >= full:
-            return  # the common case, every step of every decode: nothing newly full
-        tokens, start = seq.token_ids, len(seq.block_hashes)
-        for i in range(start, full):
-            chunk = tokens[i * P : (i + 1) * P]
-            seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk))
-        self._register_tables(seq, start)
-
-    def _register_tables(self, seq: Sequence, start: int = 0) -> None:
-        """Index seq's hashed pages from block `start` on, in every group that holds them."""
-        tokens, P = seq.token_ids, self.page_size
-        for i in range(start, len(seq.block_hashes)):
-            for g, table in enumerate(seq.block_tables):
-                if i < len(table) and table[i] != NULL_PAGE:
-                    self.pool.register(g, seq.block_hashes[i], table[i], tuple(tokens[i * P : (i + 1) * P]))
 
     # ---- swapping -------------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
@@ -301,16 +187,13 @@ class BlockManager:
             seq.block_tables.append(table)
         seq.cpu_block_tables = self._no_tables()
         # the swapped-in pages are private copies; re-register them only where the hash is not taken
-        if self.prefix_sharing:
-            self._register_tables(seq)
+        self.prefix_cache.register(seq)
         return copies
 
     def free_cpu_pages(self, seq: Sequence) -> None:
         """Drop a swapped sequence's CPU pages (an aborted request)."""
-        for cpu_table in seq.cpu_block_tables:
-            for cpu_page in cpu_table:
-                if cpu_page != NULL_PAGE:
-                    self.cpu_pool.release(cpu_page)
+        for cpu_page in held_pages(seq.cpu_block_tables):
+            self.cpu_pool.release(cpu_page)
         seq.cpu_block_tables = self._no_tables()
         seq.block_hashes = []
 
@@ -328,10 +211,8 @@ class BlockManager:
                     if p != NULL_PAGE:
                         expected[p] += 1
                         groups_of_page.setdefault(p, set()).add(g)
-            for table in seq.cpu_block_tables:
-                for p in table:
-                    if p != NULL_PAGE:
-                        expected_cpu[p] += 1
+            for p in held_pages(seq.cpu_block_tables):
+                expected_cpu[p] += 1
         self.pool.check(expected)
         self.cpu_pool.check(expected_cpu)
         assert all(len(g) == 1 for g in groups_of_page.values()), "a page is held by two groups"

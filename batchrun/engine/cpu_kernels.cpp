@@ -6,8 +6,8 @@
 // scored against every key of the context (fp32 accumulation; bf16/fp16 pages widened on load), softmaxed, and
 // the values summed with those weights. With AVX-512 and a head dim that is a multiple of 16, 16 keys are
 // scored at once: 16 lane-wise partial dot products, then their 16 horizontal sums together (sum_lanes16);
-// a horizontal sum per key made the kernel compute-bound (bench/micro/attention_cpu.py and bench/micro/profile_step.py
-// attention measure it; figures in bench/RESULTS.md). What a layer asks beyond full causal attention: the first key each sequence
+// a horizontal sum per key made the kernel compute-bound (bench/micro/profile_step.py attention measures
+// it; figures in bench/RESULTS.md). What a layer asks beyond full causal attention: the first key each sequence
 // sees (a sliding window or a chunk: the pages wholly before it are not read), logit soft-capping, and one
 // attention-sink logit per query head in the softmax's denominator. Shapes:
 //   query [T, Hq, Dk], out [T, Hq, Dv] (any strides but a unit last one)
@@ -18,7 +18,7 @@
 //
 // 2. Greedy argmax over rows of logits [N, V] (fp32 or bf16), as torch.argmax decides it (the first index of the
 // largest value; a NaN counts as the largest), at the speed of a plain reduction, where torch's argmax ran
-// several times slower than its amax (bench/micro/host_ops.py; bench/RESULTS.md) and was most of the host's time
+// several times slower than its amax (bench/RESULTS.md) and was most of the host's time
 // outside the forward at 256 rows a step.
 #include <torch/extension.h>
 

@@ -36,6 +36,38 @@ class StepResult:
     num_generated: int = 0  # tokens sampled this step
     num_prompt_tokens: int = 0  # prompt tokens computed this step (recomputed ones included)
 
+    # what the statistics count, so they need not read the plan's lists or the sequences' grammars
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.plan.num_batched_tokens
+
+    @property
+    def num_swapped_out_pages(self) -> int:
+        return len(self.plan.swap_out)
+
+    @property
+    def num_swapped_in_pages(self) -> int:
+        return len(self.plan.swap_in)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.plan.preempted)
+
+    @property
+    def num_recomputed(self) -> int:
+        return len(self.plan.recomputed)
+
+    @property
+    def num_finished_prompt_tokens(self) -> int:
+        """Prompt tokens of the rows finished this step (each row's first sample: forks share the prompt)."""
+        return sum(s.num_prompt_tokens for s in self.finished if s.sample_index == 0)
+
+    @property
+    def structured_finished(self) -> tuple[int, int]:
+        """Sequences finished this step with a response format, and those of them whose grammar completed."""
+        with_grammar = [s.grammar for s in self.finished if s.grammar is not None]
+        return len(with_grammar), sum(g.is_terminated() for g in with_grammar)
+
 
 class Engine:
     """A paged engine over one stock `transformers` model.

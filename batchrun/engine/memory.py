@@ -140,8 +140,8 @@ def _snapshot(
         num_swapped=num_swapped,
         page_size=bm.page_size,
         pages_total=bm.num_pages,
-        prefix_query_tokens=bm.prefix_query_tokens,
-        prefix_hit_tokens=bm.prefix_hit_tokens,
+        prefix_query_tokens=bm.prefix_cache.query_tokens,
+        prefix_hit_tokens=bm.prefix_cache.hit_tokens,
         cow_copies=bm.num_cow_copies,
         **counted,
     )

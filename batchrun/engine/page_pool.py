@@ -11,7 +11,7 @@ survives longest).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from .sequence import NULL_PAGE
@@ -80,6 +80,10 @@ class PagePool:
             else:
                 self._free_uncached.append(page)
 
+    def acquire_tables(self, tables: list[list[int]]) -> None:
+        for p in held_pages(tables):
+            self.acquire(p)
+
     def release_tables(self, tables: list[list[int]]) -> None:
         for table in tables:
             for p in reversed(table):  # the tail first, so the LRU keeps a prefix's head longest
@@ -121,6 +125,12 @@ class PagePool:
             assert self._hash_to_page.get((self.page_group[page], h)) == page, "hash index out of step"
 
 
+def held_pages(tables: list[list[int]]) -> Iterator[int]:
+    """The pages `tables` hold (their entries but NULL_PAGE), table by table."""
+    for table in tables:
+        yield from (p for p in table if p != NULL_PAGE)
+
+
 class CpuPagePool:
     """The CPU's `num_pages` swap slots. A swapped-out page always gets a private slot, so a slot has one holder."""
 
@@ -148,3 +158,45 @@ class CpuPagePool:
         assert all(self.ref_count[p] == 0 for p in free), "a free CPU page has references"
         assert len(free) + sum(1 for c in self.ref_count if c) == self.num_pages, "CPU pages lost"
         assert expected_refs == self.ref_count, "CPU page references differ from the CPU block tables"
+
+
+class PageLayout:
+    """How many pages a sequence's tables hold: `page_size` tokens a page, and per KV cache group the first key
+    position a query at a given position sees (`first_keys`, MaskKind.first_key; None: one full-attention
+    group)."""
+
+    def __init__(self, page_size: int, first_keys: list[Callable[[int], int]] | None = None):
+        self.page_size = page_size
+        self.first_keys = list(first_keys) if first_keys else [lambda pos: 0]
+        self.num_groups = len(self.first_keys)
+        self.windowed = any(fk(1 << 40) > 0 for fk in self.first_keys)  # some group gives pages back
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.page_size)
+
+    def first_block(self, group: int, pos: int) -> int:
+        """The first block of `group` that queries at positions >= pos still read."""
+        return self.first_keys[group](pos) // self.page_size
+
+    def max_pages_held(self, group: int, start: int, end: int, max_chunk: int) -> int:
+        """The most pages `group` holds while a sequence computes its tokens [start, end) in steps of at most
+        `max_chunk` tokens: all of them in a full group; in a windowed one, those a step's queries read."""
+        if not self.windowed:
+            return self.pages_needed(end)
+        most, c = 0, start
+        while c < end:
+            e = min(c + max_chunk, end)
+            most = max(most, self.pages_needed(e) - self.first_block(group, c))
+            c = e
+        return most
+
+    def pages_to_run(self, num_prompt_tokens: int, num_tokens: int, max_chunk: int) -> int:
+        """The most pages one sequence holds at once over its life: a prompt prefilled in chunks, then decoded
+        to `num_tokens` (in a windowed group, the decode's span is largest at the last page boundaries)."""
+        total = 0
+        for g in range(self.num_groups):
+            prefill = self.max_pages_held(g, 0, num_prompt_tokens, max_chunk)
+            tail = max(num_prompt_tokens, num_tokens - self.page_size)
+            decode = self.max_pages_held(g, tail, num_tokens, 1) if num_tokens > num_prompt_tokens else 0
+            total += max(prefill, decode)
+        return total

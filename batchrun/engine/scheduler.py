@@ -72,6 +72,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, watermark_pages: int = 0):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
+        self.prefix_cache = block_manager.prefix_cache
         # free pages admission leaves untouched, so decodes do not preempt at once
         self.watermark_pages = watermark_pages
         self.waiting: deque[Sequence] = deque()
@@ -139,7 +140,7 @@ class Scheduler:
         self._planned(seq, n, out)
 
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        self.bm.register_full_pages(seq, seq.num_computed_tokens + n)
+        self.prefix_cache.register_full_pages(seq, seq.num_computed_tokens + n)
         out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -176,7 +177,7 @@ class Scheduler:
             seats = 1 + seq.num_siblings_to_fork
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
-            match = self.bm.match_prefix(seq)  # hashes the whole prompt: once per admission attempt
+            match = self.prefix_cache.match(seq)  # hashes the whole prompt: once per admission attempt
             need = self.bm.num_new_pages_for_admission(seq, match, self.config.max_num_batched_tokens)
             reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages:

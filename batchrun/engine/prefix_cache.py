@@ -1,0 +1,94 @@
+"""The prefix cache: full pages indexed by the chain hash of their tokens (and every token before them), so a
+sequence whose prompt starts like an earlier one's reuses its pages instead of computing them again.
+
+The index itself lives in the page pool (page_pool.PagePool.register / cached): a page given back stays indexed
+while it waits on the free list, until it is handed out again. This module hashes sequences' pages, finds the
+longest cached prefix every KV cache group can use, and counts what it found for the statistics.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .page_pool import PageLayout, PagePool, chain_hash
+from .sequence import NULL_PAGE, Sequence
+
+
+class PrefixMatch(NamedTuple):
+    """Cached pages holding a prefix of a sequence: `num_blocks` full pages, each group's table for them
+    (NULL where a windowed group no longer needs the page) and the pages' hashes."""
+
+    num_blocks: int
+    tables: list[list[int]]
+    hashes: list[int]
+
+
+class PrefixCache:
+    """Finds and indexes cached prefixes in `pool` for the block manager (`enabled`: the engine's
+    prefix_sharing). `query_tokens` and `hit_tokens` count the prompt tokens admitted and those found here."""
+
+    def __init__(self, pool: PagePool, layout: PageLayout, enabled: bool = True):
+        self.pool, self.layout, self.enabled = pool, layout, enabled
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def _no_tables(self) -> list[list[int]]:
+        return [[] for _ in range(self.layout.num_groups)]
+
+    def match(self, seq: Sequence) -> PrefixMatch:
+        """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
+        window still reads at the prefix's end). The last token is never matched: its logits are needed, so at
+        least one token of the prompt is always computed."""
+        if not self.enabled or seq.prompt_logprobs is not None:
+            return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
+        tokens, P, G = seq.token_ids, self.layout.page_size, self.layout.num_groups
+        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range((len(tokens) - 1) // P)]
+        hashes: list[int] = []
+        for chunk in chunks:
+            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+        # per group, its cached pages and the last block before each k that is not cached (-1: none); then the
+        # longest prefix k for which every group holds the blocks it reads: those from first_block(g, k * P) on
+        pages = [[self.pool.cached(g, h, c) for h, c in zip(hashes, chunks)] for g in range(G)]
+        last_miss = []
+        for group_pages in pages:
+            latest, misses = -1, []
+            for i, page in enumerate(group_pages):
+                latest = i if page is None else latest
+                misses.append(latest)
+            last_miss.append(misses)
+        first_block = self.layout.first_block
+        for k in range(len(hashes), 0, -1):
+            firsts = [first_block(g, k * P) for g in range(G)]
+            if all(last_miss[g][k - 1] < firsts[g] for g in range(G)):
+                tables = [[NULL_PAGE] * f + pages[g][f:k] for g, f in enumerate(firsts)]
+                return PrefixMatch(k, tables, hashes[:k])
+        return PrefixMatch(0, self._no_tables(), [])
+
+    def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash the pages of seq that its first `num_tokens` tokens fill, so other sequences can reuse them.
+
+        The scheduler calls this with the tokens computed by the end of the step being planned: a page whose
+        K/V is written in this step can already serve a sequence admitted in the same step, because every layer
+        writes the step's new K/V before any sequence attends."""
+        if not self.enabled:
+            return
+        P = self.layout.page_size
+        full = min(num_tokens // P, len(seq.block_tables[0]))
+        if len(seq.block_hashes) >= full:
+            return  # the common case, every step of every decode: nothing newly full
+        tokens, start = seq.token_ids, len(seq.block_hashes)
+        for i in range(start, full):
+            chunk = tokens[i * P : (i + 1) * P]
+            seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk))
+        self.register(seq, start)
+
+    def register(self, seq: Sequence, start: int = 0) -> None:
+        """Index seq's hashed pages from block `start` on, in every group that holds them (also after a swap-in:
+        the swapped-in pages are private copies, indexed only where the hash is not taken)."""
+        if not self.enabled:
+            return
+        tokens, P = seq.token_ids, self.layout.page_size
+        for i in range(start, len(seq.block_hashes)):
+            for g, table in enumerate(seq.block_tables):
+                if i < len(table) and table[i] != NULL_PAGE:
+                    self.pool.register(g, seq.block_hashes[i], table[i], tuple(tokens[i * P : (i + 1) * P]))
