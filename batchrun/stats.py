@@ -66,10 +66,8 @@ SUMMARY_KEYS = {
     "load_s": ("max", "sum"),  # loading the model (replicas load side by side)
     "runs": ("max", "sum"),
     "rows": ("sum", "sum"),
-    "rows_changed": (
-        "sum",
-        "sum",
-    ),  # rows recomputed because their input changed since their output was written
+    # rows recomputed because their input changed since their output was written
+    "rows_changed": ("sum", "sum"),
     "steps": ("sum", "sum"),
     "prompt_tokens": ("sum", "sum"),
     "prompt_tokens_computed": ("sum", "sum"),

@@ -36,9 +36,8 @@ class ModelRunner:
         slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV cache group
         tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         query_lens, context_lens, logits_index = [], [], []
-        for (
-            s
-        ) in scheduled:  # every step, for every sequence: kept lean (host time per step, bench/vs_vllm.py)
+        # every step, for every sequence: kept lean (host time per step, bench/vs_vllm.py)
+        for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             if s.prompt_logprob_positions:

@@ -57,9 +57,8 @@ class OutputProcessor:
                 self._score_prompts(plan, logits)
             sampling, rows = [], []  # sequences that sample, and the logits row each samples from
             row = 0
-            for (
-                s
-            ) in plan.scheduled:  # every step, for every sequence: kept lean (bench/vs_vllm.py's host work)
+            # every step, for every sequence: kept lean (bench/vs_vllm.py's host work)
+            for s in plan.scheduled:
                 seq = s.seq
                 num_prompt = seq.num_prompt_tokens
                 if s.start < num_prompt:
