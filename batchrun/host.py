@@ -58,6 +58,18 @@ def cpu_description() -> str:
     return f"{model}\n{flags}"
 
 
+def cpu_name() -> str:
+    """This CPU in one line, for figures: its model name and the vector units that matter here."""
+    model = cpu_description().partition("\n")[0].partition(":")[2].strip() or "an unknown CPU"
+    flags = cpu_flags()
+    units = [
+        name
+        for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+        if flag in flags
+    ]
+    return f"{model} ({', '.join(units) or 'no AVX-512'})"
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags (empty where /proc/cpuinfo says none)."""
     flags_line = cpu_description().partition("\n")[2]

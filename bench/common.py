@@ -68,15 +68,10 @@ def reference_prompts(seed: int = 11) -> list[str]:
 
 def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
     """Token ids of each prompt as one user turn through the chat template (what a job file's string prompt is)."""
-    return [
-        tok(
-            tok.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
-        for p in prompts
-    ]
+    render = lambda p: tok.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+    )  # noqa: E731
+    return [tok(render(p), add_special_tokens=False)["input_ids"] for p in prompts]
 
 
 def write_prompts(work: Path, prompts: list[str]) -> Path:
@@ -123,32 +118,26 @@ def run_batchrun(work: Path, label: str, sections: dict[str, dict]) -> dict:
 
 
 # ---- measuring -----------------------------------------------------------------------------------------------
-def best_seconds(fn: Callable[[], Any], repeat: int = 5, number: int = 1) -> float:
-    """The best of `repeat` means over `number` calls (after one warm-up call), in seconds."""
+def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
+    """The best of `repeat` calls (after one warm-up call), in seconds."""
     fn()
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / number)
+        fn()
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
 
 
 def in_process(module: str, function: str, **kwargs) -> dict:
     """`module.function(**kwargs)` in a fresh Python process (its peak memory and start are its own); returns
     what it returned (JSON). The module serves it with `serve_one()`."""
-    cmd = [
-        sys.executable,
-        "-m",
-        module,
-        "--one",
-        json.dumps({"function": function, "kwargs": kwargs}, default=str),
-    ]
+    call = json.dumps({"function": function, "kwargs": kwargs}, default=str)
+    cmd = [sys.executable, "-m", module, "--one", call]
     print(f"  running {kwargs.get('label', function)} ...", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -175,20 +164,12 @@ def random_model(
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
-    if dtype is not None:
-        model = model.to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)  # .to(None) keeps the config's dtype
     target = work / name
     model.save_pretrained(target)
     if tokenizer_from is not None:
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(target)
     return target
-
-
-def cpu_name() -> str:
-    from batchrun.host import cpu_description
-
-    return cpu_description() or "an unknown CPU"
 
 
 # ---- reporting -----------------------------------------------------------------------------------------------
@@ -215,4 +196,6 @@ def save(report: dict, path: Path, text: str) -> None:
 
 
 def environment() -> dict:
+    from batchrun.host import cpu_name
+
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "cpu": cpu_name()}

@@ -5,11 +5,11 @@ kernel tests).
    (Llama-8B-like heads: 32 query heads, 8 KV heads, head dim 128, bf16, 16-token pages in shuffled order),
    against its floor (bytes of K/V it must read / measured device-to-device copy bandwidth) and against
    PyTorch SDPA over K/V gathered into a contiguous copy (the gather included, as a non-paged engine pays it).
-2. fp32 exactness: batchrun's batch against HF `generate` one row at a time, token for token.
-3. batchrun (Triton attention, and the gather backend) against HF `generate` in bf16 on the same token ids:
-   tokens/s, host time per step, rows and first tokens equal to HF's.
-2 and 3 run on models made here from a config with random weights (SmolLM2-135M's shape; an 8B Llama's with 4
-layers) and the tokenizer files that travel in out/gpu-assets (bench/gpu_assets.sh). Each section that fails
+2. batchrun (Triton attention, and the gather backend) against HF `generate` in bf16 on the same token ids:
+   tokens/s, host time per step, rows and first tokens equal to HF's, on models made here from a config with
+   random weights (SmolLM2-135M's shape; an 8B Llama's with 4 layers) and the tokenizer files that travel in
+   out/gpu-assets (bench/gpu_assets.sh).
+fp32 exactness on CUDA is a test (tests/test_kernels.py, which gpu_check.sh runs first). A section that fails
 is reported in the table and the next one still runs. Prints one report (Markdown) at the end; `--out FILE`
 writes it after every section."""
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import time
 import traceback
 from collections.abc import Iterator
@@ -54,6 +53,7 @@ def copy_bandwidth() -> float:
 def time_decode(batch: int, ctx: int, bw: float) -> dict:
     from batchrun_kernels import paged_attention, plan_query_blocks
 
+    torch.cuda.empty_cache()  # the last case's pages
     Hq, Hkv, D, P = 32, 8, 128, 16
     dtype = torch.bfloat16
     blocks = ctx // P
@@ -106,12 +106,7 @@ DECODE_COLUMNS = {  # the decode table's header and how each cell shows a row of
 
 def decode_table() -> tuple[list[dict], float]:
     bw = copy_bandwidth()
-    rows = []
-    for batch in (64, 128, 256):
-        for ctx in (512, 2048, 4096):
-            rows.append(time_decode(batch, ctx, bw))
-            torch.cuda.empty_cache()
-    return rows, bw
+    return [time_decode(batch, ctx, bw) for batch in (64, 128, 256) for ctx in (512, 2048, 4096)], bw
 
 
 # model shapes made on the GPU machine with random weights (no checkpoint travels): SmolLM2-135M's, and an
@@ -127,11 +122,6 @@ SHAPES = {
 }
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def make_model(name: str, tokenizer_dir: Path, work: Path, device: str = "cuda") -> Path:
     """A Llama model of SHAPES[name] with random weights (bf16), saved with the tokenizer files."""
     from transformers import AutoTokenizer, LlamaConfig
@@ -142,14 +132,11 @@ def make_model(name: str, tokenizer_dir: Path, work: Path, device: str = "cuda")
     return random_model(config, work, name, tokenizer_dir, torch.bfloat16, device)
 
 
-def hf_generate(hf, prompts: list[list[int]], new_tokens: int, device: str, batch: bool) -> list[list[int]]:
-    """HF `generate`, greedy, exactly `new_tokens` new tokens: one left-padded batch, or one call per row."""
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int, device: str) -> list[list[int]]:
+    """HF `generate`, greedy, exactly `new_tokens` new tokens, one left-padded batch."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     pad = hf.config.eos_token_id
     with torch.inference_mode():
-        if not batch:
-            one = lambda p: hf.generate(input_ids=torch.tensor([p], device=device), pad_token_id=pad, **kw)  # noqa: E731
-            return [one(p)[0, len(p) :].tolist() for p in prompts]
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -161,6 +148,11 @@ def random_prompts(
 ) -> list[list[int]]:
     lens = torch.randint(shortest, longest, (rows,), generator=gen).tolist()
     return [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in lens]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def free(device: str) -> None:
@@ -200,31 +192,6 @@ def run_batchrun(path: Path, prompts, new_tokens: int, dtype: str, device: str, 
     return {"tokens": tokens, "seconds": seconds, "steps": steps, "ms_per_step": phases}
 
 
-def exactness(
-    name: str, tokenizer_dir: Path, work: Path, rows: int = 8, new_tokens: int = 24, device: str = "cuda"
-) -> dict:
-    """fp32: batchrun (Triton attention) against HF `generate` run one row at a time (no padding), token for
-    token, on the shape SHAPES[name] with random weights."""
-    from transformers import AutoModelForCausalLM
-
-    path = make_model(name, tokenizer_dir, work, device)
-    prompts = random_prompts(rows, torch.Generator().manual_seed(2), 16, 300)
-    ours = run_batchrun(path, prompts, new_tokens, "float32", device, "auto")["tokens"]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    ref = hf_generate(hf, prompts, new_tokens, device, batch=False)
-    del hf
-    free(device)
-    same = sum(a == b for a, b in zip(ours, ref))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, ref)]
-    return {
-        "model": name,
-        "rows": rows,
-        "new_tokens": new_tokens,
-        "identical": same,
-        "first_difference": first_diff,
-    }
-
-
 def model_table(
     tokenizer_dir: Path, work: Path, rows: int, new_tokens: int, device: str = "cuda"
 ) -> Iterator[dict]:
@@ -247,72 +214,80 @@ def model_table(
                 row[attention] = {"error": f"{type(e).__name__}: {e}"}
                 free(device)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-        hf_generate(hf, prompts[:4], new_tokens, device, batch=True)  # warm-up
+        hf_generate(hf, prompts[:4], new_tokens, device)  # warm-up
         sync()
         t0 = time.perf_counter()
-        row["hf_tokens"] = hf_generate(hf, prompts, new_tokens, device, batch=True)
+        row["hf_tokens"] = hf_generate(hf, prompts, new_tokens, device)
         sync()
         row["hf_seconds"] = time.perf_counter() - t0
         del hf
         free(device)
-        print("\n".join(row_lines(row)), flush=True)
+        print("\n".join(model_lines(row)), flush=True)
         yield row
 
 
-def row_lines(r: dict) -> list[str]:
-    hf_tok_s = r["rows"] * r["new_tokens"] / r["hf_seconds"]
+MODEL_COLUMNS = {
+    "model (random weights)": "{model}",
+    "attention": "{attention}",
+    "rows": "{rows}",
+    "batchrun tok/s": "{tok_s:.0f}",
+    "HF tok/s": "{hf_tok_s:.0f}",
+    "ratio": "{ratio:.2f}x",
+    "steps": "{steps}",
+    "ms/step host / forward / sample": "{host:.2f} / {forward:.2f} / {sample:.2f}",
+    "rows identical": "{same}/{rows}",
+    "first tokens identical": "{first}/{rows}",
+}
+
+
+def model_lines(r: dict) -> list[str]:
+    """The MODEL_COLUMNS table's lines of one `model_table` row: a line per backend (a failed one says why)."""
     lines = []
+    hf_tok_s = r["rows"] * r["new_tokens"] / r["hf_seconds"]
     for backend in ("triton", "gather", "auto"):
         b = r.get(backend)
-        if b is None:
+        if b is None or "error" in b:
+            lines += [f"| {r['model']} | {backend} | failed: {b['error'][:200]} |"] if b else []
             continue
-        if "error" in b:
-            lines.append(f"| {r['model']} | {backend} | failed: {b['error'][:200]} | | | | | | |")
-            continue
-        generated = sum(map(len, b["tokens"]))
-        tok_s = generated / b["seconds"]
-        ph = b["ms_per_step"]
-        host = sum(ph[k] for k in ("schedule", "prepare", "finish", "stats"))
-        same = sum(a == h for a, h in zip(b["tokens"], r["hf_tokens"]))
-        first = sum(a[:1] == h[:1] for a, h in zip(b["tokens"], r["hf_tokens"]))
-        lines.append(
-            f"| {r['model']} | {backend} | {r['rows']} | {tok_s:.0f} | {hf_tok_s:.0f} | {tok_s / hf_tok_s:.2f}x | "
-            f"{b['steps']} | {host:.2f} / {ph['forward']:.2f} / {ph['sample']:.2f} | {same}/{r['rows']} | "
-            f"{first}/{r['rows']} |"
+        ph, tokens, hf = b["ms_per_step"], b["tokens"], r["hf_tokens"]
+        tok_s = sum(map(len, tokens)) / b["seconds"]
+        row = dict(
+            r, attention=backend, tok_s=tok_s, hf_tok_s=hf_tok_s, ratio=tok_s / hf_tok_s, steps=b["steps"]
         )
+        row |= dict(
+            host=sum(ph[k] for k in ("schedule", "prepare", "finish", "stats")), forward=ph["forward"]
+        )
+        row |= dict(sample=ph["sample"], same=sum(a == h for a, h in zip(tokens, hf)))
+        row |= dict(first=sum(a[:1] == h[:1] for a, h in zip(tokens, hf)))
+        lines += columns(MODEL_COLUMNS, [row])[2:]
     return lines
 
 
-class Report:
-    """The check's table, written to `path` after every section, so a run cut short still leaves what it got."""
+class Report(list):
+    """The check's lines, written to `path` after every addition, so a run cut short still leaves what it got."""
 
     def __init__(self, path: str | None):
+        super().__init__()
         self.path = Path(path) if path else None
-        self.lines: list[str] = []
 
     def add(self, *lines: str) -> None:
-        self.lines += lines
+        self.extend(lines)
         if self.path:
-            self.path.write_text("\n".join(self.lines) + "\n")
+            self.path.write_text("\n".join(self) + "\n")
 
     def section(self, title: str, fn) -> None:
         """Run one section; a failure is reported in the table and the next section still runs."""
         print(f"== {title}", flush=True)
-        t0 = time.perf_counter()
         try:
             fn()
         except Exception as e:
             traceback.print_exc()
             self.add("", f"**{title} failed**: {type(e).__name__}: {str(e)[:500]}")
-        print(f"== {title}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument(
-        "--kernel-tests", default=None, help="pytest's output for the kernel tests (its last line)"
-    )
     ap.add_argument("--tokenizer", default=str(ROOT / "out" / "gpu-assets" / "tokenizer"))
     ap.add_argument("--work", default="/tmp/batchrun-gpu-models")
     ap.add_argument("--rows", type=int, default=256)
@@ -324,12 +299,6 @@ def main() -> None:
     report.add(
         f"GPU check on {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}"
     )
-    if args.kernel_tests:
-        lines = Path(args.kernel_tests).read_text().splitlines()
-        said = [ln.strip("= ") for ln in lines if re.search(r"\d+ (passed|failed|error)|exit \d+", ln)]
-        report.add(
-            "", f"Kernel tests on CUDA (`pytest tests/test_kernels.py`): {'; '.join(said) or 'no summary'}"
-        )
 
     def decode():
         rows, bw = decode_table()
@@ -341,18 +310,6 @@ def main() -> None:
             *columns(DECODE_COLUMNS, rows),
         )
 
-    def exact():
-        report.add(
-            "",
-            "fp32, batchrun (Triton) vs HF `generate` one row at a time, token for token (random weights):",
-        )
-        for name in SHAPES:
-            r = exactness(name, tokenizer, work)
-            report.add(
-                f"- {name}: {r['identical']}/{r['rows']} rows of {r['new_tokens']} tokens identical; "
-                f"first differing position per row: {r['first_difference']}"
-            )
-
     def models():
         report.add(
             "",
@@ -362,17 +319,14 @@ def main() -> None:
             "to HF's; in bf16 informative only: batch shapes change the rounding, and one flipped token changes the "
             "rest of its row",
             "",
-            "| model (random weights) | attention | rows | batchrun tok/s | HF tok/s | ratio | steps | "
-            "ms/step host / forward / sample | rows identical | first tokens identical |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            *columns(MODEL_COLUMNS, []),  # the header; a row per model as it is measured
         )
         for r in model_table(tokenizer, work, args.rows, args.new_tokens):
-            report.add(*row_lines(r))
+            report.add(*model_lines(r))
 
     report.section("decode attention", decode)
-    report.section("fp32 exactness", exact)
     report.section("models", models)
-    print("\n".join(report.lines))
+    print("\n".join(report))
 
 
 if __name__ == "__main__":

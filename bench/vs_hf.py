@@ -7,9 +7,9 @@ memory is its own), fp32, greedy, on the same prompts:
 2. bar: 60 chat prompts of 15-450 tokens, 64 new tokens: batchrun vs HF `generate` in batches of 16 and of 60;
 3. preemption: 64 short prompts generating 64 tokens each with a quarter of the KV pages they peak at: swap vs
    recompute vs unconstrained;
-4. sharing: 32 rows behind a common ~220-token system prompt: prefix sharing on vs off;
-5-7. logprobs 5 vs none, json_object vs free text, 2 replicas of 1 thread vs 1 process of 2 threads: the bar's
-   workload, alternated, twice each (the best run of each counts: a cold first run is slow).
+4-7. feature off vs on, alternated, twice each (the best run of each counts: a cold first run is slow): prefix
+   sharing on 32 rows behind a common ~220-token system prompt; on the bar's workload, logprobs 5 vs none,
+   json_object vs free text, 2 replicas of 1 thread vs 1 process of 2 threads.
 
 Usage: python -m bench.vs_hf [--quick] [--only throughput,bar,preemption,sharing,logprobs,structured,replicas]
 """
@@ -38,21 +38,18 @@ from .common import (
 MODULE = "bench.vs_hf"
 
 
-def batchrun_run(work: str, label: str, batch: int, new: int, extra: dict | None = None, system=None) -> dict:
-    """One batchrun run (in its own process): fp32 like HF generate here, max_num_seqs = the batch size."""
-    extra = extra or {}
-    r = run_batchrun(
-        Path(work),
-        label,
-        {
-            "model": {"dtype": "float32", "system_prompt": system},
-            "sampling": {"max_new_tokens": new, **extra.get("sampling", {})},
-            "engine": {"max_num_seqs": batch, **extra.get("engine", {})},
-        },
-    )
-    for key in ("prompt_ids", "completions"):
-        r.pop(key)
-    return r
+def batchrun_run(work: str, label: str, batch: int, new: int, extra: dict | None = None) -> dict:
+    """One batchrun run (in its own process): fp32 like HF generate here, max_num_seqs = the batch size;
+    `extra`: job file sections' keys to set on top."""
+    sections = {
+        "model": {"dtype": "float32"},
+        "sampling": {"max_new_tokens": new},
+        "engine": {"max_num_seqs": batch},
+    }
+    for section, values in (extra or {}).items():
+        sections[section] = {**sections.get(section, {}), **values}
+    r = run_batchrun(Path(work), label, sections)
+    return {k: v for k, v in r.items() if k not in ("prompt_ids", "completions")}
 
 
 def hf_run(work: str, label: str, batch: int, new: int) -> dict:
@@ -82,13 +79,9 @@ def hf_run(work: str, label: str, batch: int, new: int) -> dict:
             for row in out[:, enc["input_ids"].shape[1] :].tolist():  # up to and including eos, not padding
                 generated += row.index(eos) + 1 if eos in row else len(row)
     wall = time.perf_counter() - t0
-    return {
-        "label": label,
-        "generated_tokens": generated,
-        "wall_s": wall,
-        "tokens_per_s": generated / wall,
-        "peak_rss_mib": peak_rss_mib(),
-    }
+    return dict(label=label, generated_tokens=generated, wall_s=wall, tokens_per_s=generated / wall) | dict(
+        peak_rss_mib=peak_rss_mib()
+    )
 
 
 def prepare(work: Path, prompts: list[str]) -> str:
@@ -97,10 +90,8 @@ def prepare(work: Path, prompts: list[str]) -> str:
     return str(work)
 
 
-def ours(work, label, batch, new, extra=None, system=None) -> dict:
-    r = in_process(
-        MODULE, "batchrun_run", work=work, label=label, batch=batch, new=new, extra=extra, system=system
-    )
+def ours(work, label, batch, new, extra=None) -> dict:
+    r = in_process(MODULE, "batchrun_run", work=work, label=label, batch=batch, new=new, extra=extra)
     print(f"    {r['tokens_per_s']:.1f} generated tokens/s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
     return r
 
@@ -109,14 +100,30 @@ def theirs(work, label, batch, new) -> dict:
     return in_process(MODULE, "hf_run", work=work, label=label, batch=batch, new=new)
 
 
-AB_TESTS = {  # the bar's workload, one feature off (a) and on (b)
-    "logprobs": ("logprobs 5 vs without", "plain", {}, "logprobs", {"sampling": {"logprobs": 5}}),
+LIBRARY = (  # the sharing workload's system prompt, ~220 tokens
+    "You are the help desk of a city library. Answer visitors' questions about opening hours, membership, "
+    "borrowing limits, late fees, study rooms, printing and events in one friendly sentence. "
+) * 6
+SHARING_COLUMNS = {
+    "peak pages": "{peak_pages_used}",
+    "prompt tokens computed": "{prompt_tokens_computed}",
+    "duplication saved (peak)": "{duplication_saved_peak:.1%}",
+}
+STRUCTURED_COLUMNS = {
+    "rows complete": "{structured_complete}/{structured_rows}",
+    "compile s": "{grammar_compile_s:.3f}",
+    "mask s": "{grammar_mask_s:.2f}",
+}
+AB_TESTS = {  # a feature off (a) and on (b): what, a, a's sections, b, b's sections, more columns
+    "sharing": ("sharing on vs off", "off", {"engine": {"prefix_sharing": False}}, "on", {}, SHARING_COLUMNS),
+    "logprobs": ("logprobs 5 vs without", "plain", {}, "logprobs", {"sampling": {"logprobs": 5}}, {}),
     "structured": (
         "json_object vs free text",
         "free",
         {},
         "json_object",
         {"sampling": {"response_format": {"type": "json_object"}}},
+        STRUCTURED_COLUMNS,
     ),
     "replicas": (
         "2 replicas of 1 thread vs 1 process of 2 threads",
@@ -124,6 +131,7 @@ AB_TESTS = {  # the bar's workload, one feature off (a) and on (b)
         {},
         "two",
         {"engine": {"replicas": 2}},
+        {},
     ),
 }
 
@@ -154,44 +162,24 @@ def main() -> None:
         "peak RSS MiB": "{peak_rss_mib:.0f}",
     }
 
-    if "throughput" in only:
-        print(f"throughput: {n_main} chat prompts of 20-400 tokens, max_new_tokens {new_main}, batch 32")
-        work = prepare(OUT / "throughput", chat_prompts(tok, n_main, 20, 400, seed=1))
-        br, hf = ours(work, "batchrun", 32, new_main), theirs(work, "hf-generate-padded", 32, new_main)
-        wide = ours(work, "batchrun-128-seqs", 128, new_main)
-        t = r["throughput"] = {
-            "batchrun": br,
-            "hf": hf,
-            "batchrun_128": wide,
-            "speedup": br["tokens_per_s"] / hf["tokens_per_s"],
-            "speedup_128": wide["tokens_per_s"] / hf["tokens_per_s"],
-            "memory_ratio": br["peak_rss_mib"] / hf["peak_rss_mib"],
+    hf_comparisons = {  # workload: (prompts, lengths, seed, new tokens, batchrun's batch sizes, HF's batch sizes)
+        "throughput": (n_main, (20, 400), 1, new_main, (32, 128), (32,)),
+        "bar": (60, (15, 450), 5, 64, (256,), (16, 60)),
+    }
+    for key, (n, (lo, hi), seed, new, our_batches, hf_batches) in hf_comparisons.items():
+        if key not in only:
+            continue
+        print(f"{key}: {n} chat prompts of {lo}-{hi} tokens, max_new_tokens {new}")
+        work = prepare(OUT / key, chat_prompts(tok, n, lo, hi, seed=seed))
+        mine = [ours(work, f"batchrun-{b}-seqs", b, new) for b in our_batches]
+        hf = [theirs(work, f"hf-generate-padded-{b}", b, new) for b in hf_batches]
+        ratios = {
+            f"{x['label']} / {h['label']}": x["tokens_per_s"] / h["tokens_per_s"] for x in mine for h in hf
         }
-        lines += columns(runs_spec, [br, hf, wide])
-        lines.append(
-            f"batchrun / HF generate: **{t['speedup']:.2f}x** tokens/s, {t['memory_ratio']:.2f}x peak RSS; "
-            f"with max_num_seqs 128: {t['speedup_128']:.2f}x"
-        )
-
-    if "bar" in only:
-        print("bar: 60 chat prompts of 15-450 tokens, greedy, max_new_tokens 64")
-        work = prepare(OUT / "bar60", chat_prompts(tok, 60, 15, 450, seed=5))
-        br = ours(work, "batchrun-256-seqs", 256, 64)
-        hf16, hf60 = (
-            theirs(work, "hf-generate-padded-16", 16, 64),
-            theirs(work, "hf-generate-padded-60", 60, 64),
-        )
-        b = r["bar"] = {
-            "batchrun": br,
-            "hf16": hf16,
-            "hf60": hf60,
-            "speedup_16": br["tokens_per_s"] / hf16["tokens_per_s"],
-            "speedup_60": br["tokens_per_s"] / hf60["tokens_per_s"],
-        }
-        lines += ["", *columns(runs_spec, [br, hf16, hf60])]
-        lines.append(
-            f"batchrun / HF generate: {b['speedup_16']:.2f}x (batches of 16), {b['speedup_60']:.2f}x (of 60)"
-        )
+        ratios["peak RSS, first of each"] = mine[0]["peak_rss_mib"] / hf[0]["peak_rss_mib"]
+        r[key] = {"batchrun": mine, "hf": hf, "ratios": ratios}
+        lines += ["", *columns(runs_spec, mine + hf)]
+        lines += [f"{k}: **{v:.2f}x**" for k, v in ratios.items()]
 
     if "preemption" in only:
         n, new = (24, 32) if args.quick else (64, 64)
@@ -218,65 +206,23 @@ def main() -> None:
         }
         lines += ["", *columns(spec, list(runs.values()))]
 
-    if "sharing" in only:
-        new = 16 if args.quick else 32
-        print(f"sharing: 32 rows behind a ~220-token system prompt, max_new_tokens {new}")
-        system = (
-            "You are the help desk of a city library. Answer visitors' questions about opening hours, "
-            "membership, borrowing limits, late fees, study rooms, printing and events in one friendly "
-            "sentence. "
-        ) * 6
-        work = prepare(
-            OUT / "sharing", [f"Question {i}: can I {WORDS[i % len(WORDS)]} in room {i}?" for i in range(32)]
-        )
-        on, off = (
-            ours(work, f"sharing-{k}", 32, new, {"engine": {"prefix_sharing": k == "on"}}, system)
-            for k in ("on", "off")
-        )
-        r["sharing"] = {
-            "on": on,
-            "off": off,
-            "speedup": on["tokens_per_s"] / off["tokens_per_s"],
-            "peak_pages_ratio": on["peak_pages_used"] / off["peak_pages_used"],
-        }
-        spec = {
-            "run": "{label}",
-            "tok/s": "{tokens_per_s:.1f}",
-            "peak pages": "{peak_pages_used}",
-            "prompt tokens computed": "{prompt_tokens_computed}",
-            "duplication saved (peak)": "{duplication_saved_peak:.1%}",
-        }
-        lines += ["", *columns(spec, [on, off])]
-        lines.append(
-            f"sharing on / off: {r['sharing']['speedup']:.2f}x tokens/s, "
-            f"{r['sharing']['peak_pages_ratio']:.2f}x peak pages"
-        )
-
-    for key, (what, a, a_extra, b, b_extra) in AB_TESTS.items():
+    for key, (what, a, a_extra, b, b_extra, more_columns) in AB_TESTS.items():
         if key not in only:
             continue
-        print(f"{key}: the bar's workload (60 prompts, 64 new tokens), {what}")
-        work = prepare(OUT / key, chat_prompts(tok, 60, 15, 450, seed=5))
+        if key == "sharing":  # 32 rows behind one system prompt
+            questions = [f"Question {i}: can I {WORDS[i % len(WORDS)]} in room {i}?" for i in range(32)]
+            work, batch, new = prepare(OUT / key, questions), 32, 16 if args.quick else 32
+            a_extra, b_extra = ({**x, "model": {"system_prompt": LIBRARY}} for x in (a_extra, b_extra))
+        else:  # the bar's workload
+            work, batch, new = prepare(OUT / key, chat_prompts(tok, 60, 15, 450, seed=5)), 256, 64
+        print(f"{key}: {what}, max_new_tokens {new}, alternated, twice each")
         runs: dict[str, list] = {a: [], b: []}
         for i in range(2):
-            runs[a].append(ours(work, f"{a}-{i}", 256, 64, a_extra))
-            runs[b].append(ours(work, f"{b}-{i}", 256, 64, b_extra))
+            runs[a].append(ours(work, f"{a}-{i}", batch, new, a_extra))
+            runs[b].append(ours(work, f"{b}-{i}", batch, new, b_extra))
         best = {k: max(x["tokens_per_s"] for x in v) for k, v in runs.items()}
         r[key] = {**runs, "ratio": best[b] / best[a]}
-        spec = runs_spec
-        if key == "structured":
-            for x in runs[a] + runs[b]:
-                x["mask_ms"], x["compile_ms"] = (
-                    x["grammar_mask_s"] / x["steps"] * 1e3,
-                    x["grammar_compile_s"] * 1e3,
-                )
-            spec = {
-                **runs_spec,
-                "rows complete": "{structured_complete}/{structured_rows}",
-                "compile ms": "{compile_ms:.1f}",
-                "mask ms per step": "{mask_ms:.2f}",
-            }
-        lines += ["", *columns(spec, runs[a] + runs[b])]
+        lines += ["", *columns({**runs_spec, **more_columns}, runs[a] + runs[b])]
         lines.append(f"{b} / {a}: {r[key]['ratio']:.2f}x generated tokens/s (best run of each)")
 
     save(r, Path(args.out), "\n".join(lines))

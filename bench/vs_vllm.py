@@ -39,7 +39,6 @@ from .common import (
     WORDS,
     best_seconds,
     chat_ids,
-    columns,
     environment,
     in_process,
     random_model,
@@ -90,11 +89,7 @@ def matmul_limit(dtype: str) -> dict:
 
 
 def run_vllm(model_dir: Path, prompts_file: Path, dtype: str, sharing: str) -> dict:
-    env = {
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = dict(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
     result = prompts_file.parent / "vllm-result.json"
     args = [ROOT / "bench" / "vllm_peer.py", model_dir, prompts_file, dtype, sharing, MAX_NEW, result]
     proc = subprocess.run(
@@ -151,9 +146,6 @@ def compare(work: Path, model_dir: Path, config, ids: list[list[int]], runs: int
                 entry["identical_rows"] = sum(
                     a == b for a, b in zip(best_b["completions"], best_v["completions"])
                 )
-                entry["vllm_startup_s"] = min(r["startup_s"] for r in got["vllm"])
-            first, last = got["batchrun"][0]["completions"], got["batchrun"][-1]["completions"]
-            entry["batchrun_self_identical_rows"] = sum(a == b for a, b in zip(first, last))
             configs[key] = entry
     for entry in configs.values():  # the token ids were only needed for the comparisons
         for r in [*entry["batchrun"], *entry["vllm"]]:
@@ -184,10 +176,7 @@ def main() -> None:
         limits = {
             dt: in_process(MODULE, "matmul_limit", dtype=dt)["flops_per_s"] for dt in ("float32", "bfloat16")
         }
-        print(
-            ", ".join(f"matrix-product limit, {k}: {v / 1e9:.0f} GFLOP/s" for k, v in limits.items()),
-            flush=True,
-        )
+        print(", ".join(f"matrix-product limit, {k}: {v / 1e9:.0f} GFLOP/s" for k, v in limits.items()))
         r["matmul_limit_flops_per_s"] = limits
         r.update(compare(work, model_dir, config, ids, args.runs, limits))
     if "host" in only:
@@ -200,9 +189,7 @@ def main() -> None:
         x = in_process(
             MODULE, "batchrun_run", work=host_work, dtype="float32", sharing="on", label="host", model=tiny
         )
-        for key in ("prompt_ids", "completions"):
-            x.pop(key)
-        r["host"] = x
+        r["host"] = {k: v for k, v in x.items() if k not in ("prompt_ids", "completions")}
     if "startup" in only:
         probe = [sys.executable, "-c", "from batchrun import LLM; LLM(device='cpu')"]
         r["startup_s"] = best_seconds(lambda: subprocess.run(probe, check=True), repeat=1)
@@ -218,26 +205,19 @@ def format_report(r: dict) -> str:
     if "configs" in r:
         if not r["vllm_available"]:
             lines.append(f"(vLLM not found at {VLLM_PYTHON}: batchrun's side only)")
-        shown = [
-            {
-                "configuration": key,
-                "b_tok_s": ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["batchrun"]),
-                "v_tok_s": ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["vllm"]) or "-",
-                "ratio": f"**{e['ratio']:.2f}x**" if "ratio" in e else "-",
-                "identical": f"{e['identical_rows']}/{r['prompts']}" if "identical_rows" in e else "-",
-                "shares": ", ".join(f"{x['matmul_share']:.0%}" for x in e["batchrun"]),
-            }
+        header = ["configuration", "batchrun tok/s", "vLLM tok/s", "batchrun / vLLM", "identical rows"]
+        rows = [
+            [
+                key,
+                ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["batchrun"]),
+                ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["vllm"]) or "-",
+                f"**{e['ratio']:.2f}x**" if "ratio" in e else "-",
+                f"{e['identical_rows']}/{r['prompts']}" if "identical_rows" in e else "-",
+                ", ".join(f"{x['matmul_share']:.0%}" for x in e["batchrun"]),
+            ]
             for key, e in r["configs"].items()
         ]
-        spec = {
-            "configuration": "{configuration}",
-            "batchrun tok/s": "{b_tok_s}",
-            "vLLM tok/s": "{v_tok_s}",
-            "batchrun / vLLM": "{ratio}",
-            "identical rows": "{identical}",
-            "batchrun: share of matmul limit": "{shares}",
-        }
-        lines += columns(spec, shown)
+        lines += table([*header, "batchrun: share of matmul limit"], rows)
         lim = r["matmul_limit_flops_per_s"]
         lines.append(
             f"matrix-product limit: {lim['float32'] / 1e9:.0f} GFLOP/s fp32, {lim['bfloat16'] / 1e9:.0f} "

@@ -172,3 +172,50 @@ def test_engine_with_triton_attention_matches_torch(tok_model):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA and BATCHRUN_TRITON_GPU=1")
 def test_gpu_large_decode_batch():
     check([1] * 64, [2048] * 64, num_kv_heads=8, gqa=4, head_dim=128, dtype=torch.bfloat16)
+
+
+# The GPU check's fp32 exactness: shapes of real models with random weights (no checkpoint travels to the GPU
+# machine). hidden, intermediate, layers, query heads, KV heads, head dim.
+EXACT_SHAPES = {"smollm2-135m": (576, 1536, 30, 9, 3, 64), "llama-8b-4-layers": (4096, 14336, 4, 32, 8, 128)}
+
+
+def engine_equals_hf_generate(sizes, device: str, rows: int = 8, new_tokens: int = 24):
+    """fp32: the engine's batch (Triton attention) against HF `generate` one row at a time (no padding)."""
+    from helpers import run_engine
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine.loading import paged_model_from_config
+
+    names = "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim"
+    config = lambda: LlamaConfig(
+        vocab_size=49152, max_position_embeddings=1024, **dict(zip(names.split(), sizes))
+    )  # noqa: E731 - one each: a model sets its attention on its config
+    torch.manual_seed(0)
+    with torch.device(device):  # made where they run: an 8B layer's weights are slow to make on the host
+        ours = paged_model_from_config(config())
+        ref = AutoModelForCausalLM.from_config(config(), attn_implementation="eager", dtype=torch.float32)
+    ref.load_state_dict(ours.state_dict())
+    ref.eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(100, 40000, (n,), generator=gen).tolist() for n in torch.randint(16, 300, (rows,))
+    ]
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = ref.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens, do_sample=False)
+            expected.append(ids[0, len(p) :].tolist())
+    cfg = EngineConfig(device=device, num_pages=1024, attention="triton", max_num_batched_tokens=512)
+    engine = Engine(ours, None, cfg, torch.device(device), set(), 1024)
+    seqs, _ = run_engine(engine, prompts, SamplingParams(max_new_tokens=new_tokens))
+    got = [s[0].output_token_ids for s in seqs]
+    diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, expected)]
+    assert got == expected, f"first differing position per row: {diff}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA and BATCHRUN_TRITON_GPU=1")
+@pytest.mark.parametrize("shape", sorted(EXACT_SHAPES))
+def test_gpu_engine_equals_hf_generate_fp32(shape):
+    engine_equals_hf_generate(EXACT_SHAPES[shape], "cuda")

@@ -1,7 +1,5 @@
 """Where batchrun's time goes on bench/vs_vllm.py's reference workload (one process, the API):
 
-  python -m bench.micro.profile_step run [--dtype float32] [--sharing off]   torch.profiler over the whole batch: the
-      top operators by self time
   python -m bench.micro.profile_step attention [--dtype ...] [--sharing ...]  the attention's parts as the engine times
       them (PhaseTimes.parts): K/V writes in steps with prompts and in decode-only steps, the C++ decode (and the
       K/V bytes it read per second), the prompts' attention, and the batch's wall time
@@ -37,16 +35,6 @@ def reference_run(dtype: str, sharing: str):
         return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
     return llm, generate
-
-
-def profile_run(dtype: str, sharing: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    _, generate = reference_run(dtype, sharing)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall, generated = generate()
-    print(f"{dtype}, sharing {sharing}: {wall:.1f} s under the profiler, {generated} tokens generated")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 def time_attention(dtype: str, sharing: str) -> None:
@@ -88,13 +76,11 @@ def profile_startup() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["run", "attention", "startup"])
+    ap.add_argument("what", choices=["attention", "startup"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--sharing", default="off")
     args = ap.parse_args()
-    if args.what == "run":
-        profile_run(args.dtype, args.sharing)
-    elif args.what == "attention":
+    if args.what == "attention":
         time_attention(args.dtype, args.sharing)
     else:
         profile_startup()
