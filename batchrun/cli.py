@@ -90,8 +90,25 @@ def main() -> None:
 @click.option(
     "--wait", is_flag=True, help="If another run holds this shard, wait for it instead of exiting 2."
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="auto",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Run the shards on Ray actors: auto (a running cluster; the default), HOST:PORT, ray://HOST:PORT, "
+    "or local (start one here).",
+)
+@click.option(
+    "--no-lock",
+    is_flag=True,
+    help="Take no lock on the shard (for a store without conditional writes): you keep its runs apart.",
+)
 @handle_errors
-def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, replicas, wait) -> None:
+def submit(
+    job_file: Path, overrides, shard, resume, overwrite, limit, quiet, replicas, wait, ray_address, no_lock
+) -> None:
     """Run a job in the foreground, resuming what earlier runs did.
 
     Runs JOB_FILE; exit 0 once every row has its output rows, 2 for a bad job, 3 when stopped by a signal."""
@@ -102,6 +119,8 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, re
     if replicas is not None:
         overrides = (*overrides, f"engine.replicas={replicas}")
     spec = load_job(job_file, overrides)
+    if ray_address is not None:
+        return submit_on_ray(spec, ray_address, shard, resume, overwrite, limit, quiet, no_lock)
     job = Job(
         spec,
         default_shard(shard),
@@ -110,6 +129,7 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, re
         limit=limit,
         progress=not quiet,
         wait=wait,
+        lock=not no_lock,
     )
     summary = job.run()
     if summary is None:
@@ -122,6 +142,25 @@ def submit(job_file: Path, overrides, shard, resume, overwrite, limit, quiet, re
         return
     click.echo(format_summary(summary))
     click.echo(f"completions: {spec.output_dir}/  statistics: {job.stats_path}")
+
+
+def submit_on_ray(spec, address: str, shard, resume, overwrite, limit, quiet, no_lock) -> None:
+    """`submit --ray`: the shards on Ray actors (ray_cluster.py)."""
+    from .errors import BadInput
+    from .ray_cluster import RayRun
+    from .report import format_summary
+
+    if shard is not None or not resume:
+        raise BadInput(
+            "--ray runs every shard of the job, resuming each: --shard and --no-resume do not apply."
+        )
+    run = RayRun(spec, address, overwrite=overwrite, limit=limit, progress=not quiet, lock=not no_lock)
+    summary = run.run()
+    if summary is None:
+        click.echo(f"nothing to do: every row already has its output in {spec.output_dir}/")
+        return
+    click.echo(format_summary(summary))
+    click.echo(f"completions: {spec.output_dir}/  statistics: {spec.state_dir}/")
 
 
 @main.command()
@@ -151,7 +190,7 @@ def validate(job_file: Path, overrides) -> None:
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path")
 @click.option(
     "--plot",
     "plot_path",
@@ -161,12 +200,15 @@ def validate(job_file: Path, overrides) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
-def stats(path: Path, plot_path, as_json) -> None:
+def stats(path: str, plot_path, as_json) -> None:
     """Summarise a job's memory and throughput statistics.
 
-    PATH: a stats file, or a directory (an output directory or its .batchrun/) whose shards are combined."""
+    PATH: a stats file, or a directory (an output directory or its .batchrun/) whose shards are combined; a
+    local path or a URL (s3://...)."""
     from .report import format_summary, load_summary, plot
+    from .storage import location
 
+    path = location(path)
     summary = load_summary(path)
     click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
     if plot_path:
@@ -175,17 +217,18 @@ def stats(path: Path, plot_path, as_json) -> None:
 
 
 @main.command()
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @handle_errors
-def status(out_dir: Path, as_json) -> None:
+def status(out_dir: str, as_json) -> None:
     """How far a job is: rows, rate, ETA and each shard's state.
 
     Reads OUT_DIR alone, during a run or after: rows done and total per shard and overall, rate, ETA, and which
     shards are pending, loading, running, finished, stopped, failed, stale or partial."""
     from .status import format_status, job_status
+    from .storage import location
 
-    st = job_status(out_dir)
+    st = job_status(location(out_dir))
     click.echo(json.dumps(st, indent=2) if as_json else format_status(st))
 
 

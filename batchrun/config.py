@@ -29,6 +29,7 @@ from .checks import (
 )
 from .engine.config import EngineConfig, SamplingParams
 from .errors import BadInput
+from .storage import is_url, location
 
 STATE_DIR = ".batchrun"
 
@@ -126,7 +127,8 @@ class JobSpec:
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.output.path or f"out/{self.name}")
+        """`output.path`: a local folder, or a URL (storage.location: s3://bucket/prefix, gs://...)."""
+        return location(self.output.path or f"out/{self.name}", "key `output.path`")
 
     @property
     def state_dir(self) -> Path:
@@ -145,7 +147,7 @@ class JobSpec:
         """`output.stats`, or by default `stats.parquet` in the state folder (`stats-IofN.parquet` for a shard
         of several, so shards writing into one directory never overwrite each other's statistics)."""
         if self.output.stats:
-            return Path(self.output.stats)
+            return location(self.output.stats, "key `output.stats`")
         if shard_count > 1:
             return self.state_dir / f"stats-{shard_index:05d}of{shard_count:05d}.parquet"
         return self.state_dir / "stats.parquet"
@@ -279,6 +281,11 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
             f"{source}: key `input.dataset.path` is missing; expected a save_to_disk directory, "
             f"a data-file builder name (parquet, json, csv) with data_dir, or a cached dataset id."
         )
+    urls = {"input.parquet": inp.parquet, "input.openai_batch": inp.openai_batch}
+    urls |= {"output.path": spec.output.path, "output.stats": spec.output.stats}
+    for key, value in urls.items():
+        if value and is_url(value):
+            location(value, f"{source}: key `{key}`")  # a scheme no installed file system serves: said now
     return spec
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from . import storage
 
 if TYPE_CHECKING:
     from .rows import Shard
@@ -96,15 +99,15 @@ class Heartbeat:
 
     def _write(self) -> None:
         self.state["updated"] = time.time()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.state))
-        os.replace(tmp, self.path)
+        try:
+            storage.write_text_whole(self.path, json.dumps(self.state))
+        except OSError as e:  # a store that did not answer this time: the next refresh tries again
+            print(f"batchrun: could not write the heartbeat {self.path} ({e})", file=sys.stderr, flush=True)
 
 
 def read_heartbeats(state_dir: Path) -> list[dict]:
     beats = []
-    for path in sorted(state_dir.glob("heartbeat-*.json")):
+    for path in sorted(storage.fresh(state_dir).glob("heartbeat-*.json")):
         try:
             beat = json.loads(path.read_text())
         except (OSError, ValueError):

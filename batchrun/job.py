@@ -24,7 +24,7 @@ from .engine.structured import check_format
 from .errors import BadInput, JobStopped
 from .heartbeat import Heartbeat
 from .host import place
-from .lock import ShardLock
+from .lock import shard_lock
 from .loop import drive
 from .model_loader import fingerprint_dtype
 from .replicas import replica_count, run_replicas
@@ -32,7 +32,7 @@ from .rows import InputRow, OutputRow, Shard
 from .sinks import OutputSink, check_writable, move_legacy_state
 from .sources import InputSource, OpenAIBatchSource, open_source
 from .stats import StatsCollector, StatsFile
-from .worker import load_worker, row_samples
+from .worker import RowWorker, load_worker, row_samples
 
 
 class ShardRows:
@@ -121,7 +121,11 @@ class Job:
         progress: bool = True,
         wait: bool = False,
         replicas: int | str | None = None,
+        lock: bool = True,
+        worker: RowWorker | None = None,
     ):
+        """`lock`: False is --no-lock. `worker`: an engine already loaded for this job (a Ray actor running
+        another shard of it), used instead of loading one."""
         src = spec.source_file
         self.spec = spec
         self.shard = shard or Shard()
@@ -131,7 +135,7 @@ class Job:
         self.source = check_job(spec, self.limit)
         self.placement = place(spec.engine.device, spec.model.dtype)  # once: the fingerprint, then the load
         check_writable(spec.output_dir, "output.path", src)
-        self.lock = ShardLock(spec.state_dir, self.shard.index, self.shard.count)
+        self.lock = shard_lock(spec.state_dir, self.shard.index, self.shard.count, enabled=lock)
         self.lock.acquire(wait, spec.output_dir, src)
         try:
             dtype = fingerprint_dtype(spec.model.dtype, self.placement)
@@ -143,6 +147,7 @@ class Job:
                 resume,
                 overwrite,
                 dtype,
+                guard=self.lock.check,
             )
             move_legacy_state(spec)
             self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
@@ -152,6 +157,7 @@ class Job:
             self.lock.release()
             raise
         self.overwrite = overwrite
+        self.worker = worker
         self.heartbeat = Heartbeat(spec.state_dir, self.shard)
         self.stop_requested = False
         self.bar = None  # the progress bar, while run() goes
@@ -235,7 +241,8 @@ class Job:
 
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
-        worker = load_worker(self.spec, placement=self.placement)
+        worker = self.worker or load_worker(self.spec, placement=self.placement)
+        self.worker = worker  # kept: whoever made this job may run another shard on it
         self.loaded()
         stats_file.start()
         stats, engine = worker.stats, worker.engine
@@ -318,8 +325,17 @@ def check_job(spec: JobSpec, limit: int | None) -> InputSource | OpenAIBatchSour
 def run_job(job, overrides=None, **options: Any) -> dict | None:
     """Run a job (a job-file path, or the job as a dict) to the end, as `batchrun submit` does; returns its
     summary, or None when every row already had its output. `overrides`: {"sampling.temperature": 0.7} or
-    ["sampling.temperature=0.7"]. `options`: shard ("I/N"), resume, overwrite, limit, progress.
+    ["sampling.temperature=0.7"]. `options`: shard ("I/N"), resume, overwrite, limit, progress, wait,
+    replicas, lock (False: --no-lock).
     Raises BadInput (a ValueError) for a bad job, JobStopped when a signal stopped it."""
+    shard = options.pop("shard", None)
+    if isinstance(shard, str):
+        shard = Shard.parse(shard)
+    return Job(job_spec(job, overrides), shard, **options).run()
+
+
+def job_spec(job, overrides=None) -> JobSpec:
+    """A job-file path, or the job as a dict (its sections), with overrides applied, as a checked JobSpec."""
     import copy
 
     from .config import apply_overrides, load_job, parse_job
@@ -327,10 +343,5 @@ def run_job(job, overrides=None, **options: Any) -> dict | None:
     if isinstance(job, dict):
         raw = copy.deepcopy(job)
         apply_overrides(raw, overrides)
-        spec = parse_job(raw, "<job dict>")
-    else:
-        spec = load_job(job, overrides)
-    shard = options.pop("shard", None)
-    if isinstance(shard, str):
-        shard = Shard.parse(shard)
-    return Job(spec, shard, **options).run()
+        return parse_job(raw, "<job dict>")
+    return load_job(job, overrides)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import STATE_DIR
 from .errors import BadInput
 from .stats import combine, read_summary
@@ -14,7 +15,7 @@ from .stats import combine, read_summary
 def stats_files(path: Path) -> list[Path]:
     """A stats file; or every shard's stats file in a directory, or in the state folder of an output
     directory (`<output>/.batchrun/`)."""
-    if path.is_dir():
+    if storage.fresh(path).is_dir():
         files = sorted(path.glob("stats*.parquet")) or sorted((path / STATE_DIR).glob("stats*.parquet"))
         if not files:
             raise BadInput(f"{path}: no stats*.parquet files in this directory or its {STATE_DIR}/ folder.")
@@ -126,7 +127,8 @@ def plot(path: Path, out_png: Path) -> None:
         2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     for f in files:
-        t = pq.read_table(f).to_pydict()
+        where, fs = storage.arrow(f)
+        t = pq.read_table(where, filesystem=fs).to_pydict()
         tag = f" ({f.stem})" if len(files) > 1 else ""
         time_s = t["time_s"]
         ax_mem.fill_between(time_s, t["tokens_stored"], step="post", alpha=0.35, color="tab:green")

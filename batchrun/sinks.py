@@ -1,5 +1,5 @@
-"""Completions output: part files written as rows finish, each to a temporary name then renamed, so a crash
-never leaves a torn file. Parquet parts (one row per input row and sample) or OpenAI Batch output JSONL parts
+"""Completions output: part files written as rows finish, each whole (storage.write_whole: a temporary name then
+a rename on a file system, one PUT on an object store), so a crash never leaves a torn file. Parquet parts (one row per input row and sample) or OpenAI Batch output JSONL parts
 (one line per request, its n choices inside). Every part records the job's fingerprint (Parquet: in its
 metadata; JSONL: in its name), which is how a rerun finds the rows already done and refuses parts of a
 different job. The output directory holds these parts and nothing else (statistics live in `.batchrun/`)."""
@@ -11,6 +11,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import openai_batch
+from . import openai_batch, storage
 from .config import JobSpec, to_dict
 from .errors import BadInput
 from .rows import FINGERPRINT_KEY, OUTPUT_COLUMNS, OutputRow, Shard
@@ -114,8 +115,10 @@ class Done:
 def rows_in_part(part: Path) -> int:
     """Input rows a part holds: Parquet rows of sample 0 (a row's samples are written together), JSONL lines."""
     if part.suffix == ".parquet":
-        return sum(1 for s in pq.read_table(part, columns=["sample"]).column("sample").to_pylist() if s == 0)
-    with open(part, encoding="utf-8") as f:
+        where, fs = storage.arrow(part)
+        samples = pq.read_table(where, columns=["sample"], filesystem=fs).column("sample").to_pylist()
+        return sum(1 for s in samples if s == 0)
+    with part.open("r", encoding="utf-8") as f:
         return sum(1 for line in f if line.strip())
 
 
@@ -137,21 +140,22 @@ class ParquetParts:
     def name_tag(self) -> str:
         return ""  # the fingerprint is in the metadata
 
-    def write(self, path: Path, rows: list[OutputRow]) -> None:
+    def write(self, f, rows: list[OutputRow]) -> None:
         cols = {name: [getattr(r, name) for r in rows] for name in self.columns}
         for name in self.passthrough:
             cols[name] = [r.row.passthrough[name] for r in rows]
         hashes = json.dumps([r.row.input_hash for r in rows]).encode()
         schema = self.schema.with_metadata({**self.schema.metadata, INPUT_HASHES_KEY: hashes})
-        pq.write_table(pa.table(cols, schema=schema), path)
+        pq.write_table(pa.table(cols, schema=schema), f)
 
     @staticmethod
     def read_done(part: Path, fp: str, done: Done) -> str | None:
         """Adds the part's rows to `done`; returns the part's fingerprint."""
-        meta = pq.read_schema(part).metadata or {}
+        where, fs = storage.arrow(part)
+        meta = pq.read_schema(where, filesystem=fs).metadata or {}
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs == fp:
-            table = pq.read_table(part, columns=["id", "sample"])
+            table = pq.read_table(where, columns=["id", "sample"], filesystem=fs)
             ids, samples = table.column("id").to_pylist(), table.column("sample").to_pylist()
             hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null")) or [None] * len(ids)
             done.pairs.update(zip(ids, samples))
@@ -161,9 +165,10 @@ class ParquetParts:
 
     @staticmethod
     def drop(part: Path, ids: set) -> int:
-        """Rewrite the part without the rows of these ids (whole, under a temporary name, then renamed; removed
-        when nothing is left); returns the input rows dropped."""
-        pf = pq.ParquetFile(part)
+        """Rewrite the part without the rows of these ids (whole: storage.write_whole; removed when nothing is
+        left); returns the input rows dropped."""
+        where, fs = storage.arrow(part)
+        pf = pq.ParquetFile(where, filesystem=fs)
         meta = pf.schema_arrow.metadata or {}
         table = pf.read()
         ids_column = table.column("id").to_pylist()
@@ -178,9 +183,7 @@ class ParquetParts:
         hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null"))
         if hashes is not None:
             meta = {**meta, INPUT_HASHES_KEY: json.dumps([hashes[i] for i in keep]).encode()}
-        tmp = part.with_name(f".{part.name}.tmp")
-        pq.write_table(table.take(keep).replace_schema_metadata(meta), tmp)
-        os.replace(tmp, part)
+        storage.write_whole(part, lambda f: pq.write_table(table.take(keep).replace_schema_metadata(meta), f))
         return dropped
 
 
@@ -196,10 +199,9 @@ class JsonlParts:
     def name_tag(self) -> str:
         return f"-fp{self.fp[:16]}"
 
-    def write(self, path: Path, rows: list[OutputRow]) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            for samples in _by_input_row(rows):
-                f.write(json.dumps(self.line(samples), ensure_ascii=False) + "\n")
+    def write(self, f, rows: list[OutputRow]) -> None:
+        for samples in _by_input_row(rows):
+            f.write((json.dumps(self.line(samples), ensure_ascii=False) + "\n").encode())
 
     def line(self, samples: list[OutputRow]) -> dict:
         first = samples[0]
@@ -219,7 +221,7 @@ class JsonlParts:
         if tag != fp[:16]:
             return tag
         lines = 0
-        with open(part, encoding="utf-8") as f:
+        with part.open("r", encoding="utf-8") as f:
             for text in f:
                 key, input_hash = JsonlParts._key(json.loads(text))
                 done.rows.add(key)
@@ -238,7 +240,7 @@ class JsonlParts:
     @staticmethod
     def drop(part: Path, ids: set) -> int:
         """Rewrite the part without the lines of these ids (as ParquetParts.drop); returns the lines dropped."""
-        with open(part, encoding="utf-8") as f:
+        with part.open("r", encoding="utf-8") as f:
             lines = [text for text in f if text.strip()]
         keep = [text for text in lines if JsonlParts._key(json.loads(text))[0] not in ids]
         if len(keep) == len(lines):
@@ -246,9 +248,7 @@ class JsonlParts:
         if not keep:
             part.unlink()
             return len(lines)
-        tmp = part.with_name(f".{part.name}.tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, part)
+        storage.write_text_whole(part, "".join(keep))
         return len(lines) - len(keep)
 
 
@@ -263,7 +263,7 @@ FORMATS = {"parquet": ParquetParts, "jsonl": JsonlParts}
 
 
 def existing_parts(out_dir: Path) -> list[Path]:
-    if not out_dir.is_dir():
+    if not storage.fresh(out_dir).is_dir():
         return []
     return sorted(p for fmt in FORMATS.values() for p in out_dir.glob(f"part-*{fmt.suffix}"))
 
@@ -293,7 +293,7 @@ def move_legacy_state(spec: JobSpec) -> None:
     """Output directories of earlier versions held stats*.parquet, memory.png and slurm/ next to the parts: move
     them into the state folder, so the directory holds completions only (and the job keeps resuming)."""
     out = spec.output_dir
-    if not out.is_dir():
+    if storage.is_remote(out) or not out.is_dir():
         return
     legacy = (
         [*out.glob("stats*.parquet"), out / "memory.png", out / "slurm"] if spec.output.stats is None else []
@@ -306,11 +306,12 @@ def move_legacy_state(spec: JobSpec) -> None:
 
 
 def check_writable(out_dir: Path, key: str, source: str) -> None:
-    """Create the directory if needed and prove a file can be written there; BadInput naming the key if not."""
+    """Create the directory if needed and prove a file can be written there (an object store: an object); BadInput
+    naming the key if not."""
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".batchrun-probe-{os.getpid()}"
-        probe.write_bytes(b"")
+        storage.make_dir(out_dir)
+        probe = out_dir / f".batchrun-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        storage.write_whole(probe, lambda f: None)
         probe.unlink()
     except OSError as e:
         raise BadInput(f"{source}: key `{key}`: cannot write into {out_dir} ({e.strerror or e}).") from None
@@ -331,8 +332,10 @@ class PartWriter:
         shard: Shard,
         rows_per_part: int = 1000,
         max_wait_s: float = 30.0,
+        guard: Callable[[], None] = lambda: None,
     ):
         self.out_dir = out_dir
+        self.guard = guard  # raises when this run may no longer write (its lease was taken over)
         self.fmt = fmt
         self.prefix = (
             f"part-{shard.index:05d}of{shard.count:05d}-{time.strftime('%Y%m%dT%H%M%S')}-"
@@ -355,11 +358,10 @@ class PartWriter:
         self._last_flush = time.monotonic()
         if not self.buffer and not empty_ok:
             return
+        self.guard()
         name = f"{self.prefix}-{self.num_parts:05d}{self.fmt.suffix}"
-        tmp = self.out_dir / f".{name}.tmp"
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.fmt.write(tmp, self.buffer)
-        os.replace(tmp, self.out_dir / name)
+        buffer = self.buffer
+        storage.write_whole(self.out_dir / name, lambda f: self.fmt.write(f, buffer))
         self.num_parts += 1
         self.rows_written += len(self.buffer)
         self.buffer = []
@@ -380,7 +382,9 @@ class OutputSink:
         resume: bool = True,
         overwrite: bool = False,
         dtype: str | None = None,
+        guard: Callable[[], None] = lambda: None,
     ):
+        """`guard`: called before each part is written; raises when this run may no longer write (lock.py)."""
         src = spec.source_file
         self.dir = spec.output_dir
         self.shard = shard
@@ -406,6 +410,7 @@ class OutputSink:
             shard,
             rows_per_part=spec.output.rows_per_part,
             max_wait_s=spec.output.flush_seconds,
+            guard=guard,
         )
 
     def is_done(self, row_id: Any, num_samples: int) -> bool:

@@ -1,4 +1,5 @@
-"""Streaming the input table: Parquet (a file, a directory or a glob) or a Hugging Face dataset.
+"""Streaming the input table: Parquet (a file, a directory or a glob) or a Hugging Face dataset; Parquet and
+OpenAI batch files on this machine or behind any fsspec URL (s3://, gs://, hf://: storage.py).
 
 Rows are read in record batches and yielded one at a time; nothing holds the whole table. A shard I/N takes
 the rows whose index (position in the whole input, counted from 0) is I modulo N: deterministic, disjoint,
@@ -7,8 +8,10 @@ and the union over I is every row, without reading anything ahead.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
+import posixpath
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import openai_batch
+from . import openai_batch, storage
 from .config import InputSpec
 from .errors import BadInput
 from .rows import OUTPUT_COLUMNS, InputRow, Shard, content_hash
@@ -33,7 +36,8 @@ class InputSource:
         if spec.parquet is not None:
             self.files = _parquet_files(spec.parquet, source)
             try:
-                self.schema = pq.read_schema(self.files[0])
+                where, fs = storage.arrow(self.files[0])
+                self.schema = pq.read_schema(where, filesystem=fs)
             except Exception as e:
                 raise BadInput(
                     f"{source}: key `input.parquet`: cannot read {self.files[0]} as Parquet ({e})."
@@ -87,7 +91,7 @@ class InputSource:
     def num_rows(self) -> int | None:
         """Rows in the whole input (before limit and shard), from metadata only; None when unknown."""
         if self.files:
-            return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+            return sum(_parquet_file(f).metadata.num_rows for f in self.files)
         try:
             return len(self._dataset)
         except TypeError:
@@ -101,24 +105,11 @@ class InputSource:
         index = 0
         for batch in self._batches(columns):
             data = batch.to_pydict() if isinstance(batch, pa.RecordBatch) else batch
-            n = len(data[spec.prompt_column])
-            for j in range(n):
+            for j in range(len(data[spec.prompt_column])):
                 if limit is not None and index >= limit:
                     return
                 if shard.owns(index):
-                    prompt = data[spec.prompt_column][j]
-                    passthrough = {c: data[c][j] for c in spec.passthrough}
-                    sampling = {
-                        k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None
-                    }
-                    yield InputRow(
-                        index=index,
-                        id=data[spec.id_column][j] if spec.id_column else index,
-                        prompt=prompt,
-                        passthrough=passthrough,
-                        sampling=sampling,
-                        input_hash=content_hash(prompt, sampling, passthrough),
-                    )
+                    yield input_row(spec, data, j, index)
                 index += 1
 
     def check_unique_ids(self, limit: int | None = None) -> None:
@@ -147,7 +138,7 @@ class InputSource:
         if self.files:
             for f in self.files:
                 try:
-                    yield from pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+                    yield from _parquet_file(f).iter_batches(batch_size=BATCH_ROWS, columns=columns)
                 except (OSError, pa.ArrowException) as e:
                     raise BadInput(f"{self.source}: key `input.parquet`: cannot read {f} ({e}).") from None
         else:
@@ -172,11 +163,11 @@ class OpenAIBatchSource:
     def describe(self) -> str:
         return f"input.openai_batch {self.spec.openai_batch}"
 
-    def _lines(self) -> Iterator[tuple[str, int, str]]:
+    def _lines(self) -> Iterator[tuple[Path, int, str]]:
         """(file, 1-based line number, text) of every non-blank line."""
         for f in self.files:
             try:
-                with open(f, encoding="utf-8") as fh:
+                with f.open("r", encoding="utf-8") as fh:
                     for number, text in enumerate(fh, 1):
                         if text.strip():
                             yield f, number, text
@@ -193,7 +184,7 @@ class OpenAIBatchSource:
             if not shard.owns(index):
                 continue
             row_id, request = openai_batch.parse_line(text, index)
-            request["line"] = f"{Path(f).name} line {number}"  # where the request is, for its errors
+            request["line"] = f"{f.name} line {number}"  # where the request is, for its errors
             error = request.get("error")
             yield InputRow(
                 index=index,
@@ -216,6 +207,22 @@ class OpenAIBatchSource:
                 f"{self.source}: key `input.openai_batch`: custom_id {dup[1]!r} appears more than once (row "
                 f"{dup[0]}); custom ids must be unique, since outputs and resume are keyed on them."
             )
+
+
+def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> InputRow:
+    """Row `j` of a batch of columns (`data`, as pyarrow's to_pydict gives them) as an InputRow: its prompt, id,
+    passthrough and sampling cells as the job's input section names them; `index`: its place in the input."""
+    prompt = data[spec.prompt_column][j]
+    passthrough = {c: data[c][j] for c in spec.passthrough}
+    sampling = {k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None}
+    return InputRow(
+        index=index,
+        id=data[spec.id_column][j] if spec.id_column else index,
+        prompt=prompt,
+        passthrough=passthrough,
+        sampling=sampling,
+        input_hash=content_hash(prompt, sampling, passthrough),
+    )
 
 
 def _holds_prompts(kind: pa.DataType) -> bool:
@@ -248,14 +255,24 @@ def open_source(spec: InputSpec, source: str = "<job>") -> InputSource | OpenAIB
     return InputSource(spec, source)
 
 
-def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob: str) -> list[str]:
-    p = Path(pattern).expanduser()
-    if p.is_dir():
-        files = sorted(str(f) for f in p.rglob(suffix_glob) if not f.name.startswith("."))
-    elif p.is_file():
-        files = [str(p)]
+def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob: str) -> list[Path]:
+    """The files a pattern names: a file, every `suffix_glob` file under a directory, or a glob's files."""
+    if storage.is_url(pattern):
+        where = storage.location(pattern, f"{source}: key `{key}`")
+        try:
+            files = _matching_objects(where, suffix_glob)
+        except (OSError, ValueError, RuntimeError) as e:  # the store refused, or cannot be reached (offline)
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BadInput(f"{source}: key `{key}`: cannot list {pattern} ({msg}).") from None
     else:
-        files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+        p = Path(pattern).expanduser()
+        if p.is_dir():
+            files = sorted(f for f in p.rglob(suffix_glob) if not f.name.startswith("."))
+        elif p.is_file():
+            files = [p]
+        else:
+            matches = glob.glob(os.path.expanduser(pattern), recursive=True)
+            files = sorted(Path(f) for f in matches if os.path.isfile(f))
     if not files:
         raise BadInput(
             f"{source}: key `{key}`: no {kind} files match {pattern!r} "
@@ -264,7 +281,25 @@ def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob:
     return files
 
 
-def _parquet_files(pattern: str, source: str) -> list[str]:
+def _matching_objects(p: Path, suffix_glob: str) -> list[Path]:
+    """`_matching_files` behind a URL: the same three readings, on the store's own listing."""
+    fs, where = p.fs, storage.fresh(p).path
+    if fs.isdir(where):
+        found = [f for f in fs.find(where) if fnmatch.fnmatch(posixpath.basename(f), suffix_glob)]
+    elif fs.isfile(where):
+        found = [where]
+    else:
+        found = [f for f in fs.glob(where) if fs.isfile(f)]
+    found = sorted(f for f in found if not posixpath.basename(f).startswith("."))
+    return [p.with_segments(fs.unstrip_protocol(f)) for f in found]
+
+
+def _parquet_file(path: Path) -> pq.ParquetFile:
+    where, fs = storage.arrow(path)
+    return pq.ParquetFile(where, filesystem=fs)
+
+
+def _parquet_files(pattern: str, source: str) -> list[Path]:
     return _matching_files(pattern, "input.parquet", "Parquet", source, "*.parquet")
 
 

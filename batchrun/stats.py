@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import storage
 from .engine.timing import PHASES, summary_key
 from .rows import FINGERPRINT_KEY
 
@@ -350,7 +351,7 @@ class StatsFile:
     `refresh_s` seconds while the run goes and at its end, so a killed run still leaves its statistics."""
 
     def __init__(self, path: Path, fingerprint: str, fresh: bool = False, refresh_s: float = 10.0):
-        self.path = Path(path)
+        self.path = path
         self.fingerprint = fingerprint
         self.refresh_s = refresh_s
         self.earlier_rows: list[dict] = []
@@ -363,13 +364,14 @@ class StatsFile:
 
     def _load_earlier(self) -> None:
         try:
-            meta = pq.read_schema(self.path).metadata or {}
+            where, fs = storage.arrow(self.path)
+            meta = pq.read_schema(where, filesystem=fs).metadata or {}
             theirs = meta.get(
                 FINGERPRINT_KEY, self.fingerprint.encode()
             ).decode()  # files before fingerprints
             if theirs != self.fingerprint:
                 return  # another job's statistics: this job starts its own
-            table = pq.read_table(self.path)
+            table = pq.read_table(where, filesystem=fs)
             summary = json.loads(meta[SUMMARY_KEY])
         except Exception:
             return  # unreadable: start afresh rather than fail the run
@@ -405,21 +407,19 @@ class StatsFile:
 
 
 def write_stats(path: Path, rows: list[dict], summary: dict, fingerprint: str = "") -> None:
-    """Write rows + summary (JSON in key-value metadata) to a temporary name, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write rows + summary (JSON in key-value metadata), whole (storage.write_whole)."""
     columns = {c: [r[c] for r in rows] for c in COLUMNS}
     schema = pa.schema(
         [(c, pa.float64() if c in FLOAT_COLUMNS else pa.int64()) for c in COLUMNS],
         metadata={SUMMARY_KEY: json.dumps(summary).encode(), FINGERPRINT_KEY: fingerprint.encode()},
     )
     table = pa.table(columns, schema=schema)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    storage.write_whole(path, lambda f: pq.write_table(table, f))
 
 
 def read_summary(path: Path) -> dict:
-    meta = pq.read_schema(path).metadata or {}
+    where, fs = storage.arrow(path)
+    meta = pq.read_schema(where, filesystem=fs).metadata or {}
     if SUMMARY_KEY not in meta:
         raise ValueError(
             f"{path}: no `batchrun.summary` in the file's metadata; is it a batchrun stats file?"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from . import storage
 from .config import STATE_DIR
 from .errors import BadInput
 from .heartbeat import read_heartbeats
@@ -26,7 +27,7 @@ def rows_done_per_shard(out_dir: Path) -> dict[tuple[int, int], int]:
 
 
 def job_status(out_dir: Path) -> dict:
-    if not out_dir.is_dir():
+    if not storage.fresh(out_dir).is_dir():
         raise BadInput(f"{out_dir}: no such output directory.")
     beats = {}
     for b in read_heartbeats(out_dir / STATE_DIR):

@@ -8,6 +8,8 @@ import time
 import pytest
 from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
 
+pytestmark = pytest.mark.xdist_group("resume")  # its module fixtures are costly: one worker
+
 N_ROWS = 24
 
 

@@ -1,0 +1,268 @@
+"""Input and output on an object store: a real S3 server (moto in server mode, its own process on 127.0.0.1)
+that batchrun reaches over HTTP with s3fs, as it would AWS. Credentials and the endpoint come from the
+environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID), as for any user."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
+
+pytestmark = pytest.mark.xdist_group("s3")  # one S3 server, on one worker
+N_ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on a free port, the environment that points boto at it, and an s3fs file system."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115 - closed at the end
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    t0 = time.time()
+    while True:
+        try:
+            fs.mkdir("bkt")
+            break
+        except Exception:
+            if time.time() - t0 > 30 or server.poll() is not None:
+                raise
+            time.sleep(0.2)
+    yield env, fs
+    server.terminate()
+    server.wait(10)
+    log.close()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def put_parquet(fs, key: str, table: pa.Table) -> None:
+    with fs.open(key, "wb") as f:
+        pq.write_table(table, f)
+
+
+def s3_outputs(fs, prefix: str) -> dict:
+    """(id, sample) -> row of every Parquet part under the prefix, asserting no pair appears twice."""
+    rows = {}
+    for key in sorted(fs.find(prefix)):
+        if key.rsplit("/", 1)[1].startswith("part-") and key.endswith(".parquet"):
+            with fs.open(key, "rb") as f:
+                for r in pq.read_table(f).to_pylist():
+                    assert (r["id"], r["sample"]) not in rows, f"{(r['id'], r['sample'])} written twice"
+                    rows[(r["id"], r["sample"])] = r
+    return rows
+
+
+def job_text(name: str, input_key: str, input_path: str, out: str, rows_per_part: int = 1000) -> str:
+    return f"""
+name: {name}
+model: {{dtype: float32}}
+input: {{{input_key}: "{input_path}"}}
+sampling: {{max_new_tokens: 8}}
+engine: {{num_pages: 256, max_num_seqs: 4}}
+output: {{path: "{out}", rows_per_part: {rows_per_part}, flush_seconds: 0}}
+"""
+
+
+def test_parquet_glob_in_and_out_equal_a_local_run(s3, tmp_path):
+    env, fs = s3
+    prompts = [f"Name a fruit whose name starts with the letter {c}." for c in "ABCDEFGH"]
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for half, key in ((slice(0, 5), "bkt/in/a.parquet"), (slice(5, 8), "bkt/in/b.parquet")):
+        put_parquet(fs, key, pa.table({"id": ids[half], "prompt": prompts[half]}))
+    fs.pipe_file("bkt/in/notes.txt", b"not a part of the input")
+    write_prompts(tmp_path / "in.parquet", prompts, ids)
+    local = write_job(
+        tmp_path / "local.yaml", job_text("t", "parquet", tmp_path / "in.parquet", tmp_path / "out")
+    )
+    remote = write_job(
+        tmp_path / "s3.yaml", job_text("t", "parquet", "s3://bkt/in/*.parquet", "s3://bkt/out")
+    )
+    r = run_cli("submit", str(local), "--quiet", "--set", "input.id_column=id", env=env)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("submit", str(remote), "--quiet", "--set", "input.id_column=id", env=env)
+    assert r.returncode == 0, r.stderr
+    expected = {k: v["completion"] for k, v in read_outputs(tmp_path / "out").items()}
+    got = {k: v["completion"] for k, v in s3_outputs(fs, "bkt/out").items()}
+    assert got == expected and len(got) == len(prompts)
+    assert fs.find("bkt/out/.batchrun/locks") == [], "the lease was not given back"
+    # a rerun finds every row in the store's listing: nothing to do, no model loaded
+    r = run_cli("submit", str(remote), "--quiet", "--set", "input.id_column=id", env=env)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
+    status = run_cli("status", "s3://bkt/out", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    st = json.loads(status.stdout)
+    assert st["rows_done"] == len(prompts) and st["shards"][0]["state"] == "finished", st
+    stats = run_cli("stats", "s3://bkt/out", "--json", env=env)
+    assert stats.returncode == 0 and json.loads(stats.stdout)["rows"] == len(prompts), stats.stderr
+
+
+def test_openai_batch_in_and_out(s3, tmp_path):
+    env, fs = s3
+    lines = [
+        {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6}}
+        for i in range(4)
+    ]  # fmt: skip
+    text = "\n".join(json.dumps(x) for x in lines) + "\n{not json\n"
+    fs.pipe_file("bkt/batch/requests.jsonl", text.encode())
+    (tmp_path / "requests.jsonl").write_text(text)
+    for where, out in (
+        (tmp_path / "requests.jsonl", tmp_path / "out"),
+        ("s3://bkt/batch", "s3://bkt/batch-out"),
+    ):
+        job = write_job(tmp_path / "job.yaml", job_text("oa", "openai_batch", where, out))
+        r = run_cli("submit", str(job), "--quiet", env=env)
+        assert r.returncode == 0, r.stderr
+
+    def answers(texts: list[str]) -> dict:
+        got = [json.loads(t) for text in texts for t in text.splitlines() if t.strip()]
+        ids = Counter(x["custom_id"] for x in got)
+        assert all(n == 1 for n in ids.values()), ids
+        return {x["custom_id"]: (x["response"] or {}).get("body", {}).get("choices", x["error"]) for x in got}
+
+    local = answers([p.read_text() for p in (tmp_path / "out").glob("part-*.jsonl")])
+    remote = answers([fs.cat_file(k).decode() for k in fs.find("bkt/batch-out") if k.endswith(".jsonl")])
+    assert remote.keys() == local.keys() == {"q0", "q1", "q2", "q3", None}
+    for key in local:  # the same completions; the bad line an error line naming its line
+        if key is None:
+            assert "requests.jsonl line 5" in json.dumps(remote[None]), remote[None]
+        else:
+            assert [c["message"]["content"] for c in remote[key]] == [
+                c["message"]["content"] for c in local[key]
+            ]
+
+
+def test_a_second_run_is_refused_and_kill_9_resumes_every_row_once(s3, tmp_path):
+    """While a run holds the shard's lease, a second one exits 2 naming it; the first killed with kill -9
+    leaves its lease behind, which the next run takes over once stale and finishes: every row once."""
+    env, fs = s3
+    prompts = [f"Write one sentence about the number {i}." for i in range(N_ROWS)]
+    put_parquet(fs, "bkt/kin/in.parquet", pa.table({"id": list(range(N_ROWS)), "prompt": prompts}))
+    job = write_job(
+        tmp_path / "job.yaml", job_text("k", "parquet", "s3://bkt/kin/in.parquet", "s3://bkt/kout", 2)
+    )
+    job.write_text(job.read_text().replace("max_new_tokens: 8", "max_new_tokens: 16"))
+    env = {**env, "BATCHRUN_LEASE_S": "4"}
+    first = subprocess.Popen(
+        [BATCHRUN, "submit", str(job), "--quiet", "--set", "input.id_column=id"],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lease = "bkt/kout/.batchrun/locks/shard-00000of00001.lease"
+    t0 = time.time()
+    while not fs.exists(lease):
+        assert first.poll() is None and time.time() - t0 < 120, first.communicate()
+        time.sleep(0.1)
+    second = run_cli("submit", str(job), "--quiet", "--set", "input.id_column=id", env=env)
+    assert second.returncode == 2, second.stderr
+    assert "being written by another run" in second.stderr and f"pid {first.pid}" in second.stderr, (
+        second.stderr
+    )
+    while len([k for k in fs.find("bkt/kout") if "/part-" in k]) < 2:
+        assert first.poll() is None and time.time() - t0 < 180, first.communicate()
+        time.sleep(0.1)
+        fs.invalidate_cache()
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    fs.invalidate_cache()
+    written = len(s3_outputs(fs, "bkt/kout"))
+    assert 0 < written < N_ROWS, written
+    again = run_cli("submit", str(job), "--quiet", "--set", "input.id_column=id", "--wait", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "took over shard 0/1's lease" in again.stdout, again.stdout
+    fs.invalidate_cache()
+    rows = s3_outputs(fs, "bkt/kout")
+    assert sorted(k[0] for k in rows) == list(range(N_ROWS))
+
+
+def test_a_store_without_conditional_writes_is_refused_unless_no_lock(tmp_path):
+    """memory:// cannot create an object only if absent, atomically: exit 2 saying so; --no-lock runs."""
+    import fsspec
+
+    from batchrun import run_job
+    from batchrun.errors import BadInput
+
+    write_prompts(tmp_path / "in.parquet", ["Say yes.", "Say no."])
+    job = {
+        "name": "m",
+        "input": {"parquet": str(tmp_path / "in.parquet")},
+        "sampling": {"max_new_tokens": 4},
+        "engine": {"num_pages": 64},
+        "output": {"path": "memory://batchrun-test/out"},
+    }
+    with pytest.raises(BadInput, match="--no-lock") as err:
+        run_job(job, progress=False)
+    assert "memory://" in str(err.value) and "conditional" in str(err.value)
+    summary = run_job(job, progress=False, lock=False)
+    assert summary["rows"] == 2
+    fs = fsspec.filesystem("memory")
+    parts = [k for k in fs.find("/batchrun-test/out") if "/part-" in k]
+    assert sum(pq.read_table(fs.open(k, "rb")).num_rows for k in parts) == 2
+
+
+def test_lease_is_exclusive_renewed_taken_over_when_stale_and_lost_when_taken(s3):
+    """The lease alone, without a model: a second holder is refused while the first renews; a lease left by a
+    dead run is taken over once stale; a run whose lease was taken over finds out before it writes."""
+    from upath import UPath
+
+    from batchrun.errors import BadInput, JobStopped
+    from batchrun.lock import LeaseLock
+
+    state = UPath("s3://bkt/lease-test/.batchrun")
+    os.environ["BATCHRUN_LEASE_S"] = "1.2"
+    try:
+        a = LeaseLock(state, 0, 1)
+        a.acquire(False, "s3://bkt/lease-test", "job.yaml")
+        time.sleep(2.0)  # longer than the lease: only a's renewals keep it
+        with pytest.raises(BadInput, match="being written by another run"):
+            LeaseLock(state, 0, 1).acquire(False, "s3://bkt/lease-test", "job.yaml")
+        a._ended.set()  # a stops renewing, as a run killed with kill -9 does
+        time.sleep(1.5)
+        b = LeaseLock(state, 0, 1)
+        b.acquire(False, "s3://bkt/lease-test", "job.yaml")  # stale: taken over
+        time.sleep(1.0)
+        a._ended.clear()
+        a._renew_once()
+        with pytest.raises(JobStopped, match="taken over"):
+            a.check()
+        b.check()
+        b.release()
+        assert not fs_exists(state / "locks" / "shard-00000of00001.lease")
+        c = LeaseLock(state, 0, 1)
+        c.acquire(False, "s3://bkt/lease-test", "job.yaml")  # free again at once
+        c.release()
+    finally:
+        os.environ.pop("BATCHRUN_LEASE_S")
+
+
+def fs_exists(path) -> bool:
+    path.fs.invalidate_cache()
+    return path.exists()
