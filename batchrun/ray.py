@@ -167,7 +167,8 @@ class Processor:
             raise ValueError(
                 f"the batch has no column {missing[0]!r} (input: of the job); its columns: {table.column_names}"
             )
-        make = lambda counter: [input_row(spec, data, j, next(counter)) for j in range(table.num_rows)]  # noqa: E731
+        rows = range(table.num_rows)
+        make = lambda counter: [input_row(spec, data, j, next(counter)) for j in rows]  # noqa: E731
         try:
             if self.overlap:
                 outputs = await asyncio.wrap_future(self.engine.submit(make))

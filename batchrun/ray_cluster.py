@@ -154,7 +154,8 @@ class RayRun:
         except ConnectionError as e:
             raise BadInput(
                 f"--ray {self.address}: no Ray cluster there ({e}); start one (`ray start --head`), give its "
-                f"address, or use --ray local for a cluster of this machine."
+                f"address, or use --ray local for a cluster of this machine. A cluster with token "
+                f"authentication needs RAY_AUTH_MODE=token and its token here (`ray get-auth-token`)."
             ) from None
         try:
             return self._run(ray)

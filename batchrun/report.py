@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from . import storage
 from .config import STATE_DIR
 from .errors import BadInput
@@ -127,8 +125,7 @@ def plot(path: Path, out_png: Path) -> None:
         2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     for f in files:
-        where, fs = storage.arrow(f)
-        t = pq.read_table(where, filesystem=fs).to_pydict()
+        t = storage.parquet_file(f).read().to_pydict()
         tag = f" ({f.stem})" if len(files) > 1 else ""
         time_s = t["time_s"]
         ax_mem.fill_between(time_s, t["tokens_stored"], step="post", alpha=0.35, color="tab:green")

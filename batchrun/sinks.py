@@ -1,8 +1,9 @@
 """Completions output: part files written as rows finish, each whole (storage.write_whole: a temporary name then
-a rename on a file system, one PUT on an object store), so a crash never leaves a torn file. Parquet parts (one row per input row and sample) or OpenAI Batch output JSONL parts
-(one line per request, its n choices inside). Every part records the job's fingerprint (Parquet: in its
-metadata; JSONL: in its name), which is how a rerun finds the rows already done and refuses parts of a
-different job. The output directory holds these parts and nothing else (statistics live in `.batchrun/`)."""
+a rename on a file system, one PUT on an object store), so a crash never leaves a torn file. Parquet parts (one
+row per input row and sample) or OpenAI Batch output JSONL parts (one line per request, its n choices inside).
+Every part records the job's fingerprint (Parquet: in its metadata; JSONL: in its name), which is how a rerun
+finds the rows already done and refuses parts of a different job. The output directory holds these parts and
+nothing else (statistics live in `.batchrun/`)."""
 
 from __future__ import annotations
 
@@ -115,8 +116,7 @@ class Done:
 def rows_in_part(part: Path) -> int:
     """Input rows a part holds: Parquet rows of sample 0 (a row's samples are written together), JSONL lines."""
     if part.suffix == ".parquet":
-        where, fs = storage.arrow(part)
-        samples = pq.read_table(where, columns=["sample"], filesystem=fs).column("sample").to_pylist()
+        samples = storage.parquet_file(part).read(columns=["sample"]).column("sample").to_pylist()
         return sum(1 for s in samples if s == 0)
     with part.open("r", encoding="utf-8") as f:
         return sum(1 for line in f if line.strip())
@@ -151,11 +151,11 @@ class ParquetParts:
     @staticmethod
     def read_done(part: Path, fp: str, done: Done) -> str | None:
         """Adds the part's rows to `done`; returns the part's fingerprint."""
-        where, fs = storage.arrow(part)
-        meta = pq.read_schema(where, filesystem=fs).metadata or {}
+        parquet = storage.parquet_file(part)
+        meta = parquet.schema_arrow.metadata or {}
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs == fp:
-            table = pq.read_table(where, columns=["id", "sample"], filesystem=fs)
+            table = parquet.read(columns=["id", "sample"])
             ids, samples = table.column("id").to_pylist(), table.column("sample").to_pylist()
             hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null")) or [None] * len(ids)
             done.pairs.update(zip(ids, samples))
@@ -167,8 +167,7 @@ class ParquetParts:
     def drop(part: Path, ids: set) -> int:
         """Rewrite the part without the rows of these ids (whole: storage.write_whole; removed when nothing is
         left); returns the input rows dropped."""
-        where, fs = storage.arrow(part)
-        pf = pq.ParquetFile(where, filesystem=fs)
+        pf = storage.parquet_file(part)
         meta = pf.schema_arrow.metadata or {}
         table = pf.read()
         ids_column = table.column("id").to_pylist()

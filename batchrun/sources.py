@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import openai_batch, storage
 from .config import InputSpec
@@ -36,8 +35,7 @@ class InputSource:
         if spec.parquet is not None:
             self.files = _parquet_files(spec.parquet, source)
             try:
-                where, fs = storage.arrow(self.files[0])
-                self.schema = pq.read_schema(where, filesystem=fs)
+                self.schema = storage.parquet_file(self.files[0]).schema_arrow
             except Exception as e:
                 raise BadInput(
                     f"{source}: key `input.parquet`: cannot read {self.files[0]} as Parquet ({e})."
@@ -91,7 +89,7 @@ class InputSource:
     def num_rows(self) -> int | None:
         """Rows in the whole input (before limit and shard), from metadata only; None when unknown."""
         if self.files:
-            return sum(_parquet_file(f).metadata.num_rows for f in self.files)
+            return sum(storage.parquet_file(f).metadata.num_rows for f in self.files)
         try:
             return len(self._dataset)
         except TypeError:
@@ -138,7 +136,8 @@ class InputSource:
         if self.files:
             for f in self.files:
                 try:
-                    yield from _parquet_file(f).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+                    batches = storage.parquet_file(f).iter_batches(batch_size=BATCH_ROWS, columns=columns)
+                    yield from batches
                 except (OSError, pa.ArrowException) as e:
                     raise BadInput(f"{self.source}: key `input.parquet`: cannot read {f} ({e}).") from None
         else:
@@ -292,11 +291,6 @@ def _matching_objects(p: Path, suffix_glob: str) -> list[Path]:
         found = [f for f in fs.glob(where) if fs.isfile(f)]
     found = sorted(f for f in found if not posixpath.basename(f).startswith("."))
     return [p.with_segments(fs.unstrip_protocol(f)) for f in found]
-
-
-def _parquet_file(path: Path) -> pq.ParquetFile:
-    where, fs = storage.arrow(path)
-    return pq.ParquetFile(where, filesystem=fs)
 
 
 def _parquet_files(pattern: str, source: str) -> list[Path]:

@@ -364,14 +364,14 @@ class StatsFile:
 
     def _load_earlier(self) -> None:
         try:
-            where, fs = storage.arrow(self.path)
-            meta = pq.read_schema(where, filesystem=fs).metadata or {}
+            parquet = storage.parquet_file(self.path)
+            meta = parquet.schema_arrow.metadata or {}
             theirs = meta.get(
                 FINGERPRINT_KEY, self.fingerprint.encode()
             ).decode()  # files before fingerprints
             if theirs != self.fingerprint:
                 return  # another job's statistics: this job starts its own
-            table = pq.read_table(where, filesystem=fs)
+            table = parquet.read()
             summary = json.loads(meta[SUMMARY_KEY])
         except Exception:
             return  # unreadable: start afresh rather than fail the run
@@ -418,8 +418,7 @@ def write_stats(path: Path, rows: list[dict], summary: dict, fingerprint: str = 
 
 
 def read_summary(path: Path) -> dict:
-    where, fs = storage.arrow(path)
-    meta = pq.read_schema(where, filesystem=fs).metadata or {}
+    meta = storage.parquet_file(path).schema_arrow.metadata or {}
     if SUMMARY_KEY not in meta:
         raise ValueError(
             f"{path}: no `batchrun.summary` in the file's metadata; is it a batchrun stats file?"

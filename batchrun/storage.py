@@ -19,7 +19,7 @@ import io
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from .errors import BadInput
 
@@ -69,11 +69,14 @@ def fresh(path: Path) -> Path:
     return path
 
 
-def arrow(path: Path) -> tuple[str, Any]:
-    """(where, filesystem) for pyarrow's readers: `pq.read_table(where, filesystem=filesystem)`."""
+def parquet_file(path: Path):
+    """A Parquet file to read (pyarrow's ParquetFile: `.schema_arrow`, `.metadata`, `.read(columns)`,
+    `.iter_batches`), here or on a store."""
+    import pyarrow.parquet as pq
+
     if is_remote(path):
-        return path.path, path.fs
-    return str(path), None
+        return pq.ParquetFile(path.path, filesystem=path.fs)
+    return pq.ParquetFile(path)
 
 
 def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:

@@ -26,7 +26,11 @@ BAD = 5  # an empty prompt: an error row
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A one-node Ray cluster (2 CPUs) started with `ray start`, its address, and stopped at the end."""
+    """A one-node Ray cluster (2 CPUs) started with `ray start`, its address, and stopped at the end. Without
+    token authentication, for it and its clients (this process's children): Ray turns it on for a cluster when
+    ~/.ray/auth_token exists (a local `ray.init()` writes one), and clients then need RAY_AUTH_MODE=token."""
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -37,6 +41,10 @@ def cluster():
     assert r.returncode == 0, r.stdout + r.stderr
     yield f"127.0.0.1:{port}"
     subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+    if saved is None:
+        os.environ.pop("RAY_AUTH_MODE")
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.fixture(scope="module")
