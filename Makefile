@@ -27,10 +27,9 @@ demo: install
 	$(BIN)/batchrun submit jobs/demo.yaml
 	$(BIN)/batchrun stats out/demo --plot out/demo/.batchrun/memory.png
 
-# two workers (this kind of machine has two cores); the tests of an xdist_group (a file whose module fixtures
-# are costly) stay on one worker
+# two workers (this kind of machine has two cores); a test file stays on one worker, with its module fixtures
 test: install kernels-check
-	$(BIN)/pytest -q tests -n 2 --dist loadgroup
+	$(BIN)/pytest -q tests -n 2 --dist loadfile
 
 # every Triton kernel specialization the engine can launch, compiled ahead of time for sm_80 and sm_90 (no GPU)
 kernels-check: install

@@ -17,8 +17,6 @@ from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
 from batchrun.engine import SamplingParams
 from batchrun.engine.attention import FULL, UnsupportedModel
 
-pytestmark = pytest.mark.xdist_group("families")  # its HF references are made once per worker: keep one
-
 NEW_TOKENS = 24
 README = Path(__file__).resolve().parent.parent / "README.md"
 

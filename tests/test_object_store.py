@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
 
-pytestmark = pytest.mark.xdist_group("s3")  # one S3 server, on one worker
 N_ROWS = 16
 
 

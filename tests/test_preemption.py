@@ -6,8 +6,6 @@ from helpers import make_engine, run_engine
 
 from batchrun.engine import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("preemption")  # its module fixtures are costly: one worker
-
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
 
 

@@ -18,29 +18,37 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import BATCHRUN, ROOT, read_outputs, run_cli, write_job, write_prompts
 
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one cluster, on one worker
+pytestmark = pytest.mark.ray
 RAY = str(Path(sys.executable).parent / "ray")
 N_ROWS = 12
 BAD = 5  # an empty prompt: an error row
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A one-node Ray cluster (2 CPUs) started with `ray start`, its address, and stopped at the end. Without
-    token authentication, for it and its clients (this process's children): Ray turns it on for a cluster when
-    ~/.ray/auth_token exists (a local `ray.init()` writes one), and clients then need RAY_AUTH_MODE=token."""
+def cluster(tmp_path_factory):
+    """A one-node Ray cluster (2 CPUs) of its own, its address, stopped at the end: `ray start --block`, whose
+    process stops the cluster it started when it ends (`ray stop` would stop every cluster of the machine).
+    Without token authentication, for it and its clients (this process's children): Ray turns it on for a
+    cluster when ~/.ray/auth_token exists (a local `ray.init()` writes one), and clients then need
+    RAY_AUTH_MODE=token."""
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
-    start = [RAY, "start", "--head", "--num-cpus", "2", "--port", str(port), "--temp-dir", temp]
+    start = [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port), "--temp-dir", temp]
     start += ["--include-dashboard=false", "--disable-usage-stats"]
-    r = subprocess.run(start, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    log = open(tmp_path_factory.mktemp("ray-log") / "ray-start.log", "w")  # noqa: SIM115 - closed at the end
+    head = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.time()
+    while subprocess.run([RAY, "status", "--address", f"127.0.0.1:{port}"], capture_output=True).returncode:
+        assert head.poll() is None and time.time() - t0 < 120, "ray start --head failed"
+        time.sleep(1)
     yield f"127.0.0.1:{port}"
-    subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+    head.send_signal(signal.SIGTERM)
+    head.wait(60)
+    log.close()
     if saved is None:
         os.environ.pop("RAY_AUTH_MODE")
     else:

@@ -8,8 +8,6 @@ import time
 import pytest
 from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
 
-pytestmark = pytest.mark.xdist_group("resume")  # its module fixtures are costly: one worker
-
 N_ROWS = 24
 
 
@@ -152,8 +150,8 @@ def test_shard_from_slurm_environment(job):
     assert sorted(k[0] for k in read_outputs(out)) == ["r1", "r3", "r5"]
 
 
-def test_parts_of_another_job_are_refused(job):
-    job_file, d = job
+def test_parts_of_another_job_are_refused(job, reference):
+    job_file, d = job  # the reference run's parts are in d / "ref"
     r = run_cli(
         "submit",
         str(job_file),

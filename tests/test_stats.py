@@ -11,8 +11,6 @@ from batchrun.job import Job
 from batchrun.simulate import Request, _Contiguous, _Paged, simulate_one
 from batchrun.stats import COLUMNS, read_summary
 
-pytestmark = pytest.mark.xdist_group("stats")  # its module fixtures are costly: one worker
-
 CONTRACT_SUMMARY_KEYS = [
     "wall_s",
     "rows",
