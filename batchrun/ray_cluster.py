@@ -55,9 +55,16 @@ class ShardRunner:
         """Shard I/N of the job, resumed from its written parts. `wait`: for the shard's lock (a dead actor's
         lease goes stale), else BadInput when another run holds it."""
         job = Job(
-            self.spec, Shard(index, count), limit=limit, progress=False, wait=wait, replicas=1, lock=lock
+            self.spec,
+            Shard(index, count),
+            limit=limit,
+            progress=False,
+            wait=wait,
+            replicas=1,
+            lock=lock,
+            worker=self.worker,
         )
-        job.worker, job.stop_requested, self.job = self.worker, self.stopping, job
+        job.stop_requested, self.job = self.stopping, job
         try:
             return job.run()
         finally:
@@ -67,9 +74,6 @@ class ShardRunner:
         self.stopping = True
         if self.job is not None:
             self.job.stop_requested = True
-
-    def pid(self) -> int:
-        return os.getpid()
 
 
 def plan_actors(resources: dict, device: str, replicas: int | str | None) -> tuple[int, dict]:
