@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.batchrun-installed
 
-.PHONY: install demo test kernels-check test-slow test-slurm lint bench gpu-check clean
+.PHONY: install demo test kernels-check test-slurm lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -34,9 +34,6 @@ test: install kernels-check
 # every Triton kernel specialization the engine can launch, compiled ahead of time for sm_80 and sm_90 (no GPU)
 kernels-check: install
 	$(BIN)/python -m batchrun_kernels.check
-
-test-slow: install
-	$(BIN)/pytest -q -m slow tests
 
 test-slurm: install
 	$(BIN)/pytest -q -m slurm tests

@@ -143,11 +143,20 @@ class JobSpec:
             return self.output.format
         return "jsonl" if self.input.openai_batch else "parquet"
 
+    def stats_source(self) -> Path:
+        """Where every shard's statistics of this job are found (what `batchrun stats` takes): `output.stats`
+        (with its shards' files beside it) or the state folder."""
+        return location(self.output.stats, "key `output.stats`") if self.output.stats else self.state_dir
+
     def stats_path(self, shard_index: int = 0, shard_count: int = 1) -> Path:
         """`output.stats`, or by default `stats.parquet` in the state folder (`stats-IofN.parquet` for a shard
-        of several, so shards writing into one directory never overwrite each other's statistics)."""
+        of several, so shards writing into one directory never overwrite each other's statistics; an explicit
+        `output.stats` likewise gets `NAME-IofN.parquet` beside it for a shard of several)."""
         if self.output.stats:
-            return location(self.output.stats, "key `output.stats`")
+            given = location(self.output.stats, "key `output.stats`")
+            if shard_count > 1:  # one file per shard beside the given name: `batchrun stats` combines them
+                return given.with_name(f"{given.stem}-{shard_index:05d}of{shard_count:05d}{given.suffix}")
+            return given
         if shard_count > 1:
             return self.state_dir / f"stats-{shard_index:05d}of{shard_count:05d}.parquet"
         return self.state_dir / "stats.parquet"

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from . import storage
 from .config import JobSpec
 from .engine.structured import check_format
 from .errors import BadInput, JobStopped
@@ -150,6 +151,9 @@ class Job:
                 guard=self.lock.check,
             )
             move_legacy_state(spec)
+            # under the shard's lock: a dead run's half-written temporary files (kill -9 during a write)
+            for folder in (spec.output_dir, spec.state_dir):
+                storage.remove_dead_temporaries(folder)
             self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
             check_writable(self.stats_path.parent, "output.stats", src)
             self.rows = ShardRows(spec, self.source, self.sink, self.shard, self.limit)

@@ -230,7 +230,7 @@ class RayRun:
             raise JobStopped("the actors wrote the rows they finished; the same command resumes.")
         if all(s is None for s in summaries.values()):
             return None
-        return load_summary(self.spec.state_dir)
+        return load_summary(self.spec.stats_source())
 
     def _rows_done(self, count: int) -> int:
         beats = read_heartbeats(self.spec.state_dir)

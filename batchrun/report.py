@@ -11,14 +11,18 @@ from .stats import combine, read_summary
 
 
 def stats_files(path: Path) -> list[Path]:
-    """A stats file; or every shard's stats file in a directory, or in the state folder of an output
-    directory (`<output>/.batchrun/`)."""
+    """A stats file (or, where it does not exist, the shards' `NAME-IofN` files beside it); or every shard's
+    stats file in a directory, or in the state folder of an output directory (`<output>/.batchrun/`)."""
     if storage.fresh(path).is_dir():
         files = sorted(path.glob("stats*.parquet")) or sorted((path / STATE_DIR).glob("stats*.parquet"))
         if not files:
             raise BadInput(f"{path}: no stats*.parquet files in this directory or its {STATE_DIR}/ folder.")
         return files
     if not path.is_file():
+        # an explicit output.stats of a sharded job: its shards' NAME-IofN files beside it
+        shards = sorted(path.parent.glob(f"{path.stem}-*of*{path.suffix}")) if path.suffix else []
+        if shards:
+            return shards
         raise BadInput(f"{path}: no such stats file or directory.")
     return [path]
 
@@ -92,6 +96,14 @@ def format_summary(s: dict) -> str:
             f"(paging ran up to {s['peak_running']})",
         ),
     ]
+    if s.get("state_slots_total"):
+        lines.append(
+            (
+                "state slots (hybrid layers)",
+                f"{s['state_slots_total']} of {_bytes(s.get('bytes_per_state_slot', 0))}, "
+                f"peak in use {s.get('peak_state_slots_used', 0)}",
+            )
+        )
     if s.get("window_freed_peak"):
         lines.append(
             (
@@ -167,6 +179,10 @@ def plot(path: Path, out_png: Path) -> None:
         ax_seq.step(time_s, t["num_running"], where="post", label=f"running{tag}")
         ax_seq.step(time_s, t["num_waiting"], where="post", label=f"waiting{tag}")
         ax_seq.step(time_s, t["num_swapped"], where="post", label=f"swapped{tag}")
+        slots = t.get("state_slots_used")  # a hybrid model's state slots (absent in older statistics)
+        if slots and any(t.get("state_slots_total") or []):
+            ax_seq.step(time_s, slots, where="post", linestyle="--", label=f"state slots in use{tag}")
+            ax_seq.axhline(max(t["state_slots_total"]), color="gray", linestyle=":", label="state slots")
         pre = [time_s[i] for i, n in enumerate(t["preemptions"]) if n]
         if pre:
             ax_seq.plot(pre, [0] * len(pre), "v", color="black", markersize=7, label="preemption")

@@ -55,6 +55,8 @@ COLUMNS = [
     "prefix_hit_tokens",
     "cow_copies",
     "window_freed",
+    "state_slots_total",  # a hybrid model's per-sequence state slots (0 for other models)
+    "state_slots_used",
     "generated_tokens",
 ]
 FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
@@ -99,6 +101,9 @@ SUMMARY_KEYS = {
     "pages_total": ("sum", "max"),
     "peak_pages_used": ("sum", "max"),
     "bytes_per_page": ("first", "first"),
+    "state_slots_total": ("sum", "max"),
+    "peak_state_slots_used": ("sum", "max"),
+    "bytes_per_state_slot": ("first", "first"),
     "structured_rows": ("sum", "sum"),
     "structured_complete": ("sum", "sum"),
     "grammar_compile_s": ("sum", "sum"),
@@ -158,6 +163,8 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, r
         "prefix_hit_tokens": m.prefix_hit_tokens,
         "cow_copies": m.cow_copies,
         "window_freed": m.window_freed_pages,
+        "state_slots_total": m.state_slots_total,
+        "state_slots_used": m.state_slots_used,
         "generated_tokens": step.num_generated,
     }
 
@@ -191,6 +198,7 @@ class _Running:
     contig_util_sum: float = 0.0
     contig_util_n: int = 0
     peak_pages_used: int = 0
+    peak_state_slots_used: int = 0
     swap_out_pages: int = 0
     swap_in_pages: int = 0
     preemptions: int = 0
@@ -270,6 +278,7 @@ class StatsCollector:
         a.running_sum += row["num_running"]
         a.peak_running = max(a.peak_running, row["num_running"])
         a.peak_pages_used = max(a.peak_pages_used, row["pages_used"])
+        a.peak_state_slots_used = max(a.peak_state_slots_used, row["state_slots_used"])
         if row["slots_allocated"]:
             util = row["tokens_stored"] / row["slots_allocated"]
             a.util_sum += util
@@ -334,6 +343,9 @@ class StatsCollector:
             "pages_total": m.pages_total,
             "peak_pages_used": a.peak_pages_used,
             "bytes_per_page": bytes_per_page,
+            "state_slots_total": m.state_slots_total,
+            "peak_state_slots_used": a.peak_state_slots_used,
+            "bytes_per_state_slot": self.engine.bytes_per_state_slot,
             "structured_rows": self.structured_rows,
             "structured_complete": self.structured_complete,
             "grammar_compile_s": compile_s,

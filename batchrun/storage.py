@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -89,10 +91,41 @@ def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         path.fs.pipe_file(path.path, buf.getvalue())
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}{_temporary_tag()}{os.getpid()}")
     with open(tmp, "wb") as f:
         write(f)
     os.replace(tmp, path)
+
+
+def _temporary_tag() -> str:
+    """What a temporary name carries before the writer's pid: its host, so a cleanup on a shared file system
+    judges only its own host's processes."""
+    return f".tmp-{socket.gethostname()}-"
+
+
+def remove_dead_temporaries(folder: Path) -> int:
+    """Remove the temporary files (`write_whole`) that processes of this host left when they died (kill -9 in
+    the middle of a write); those of live processes and of other hosts stay. Returns how many went."""
+    if is_remote(folder) or not folder.is_dir():
+        return 0
+    pattern = re.compile(rf"^\..+{re.escape(_temporary_tag())}(\d+)$")
+    removed = 0
+    for f in folder.iterdir():
+        found = pattern.match(f.name)
+        if found and not _alive(int(found.group(1))):
+            f.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_text_whole(path: Path, text: str) -> None:

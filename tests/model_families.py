@@ -98,22 +98,123 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
     "exaone": ("full attention", {}),
 }
 
-REFUSED: dict[str, tuple[str, dict]] = {
-    "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
-    "stablelm": ("does not pass batchrun's step metadata", {}),
-    "qwen3_next": (
-        "linear_attention",
+# hybrids: linear-attention, Mamba or short-convolution layers (a state slot per sequence) beside attention
+LINEAR = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16
+)
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)
+THREE_LINEAR_ONE_FULL = ["linear_attention"] * 3 + ["full_attention"]
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32)
+HYBRID: dict[str, tuple[str, dict]] = {
+    "qwen3_5_text": (
+        "hybrid: 3 Gated DeltaNet : 1 gated attention",
+        dict(LINEAR, num_hidden_layers=4, layer_types=THREE_LINEAR_ONE_FULL),
+    ),
+    "qwen3_5_moe_text": (
+        "hybrid: Gated DeltaNet, mixture of experts",
         dict(
+            LINEAR,
             num_hidden_layers=4,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            layer_types=THREE_LINEAR_ONE_FULL,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         ),
     ),
-    "lfm2": ("conv", dict(layer_types=["conv", "full_attention"])),
-    "falcon_h1": ("hybrid", {}),
+    "qwen3_next": (
+        "hybrid: Gated DeltaNet, mixture of experts",
+        dict(
+            num_hidden_layers=4,
+            layer_types=THREE_LINEAR_ONE_FULL,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+    ),
+    "olmo_hybrid": ("hybrid: Gated DeltaNet : attention", {}),
+    "kimi_linear": (
+        "hybrid: Kimi Delta Attention : MLA",
+        dict(
+            MLA,
+            num_hidden_layers=4,
+            linear_attn_config=dict(
+                full_attn_layers=[4], kda_layers=[1, 2, 3], head_dim=16, num_heads=4, short_conv_kernel_size=4
+            ),
+            v_head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+    ),
+    "bailing_hybrid": (
+        "hybrid: linear attention : MLA",
+        dict(
+            MLA,
+            num_hidden_layers=4,
+            layer_group_size=4,
+            v_head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+    ),
+    "nemotron_h": (
+        "hybrid: Mamba 2, attention, MoE and MLP layers",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "moe", "full_attention", "mlp"],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=1,
+            chunk_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+    ),
+    "granitemoehybrid": (
+        "hybrid: Mamba 2 : attention, mixture of experts (Granite 4)",
+        dict(
+            MAMBA,
+            num_hidden_layers=4,
+            layer_types=THREE_LINEAR_ONE_FULL,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=64,
+        ),
+    ),
+    "bamba": ("hybrid: Mamba 2 : attention", dict(MAMBA, num_hidden_layers=4, attn_layer_indices=[3])),
+    "falcon_h1": (
+        "hybrid: Mamba 2 beside attention in every layer",
+        dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    ),
+    "lfm2": ("hybrid: short convolution : attention", dict(layer_types=["conv", "full_attention"])),
+    "lfm3": ("hybrid: short convolution : attention", dict(layer_types=["conv", "full_attention"])),
+}
+SUPPORTED.update(HYBRID)
+
+REFUSED: dict[str, tuple[str, dict]] = {
+    "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
+    "stablelm": ("does not pass batchrun's step metadata", {}),
+    "jamba": (
+        "does not pass batchrun's step metadata",
+        dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3, mamba_d_state=16, num_experts=1),
+    ),
+    "minimax": (
+        "never call the attention interface nor keep a state",
+        dict(layer_types=["linear_attention", "full_attention"]),
+    ),
+    "recurrent_gemma": (
+        "outside transformers' linear-attention cache interface",
+        dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),
+    ),
 }
 
 

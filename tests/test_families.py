@@ -73,19 +73,21 @@ def model_and_reference(family: str, head_dim: int = 16):
     return ours, hf_tokens(ref, prompts(ours.config.vocab_size))
 
 
-def run(model, family: str, attention: str, full_pages: int = 256, **engine):
+def run(model, family: str, attention: str, full_pages: int = 256, on_step=None, **engine):
     """Run the prompts on batchrun's engine; `full_pages`: the KV memory of that many pages of all the model's
-    layers (a model with KV cache groups has more, smaller pages)."""
+    layers (a model with KV cache groups has more, smaller pages), plus a hybrid's state slots."""
     from batchrun.engine import Engine, EngineConfig
     from batchrun.engine.architecture import inspect_model
 
     found = inspect_model(model)
     full_page = found.kv_shape(16, torch.float32).bytes_per_page * found.groups.num_groups
+    max_num_seqs = engine.get("max_num_seqs", 8)
+    slots = found.states.bytes_per_slot * max_num_seqs if found.states else 0  # a hybrid's state slots
     cfg = dict(
         device="cpu",
-        kv_cache_memory=str(full_pages * full_page),
+        kv_cache_memory=str(full_pages * full_page + slots),
         page_size=16,
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=64,  # the long prompts are prefilled in chunks, beside decodes
         prefix_sharing=True,
         preemption="swap",
@@ -94,7 +96,8 @@ def run(model, family: str, attention: str, full_pages: int = 256, **engine):
     )
     cfg.update(engine)
     eng = Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
-    seqs, steps = run_engine(eng, prompts(model.config.vocab_size), SamplingParams(max_new_tokens=NEW_TOKENS))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    seqs, steps = run_engine(eng, prompts(model.config.vocab_size), params, on_step=on_step)
     eng.check_integrity()
     return [s[0].output_token_ids for s in seqs], steps, eng
 
@@ -206,8 +209,8 @@ def saved_model(tmp_path, family: str, overrides: dict, model_dir) -> Path:
 def test_a_refused_model_is_exit_2_at_load_naming_it(tmp_path, model_dir):
     from helpers import run_cli, write_job, write_prompts
 
-    reason, overrides = REFUSED["lfm2"]
-    path = saved_model(tmp_path, "lfm2", overrides, model_dir)
+    reason, overrides = REFUSED["minimax"]
+    path = saved_model(tmp_path, "minimax", overrides, model_dir)
     write_prompts(tmp_path / "in.parquet", ["a", "b"])
     job = write_job(
         tmp_path / "job.yaml",
@@ -216,7 +219,7 @@ def test_a_refused_model_is_exit_2_at_load_naming_it(tmp_path, model_dir):
     )
     r = run_cli("submit", str(job))
     assert r.returncode == 2, r.stderr
-    assert "lfm2" in r.stderr and reason in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "minimax" in r.stderr and reason in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not list((tmp_path / "out").glob("part-*.parquet"))
 
 

@@ -77,14 +77,21 @@ def test_kill_9_at_several_points_then_resume(job, reference):
         if parts == 0:
             time.sleep(2.0)
         else:
-            wait_for_parts(out, parts, proc)
+            assert wait_for_parts(out, parts, proc), "the run ended before it was killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        assert not list(out.glob("*.tmp")) or all(p.name.startswith(".") for p in out.glob("*.tmp"))
+    # a temporary part a killed run left (a kill during its write): hidden from readers, removed by the resume
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    from batchrun.storage import _temporary_tag
+
+    leftover = out / f".part-x.parquet{_temporary_tag()}{dead.pid}"
+    leftover.write_bytes(b"torn")
     r = run_cli("submit", str(job_file), "--quiet", "--set", f"output.path={out}")
     assert r.returncode == 0, r.stderr
     rows = read_outputs(out)  # asserts no (id, sample) twice
     assert {k: v["completion"] for k, v in rows.items()} == reference
+    assert not list(out.glob(".*.tmp-*")), "a dead run's temporary file was left"
     again = run_cli("submit", str(job_file), "--set", f"output.path={out}")
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
@@ -93,7 +100,7 @@ def test_sigterm_stops_cleanly_with_code_3_then_resumes(job, reference):
     job_file, d = job
     out = d / "termed"
     proc = start(job_file, out)
-    wait_for_parts(out, 2, proc)
+    assert wait_for_parts(out, 2, proc), "the run ended before it was stopped"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err

@@ -11,10 +11,13 @@ import pytest
 from helpers import ROOT, read_outputs, run_cli, write_job, write_prompts
 
 SCRIPT = ROOT / "scripts" / "slurm_local.sh"
-pytestmark = pytest.mark.skipif(
-    shutil.which("slurmctld") is None or shutil.which("sbatch") is None or os.geteuid() != 0,
-    reason="needs Slurm's Debian packages and root: scripts/slurm_local.sh install (.ci/run does it)",
-)
+pytestmark = [
+    pytest.mark.slurm,  # `make test-slurm` selects it
+    pytest.mark.skipif(
+        shutil.which("slurmctld") is None or shutil.which("sbatch") is None or os.geteuid() != 0,
+        reason="needs Slurm's Debian packages and root: scripts/slurm_local.sh install (.ci/run does it)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,12 @@ later, never a silent difference.
 modules), then runs a probe: one forward of a few tokens through the very attention function the engine uses,
 with a backend that records each layer's call. The probe also yields the facts the engine sizes its pages from:
 the K and V shapes the layers actually produce (MLA models have wider keys than values), and the mask kinds.
+
+Hybrid models (linear attention, Mamba or short convolutions beside attention) keep a state per sequence in those
+layers. A module that keeps it through transformers' cache interface (`get_conv_state` / `update_conv_state` /
+`update_recurrent_state`) is run by batchrun on a state slot of its own (state_cache.py): `prepare_stateful_layers`
+routes its calls through the step's `StepStates`, and the probe records the state shapes the module creates. A
+module that keeps a state any other way (its own cache class) is refused.
 """
 
 from __future__ import annotations
@@ -33,10 +39,15 @@ from .attention import (
     int_tensor,
 )
 from .kv_cache import KVCacheShape
+from .state_cache import StatefulCall, StateProbe, StateSpec
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
+FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
 # modules that carry a state from one step to the next (linear attention, convolutions, state-space mixers)
 STATEFUL_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|LinearAttention|Rwkv|RWKV|xLSTM|Recurrent")
+# how a module keeps that state through transformers' cache interface
+CACHE_INTERFACE = re.compile(r"\.update_conv_state\(|\.update_recurrent_state\(")
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,7 @@ class KVGroups:
     over 6 layers is 6 groups of 1 layer; gpt-oss's alternating 12 : 12, 2 groups of 12."""
 
     kinds: tuple[MaskKind, ...]  # per group
-    layer_group: tuple[int, ...]  # per layer: its group
+    layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
     layer_slot: tuple[int, ...]  # per layer: its place among its group's layers (the pool's first axis)
     layers_per_group: int
 
@@ -89,12 +100,14 @@ class KVGroups:
         return len(self.kinds)
 
     @classmethod
-    def of_layers(cls, layer_kinds: list[MaskKind]) -> KVGroups:
+    def of_layers(cls, layer_kinds: list[MaskKind | None]) -> KVGroups:
+        """Groups of the attention layers (kind None: a layer without attention, in no group)."""
         by_kind: dict[MaskKind, list[int]] = {}
         for layer, kind in enumerate(layer_kinds):
-            by_kind.setdefault(kind, []).append(layer)
+            if kind is not None:
+                by_kind.setdefault(kind, []).append(layer)
         size = math.gcd(*(len(layers) for layers in by_kind.values()))
-        kinds, layer_group, layer_slot = [], [0] * len(layer_kinds), [0] * len(layer_kinds)
+        kinds, layer_group, layer_slot = [], [-1] * len(layer_kinds), [-1] * len(layer_kinds)
         for kind, layers in by_kind.items():
             for i in range(0, len(layers), size):
                 for slot, layer in enumerate(layers[i : i + size]):
@@ -114,7 +127,8 @@ class ModelAttention:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    layer_kinds: tuple[MaskKind, ...]  # per layer
+    layer_kinds: tuple[MaskKind | None, ...]  # per layer; None: a layer without attention
+    states: StateSpec | None = None  # what a hybrid model's stateful layers keep per sequence
 
     @property
     def groups(self) -> KVGroups:
@@ -150,33 +164,124 @@ def refusal(architecture: str, reason: str) -> UnsupportedModel:
     return UnsupportedModel(f"model {architecture!r} cannot run on batchrun: {reason}")
 
 
+def uses_cache_interface(module: torch.nn.Module) -> bool:
+    """The module's class keeps its state through transformers' cache interface (its source calls it)."""
+    import inspect
+
+    try:
+        return bool(CACHE_INTERFACE.search(inspect.getsource(type(module))))
+    except (OSError, TypeError):
+        return False
+
+
+def stateful_modules(model) -> list[torch.nn.Module]:
+    """The modules that keep a state per sequence; UnsupportedModel for one that keeps it outside transformers'
+    cache interface (batchrun could not give it a slot)."""
+    arch = model.config.model_type
+    # the name after the family's prefix: KimiLinearAttention is Kimi Linear's attention, not linear attention
+    prefix = re.sub(r"(For\w+|Model)$", "", type(model).__name__)
+    found, other = [], set()
+    for m in model.modules():
+        name = type(m).__name__
+        if uses_cache_interface(m):
+            if not isinstance(getattr(m, "layer_idx", None), int):
+                raise refusal(arch, f"its stateful module {name} has no `layer_idx`")
+            found.append(m)
+        elif STATEFUL_MODULE.search(name.removeprefix(prefix)) and not any(
+            uses_cache_interface(c) for c in m.modules()
+        ):
+            other.add(type(m).__name__)
+    if other:
+        raise refusal(
+            arch,
+            f"its modules {', '.join(sorted(other))} keep a state per sequence outside transformers' "
+            "linear-attention cache interface (get_conv_state / update_recurrent_state), so batchrun cannot keep "
+            "it in a state slot",
+        )
+    return found
+
+
+def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
+    """Route each stateful module's calls through the step's states (`batchrun_attn.states`): the module's own
+    forward then runs on a cache over the sequences' slots. Idempotent; only this model's instances change."""
+    import inspect
+
+    for m in modules:
+        if "_batchrun_call" in m.__dict__:
+            continue
+        params = inspect.signature(m.forward).parameters
+        keyword = next((k for k in ("cache", "cache_params", "past_key_values") if k in params), None)
+        if keyword is None:
+            raise refusal(
+                m.config.model_type if hasattr(m, "config") else type(m).__name__,
+                f"{type(m).__name__} takes no cache argument",
+            )
+        m._batchrun_call = StatefulCall(m.forward, keyword)
+        m.forward = _stateful_forward.__get__(m)
+
+
+def _stateful_forward(self, hidden_states=None, *args, **kwargs):
+    """A stateful module's forward under batchrun: its own code, on the step's state slots."""
+    meta = kwargs.pop("batchrun_attn", None)
+    if meta is None or meta.states is None:
+        raise UnsupportedModel(
+            f"{type(self).__name__} (layer {self.layer_idx}): its layer does not pass batchrun's step metadata "
+            "to it (the model's code calls it without the keyword arguments it was given)"
+        )
+    if args:
+        raise UnsupportedModel(
+            f"{type(self).__name__} is called with positional arguments batchrun cannot split"
+        )
+    for name in ("cache", "cache_params", "past_key_values", "attention_mask", "cache_position"):
+        kwargs.pop(name, None)  # the slots are the cache; a sequence's rows have no padding to mask
+    if hidden_states is None:
+        hidden_states = kwargs.pop("hidden_states")
+    return meta.states.run(self, self._batchrun_call, hidden_states, kwargs)
+
+
+def not_the_models_fault(e: BaseException) -> bool:
+    """A failure of the machine, not of the model under batchrun: out of memory (CUDA's or the CPU allocator's),
+    I/O. Only a model batchrun cannot compute is a bad job (exit 2, final for Slurm and Ray); these keep their
+    own error."""
+    if isinstance(e, MemoryError | OSError | torch.OutOfMemoryError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in text or "not enough memory" in text)
+
+
+# RoPE scalings that transformers picks per forward from the longest sequence in the batch: in a packed step
+# every sequence would get the choice made for its longest batch-mate (LongRoPE's short or long factors, dynamic
+# NTK's rescaled frequencies), a silent difference from the model run on that sequence alone
+BATCH_DEPENDENT_ROPE = {
+    "longrope": "LongRoPE picks its short or long factors from the batch's longest sequence",
+    "dynamic": "dynamic NTK rescales its frequencies from the batch's longest sequence",
+}
+
+
+def rope_types(cfg) -> set[str]:
+    """The RoPE scaling types a config asks for (transformers 5's `rope_parameters`, per layer type or one)."""
+    found = set()
+    for source in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
+        if not isinstance(source, dict):
+            continue
+        values = source.values() if all(isinstance(v, dict) for v in source.values()) and source else [source]
+        found |= {v.get("rope_type") or v.get("type") for v in values if isinstance(v, dict)}
+    return {t for t in found if t}
+
+
 def check_config(model) -> ModelLayers:
-    """The config's and the modules' verdict, before any forward; the per-layer facts they give."""
+    """The config's verdict, before any forward; the per-layer facts it gives."""
     cfg = model.config
     arch = cfg.model_type
     if getattr(cfg, "is_encoder_decoder", False):
         raise refusal(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
+    for rope in sorted(rope_types(cfg) & BATCH_DEPENDENT_ROPE.keys()):
+        raise refusal(
+            arch,
+            f"its RoPE scaling `{rope}` depends on the batch ({BATCH_DEPENDENT_ROPE[rope]}); batchrun packs "
+            "sequences of every length into one step, so rows would depend on their batch-mates",
+        )
     layer_types = list(getattr(cfg, "layer_types", None) or [])
-    other = {
-        t: [i for i, x in enumerate(layer_types) if x == t]
-        for t in layer_types
-        if t not in ATTENTION_LAYER_TYPES
-    }
-    if other:
-        kinds = "; ".join(f"layers {', '.join(map(str, idx))} are `{t}`" for t, idx in other.items())
-        raise refusal(
-            arch,
-            f"{kinds}: layers that keep a recurrent, convolution or state-space state per sequence, which "
-            "batchrun does not cache (it pages attention's K/V only); such hybrids are refused rather than run "
-            "wrong",
-        )
-    stateful = sorted({type(m).__name__ for m in model.modules() if STATEFUL_MODULE.search(type(m).__name__)})
-    if stateful:
-        raise refusal(
-            arch,
-            f"its modules {', '.join(stateful)} keep a state per sequence between steps, which batchrun does not "
-            "cache (it pages attention's K/V only)",
-        )
     chunk_size = getattr(cfg, "attention_chunk_size", None)
     chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
     if any(t == "chunked_attention" for t in layer_types) and not chunk_size:
@@ -198,15 +303,18 @@ def num_decoder_layers(model) -> int:
 
 def inspect_model(model) -> ModelAttention:
     """Refuse a model batchrun cannot compute exactly (UnsupportedModel naming it and why), else what its
-    attention layers are."""
+    attention layers are and what its stateful layers keep."""
     arch = model.config.model_type
     layers = check_config(model)
-    probe = ProbeAttention()
+    stateful = stateful_modules(model)
+    prepare_stateful_layers(stateful)
+    probe, states = ProbeAttention(), StateProbe()
     T = 5
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(T)]
     layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))))
-    meta = AttentionMetadata(AttentionServices(probe, None, None, layers), [layout], list(range(T)))
+    services = AttentionServices(probe, None, None, layers)
+    meta = AttentionMetadata(services, [layout], list(range(T)), states=states)
     device = next(model.parameters()).device
     try:
         with torch.inference_mode():
@@ -219,23 +327,33 @@ def inspect_model(model) -> ModelAttention:
     except UnsupportedModel as e:
         raise refusal(arch, str(e)) from None
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
+        if not_the_models_fault(e):
+            raise  # out of memory, I/O: the run failed (exit 1), the model is not the reason
         raise refusal(
             arch, f"its forward fails under batchrun's attention ({type(e).__name__}: {e})"
         ) from None
     calls = probe.calls
-    if not calls:
+    state_spec = states.spec()
+    expected = num_decoder_layers(model)
+    layer_types = list(getattr(model.config, "layer_types", None) or [])
+    feed_forward = {i for i, t in enumerate(layer_types) if t in FEED_FORWARD_LAYER_TYPES}
+    silent = sorted(set(range(expected)) - set(calls) - set(state_spec.layer_indices) - feed_forward)
+    if not calls and not state_spec.layers:
         raise refusal(
             arch,
             "its attention does not go through transformers' attention interface (the layers never called "
             "batchrun's attention function)",
         )
-    expected = num_decoder_layers(model)
-    if sorted(calls) != list(range(expected)):
-        missing = sorted(set(range(expected)) - set(calls))
+    if silent:
         raise refusal(
             arch,
-            f"layers {', '.join(map(str, missing))} of {expected} never call the attention interface (layers of "
-            "another kind, or attention computed by the model's own code)",
+            f"layers {', '.join(map(str, silent))} of {expected} never call the attention interface nor keep a "
+            "state through transformers' cache interface (layers of another kind, or attention computed by the "
+            "model's own code)",
+        )
+    if not calls:
+        raise refusal(
+            arch, "it has no attention layer (a model of stateful layers alone is not supported yet)"
         )
     shapes = {c[:4] for c in calls.values()}
     if len(shapes) > 1:
@@ -245,7 +363,6 @@ def inspect_model(model) -> ModelAttention:
     ((num_heads, num_kv_heads, head_dim, v_head_dim),) = shapes
     if num_heads % num_kv_heads:
         raise refusal(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    layer_calls = [calls[i][4] for i in range(expected)]
     return ModelAttention(
         architecture=arch,
         layers=layers,
@@ -254,5 +371,6 @@ def inspect_model(model) -> ModelAttention:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
-        layer_kinds=tuple(c.kind for c in layer_calls),
+        layer_kinds=tuple(calls[i][4].kind if i in calls else None for i in range(expected)),
+        states=state_spec if state_spec.layers else None,
     )

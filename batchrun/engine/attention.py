@@ -359,13 +359,18 @@ class AttentionServices:
 
 
 class AttentionMetadata:
-    """One step's attention inputs, shared by every layer: a layout per KV cache group, and the backend's plan
-    for each group, built by the group's first layer and reused by the others."""
+    """One step's inputs to the layers, shared by every layer: a layout per KV cache group, the backend's plan
+    for each group, built by the group's first layer and reused by the others, and a hybrid model's state slots
+    (`states`: state_cache.StepStates, or the load probe's StateProbe; None for a model without stateful
+    layers)."""
 
-    def __init__(self, services: AttentionServices, layouts: list[StepLayout], positions: list[int]):
+    def __init__(
+        self, services: AttentionServices, layouts: list[StepLayout], positions: list[int], states: Any = None
+    ):
         self.services = services
         self.layouts = layouts  # per KV cache group
         self.positions = positions  # [T] each packed token's position in its sequence
+        self.states = states
         self._plans: dict[tuple[int, MaskKind], Any] = {}
         self._query_scales: dict[Any, torch.Tensor] = {}
 

@@ -9,6 +9,8 @@ those of `nn.Linear`; fp32 ones differ in the order of the sums (~1e-6 relative)
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .. import host
@@ -41,13 +43,30 @@ def available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or host.cpu_packs_bf16()
 
 
+def read_directly(model: torch.nn.Module) -> set[str]:
+    """Names of child modules whose weight or bias the model's own code reads (`self.gate.weight.dtype`,
+    `F.linear(x, self.classifier.weight)`): a PackedLinear has no plain weight to read, so those stay."""
+    import inspect
+
+    names: set[str] = set()
+    for cls in {type(m) for m in model.modules()}:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        names |= set(re.findall(r"\.(\w+)\.(?:weight|bias)\b", source))
+    return names
+
+
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU model by a PackedLinear; returns how many."""
+    """Replace every `nn.Linear` of a CPU model by a PackedLinear (but those whose weight the model's code
+    reads itself); returns how many."""
+    keep = read_directly(model)
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear
+        if type(child) is torch.nn.Linear and name not in keep
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))

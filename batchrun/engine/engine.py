@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from ..checks import parse_size
 from ..errors import BadInput
 from . import memory
 from .architecture import inspect_model
@@ -25,7 +24,8 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .sizing import model_max_len, num_pages_for
+from .sizing import model_max_len, pool_sizes
+from .state_cache import NoStateSlots, StateCache, StateSlots
 from .timing import PhaseTimes
 
 
@@ -91,33 +91,46 @@ class Engine:
         self.eos_token_ids = eos_token_ids or set()
         self.max_model_len = min(model_max_len(model.config), max_model_len or 1 << 62)
         dtype = next(model.parameters()).dtype
-        self.model_attention = inspect_model(
-            model
-        )  # refuses what cannot run exactly, before any page is made
+        # refuses what cannot run exactly, before any page is made
+        self.model_attention = inspect_model(model)
         self.kv_shape = self.model_attention.kv_shape(config.page_size, dtype)
-        self.num_pages = num_pages_for(config, self.kv_shape.bytes_per_page, device)
-        num_cpu_pages = parse_size(config.swap_space) // self.kv_shape.bytes_per_page
         self.kv_groups = self.model_attention.groups
+        state_spec = self.model_attention.states  # a hybrid model's per-sequence states; None: none
+        sizes = pool_sizes(
+            config,
+            self.kv_shape.bytes_per_page,
+            self.kv_groups.num_groups,
+            state_spec.bytes_per_slot if state_spec else 0,
+            device,
+        )
+        self.num_pages = sizes.num_pages
         self.block_manager = BlockManager(
             self.num_pages,
             config.page_size,
-            num_cpu_pages,
-            config.prefix_sharing,
+            sizes.num_cpu_pages,
+            # a hybrid's prefix would need the state at its end, which no slot keeps: every prompt runs whole
+            config.prefix_sharing and state_spec is None,
             [kind.first_key for kind in self.kv_groups.kinds],
         )
-        self.scheduler = Scheduler(config, self.block_manager, watermark_pages=max(1, self.num_pages // 100))
+        self.state_slots = StateSlots(sizes.num_slots, sizes.num_cpu_slots) if state_spec else NoStateSlots()
+        self.scheduler = Scheduler(
+            config, self.block_manager, max(1, self.num_pages // 100), states=self.state_slots
+        )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
                 f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "
                 f"sequence; give it more pages or memory."
             )
-        self.kv_cache = KVCache(self.kv_shape, self.num_pages, num_cpu_pages, device)
+        self.kv_cache = KVCache(self.kv_shape, self.num_pages, sizes.num_cpu_pages, device)
+        self.state_cache = (
+            StateCache(state_spec, sizes.num_slots, sizes.num_cpu_slots, device) if state_spec else None
+        )
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_shape, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
         services = AttentionServices(
             self.attention, self.kv_cache, self.times, self.model_attention.layers, self.kv_groups
         )
-        self.runner = ModelRunner(model, services, device, self.times)
+        self.runner = ModelRunner(model, services, device, self.times, self.state_cache)
         self.outputs = OutputProcessor(
             tokenizer,
             model.config.vocab_size,
@@ -194,6 +207,8 @@ class Engine:
         with self.times("schedule"):
             plan = self.scheduler.schedule()
             self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
+            if self.state_cache is not None:
+                self.state_cache.apply(plan.state_forks, plan.state_swap_out, plan.state_swap_in)
         result = StepResult(plan)
         if plan.is_empty:
             if self.scheduler.has_unfinished() and not plan.preempted:
@@ -236,6 +251,11 @@ class Engine:
     def num_used_pages(self) -> int:
         return self.block_manager.num_used_pages
 
+    @property
+    def bytes_per_state_slot(self) -> int:
+        """A hybrid model's state bytes per sequence (0: no stateful layers)."""
+        return self.state_cache.spec.bytes_per_slot if self.state_cache is not None else 0
+
     def running_sequences(self) -> list[Sequence]:
         """Sequences holding accelerator pages, in admission order (do not modify the list)."""
         return self.scheduler.running
@@ -254,9 +274,15 @@ class Engine:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""
         counter = memory.recount if recount else memory.count
         return counter(
-            self.block_manager, self.scheduler.running, self.num_waiting, self.num_swapped, self.reservation
+            self.block_manager,
+            self.state_slots,
+            self.scheduler.running,
+            self.num_waiting,
+            self.num_swapped,
+            self.reservation,
         )
 
     def check_integrity(self) -> None:
-        """Page bookkeeping agrees with every live block table (AssertionError otherwise)."""
+        """Page and state-slot bookkeeping agrees with every live sequence (AssertionError otherwise)."""
         self.block_manager.check_integrity(self.scheduler.live_sequences())
+        self.state_slots.check(self.scheduler.running, self.scheduler.swapped)

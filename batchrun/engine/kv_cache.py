@@ -50,9 +50,19 @@ class KVCacheShape:
             return cls(
                 cfg.num_hidden_layers, cfg.num_attention_heads, k_dim, page_size, dtype, cfg.v_head_dim
             )
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = _largest(cfg, "head_dim") or cfg.hidden_size // _largest(cfg, "num_attention_heads")
+        num_kv_heads = _largest(cfg, "num_key_value_heads") or _largest(cfg, "num_attention_heads")
         return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, page_size, dtype)
+
+
+def _largest(cfg, key: str):
+    """A config value, or its largest over the layers where the config gives one per layer (Gemma 4's
+    `per_layer_config`: sliding and full layers of different head dims): an upper bound for the budget check."""
+    layers = getattr(cfg, "per_layer_config", None)
+    if layers:
+        values = [getattr(c, key, None) for c in layers]
+        return max((v for v in values if v), default=None)
+    return getattr(cfg, key, None)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

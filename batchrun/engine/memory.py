@@ -28,6 +28,9 @@ class MemorySnapshot:
     prefix_query_tokens: int  # counters since the engine started
     prefix_hit_tokens: int
     cow_copies: int
+    # a hybrid model's state slots (state_cache.py; 0 for a model without stateful layers)
+    state_slots_total: int = 0
+    state_slots_used: int = 0  # held by running sequences (with those reserved for samples still to fork)
 
     @property
     def pages_free(self) -> int:
@@ -52,7 +55,7 @@ class MemorySnapshot:
 
 
 def count(
-    bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
 ) -> MemorySnapshot:
     """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
 
@@ -82,11 +85,13 @@ def count(
     tokens_stored = P * len(full) + sum(n for page, n in partial.items() if page not in full)
     return _snapshot(
         bm,
+        states,
         running,
         num_waiting,
         num_swapped,
         pages_used=len(used),
         pages_allocatable=bm.num_free_pages,
+        state_slots_used=states.num_used,
         tokens_stored=tokens_stored,
         logical_pages=logical_pages,
         tokens_cached_per_sequence=cached,
@@ -96,7 +101,7 @@ def count(
 
 
 def recount(
-    bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
 ) -> MemorySnapshot:
     """The same by brute force: mark every slot that holds a computed token, count holders page by page."""
     P = bm.page_size
@@ -117,10 +122,15 @@ def recount(
                     holders[page] = holders.get(page, 0) + 1
     return _snapshot(
         bm,
+        states,
         running,
         num_waiting,
         num_swapped,
         pages_used=len(holders),
+        # slot by slot: the ones the running sequences hold, their own and those reserved for forks
+        state_slots_used=len(
+            {s for seq in running for s in (seq.state_slot, *seq.reserved_state_slots) if s >= 0}
+        ),
         pages_allocatable=sum(1 for c in bm.pool.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
@@ -131,7 +141,7 @@ def recount(
 
 
 def _snapshot(
-    bm: BlockManager, running: list[Sequence], num_waiting: int, num_swapped: int, **counted: int
+    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, **counted: int
 ) -> MemorySnapshot:
     """A snapshot of what was counted, with the queue sizes and the block manager's own counters."""
     return MemorySnapshot(
@@ -143,5 +153,6 @@ def _snapshot(
         prefix_query_tokens=bm.prefix_cache.query_tokens,
         prefix_hit_tokens=bm.prefix_cache.hit_tokens,
         cow_copies=bm.num_cow_copies,
+        state_slots_total=states.num_slots,
         **counted,
     )

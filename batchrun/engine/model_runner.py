@@ -12,14 +12,21 @@ import torch
 
 from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
 from .scheduler import ScheduledSequence
+from .state_cache import StateCache, StepStates
 from .timing import PhaseTimes
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, services: AttentionServices, device: torch.device, times: PhaseTimes
+        self,
+        model: torch.nn.Module,
+        services: AttentionServices,
+        device: torch.device,
+        times: PhaseTimes,
+        state_cache: StateCache | None = None,
     ):
         self.model = model
+        self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
         self.times = times
         self.services = services  # the backend (make_backend), the KV cache, the per-layer facts, the groups
         self.page_size = services.kv_cache.shape.page_size
@@ -63,7 +70,11 @@ class ModelRunner:
             StepLayout(query_lens, context_lens, tables[g], int_tensor(slots[g], device=dev))
             for g in range(num_groups)
         ]
-        meta = AttentionMetadata(self.services, layouts, positions)
+        states = None
+        if self.state_cache is not None:
+            slots = [s.seq.state_slot for s in scheduled]
+            states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
+        meta = AttentionMetadata(self.services, layouts, positions, states)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = int_tensor(positions, device=dev)[None]
         return ids, pos, meta, int_tensor(logits_index, device=dev)

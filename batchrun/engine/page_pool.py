@@ -10,6 +10,8 @@ survives longest).
 
 from __future__ import annotations
 
+import array
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
@@ -27,9 +29,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chain_hash(prev_hash: int | None, tokens: Iterable[int]) -> int:
-    """Hash of a full page, chained over every token before it (through prev_hash) and in it."""
-    return hash((prev_hash, tuple(tokens)))
+def chain_hash(prev_hash: bytes | None, tokens: Iterable[int]) -> bytes:
+    """Hash of a full page, chained over every token before it (through prev_hash) and in it: SHA-256, so two
+    different prefixes never meet on one hash (Python's 64-bit `hash()` of a tuple can collide, and a collision
+    of the chain would share another prefix's K/V: the page's own tokens are checked, not those before it)."""
+    return hashlib.sha256((prev_hash or b"") + array.array("q", tokens).tobytes()).digest()
 
 
 class PagePool:
@@ -44,10 +48,10 @@ class PagePool:
         # on the CPU, where the pool is lazily zeroed) stay at the peak in use, not the whole pool
         self._free_uncached: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
-        self.page_hash: dict[int, int] = {}  # page -> hash, for full pages with known contents
+        self.page_hash: dict[int, bytes] = {}  # page -> hash, for full pages with known contents
         self.page_tokens: dict[int, tuple[int, ...]] = {}  # page -> its tokens, to rule out collisions
         self.page_group: dict[int, int] = {}  # page -> KV cache group, for pages with a hash
-        self._hash_to_page: dict[tuple[int, int], int] = {}  # (group, hash) -> page
+        self._hash_to_page: dict[tuple[int, bytes], int] = {}  # (group, hash) -> page
 
     @property
     def num_free(self) -> int:
@@ -90,7 +94,7 @@ class PagePool:
                 if p != NULL_PAGE:
                     self.release(p)
 
-    def register(self, group: int, h: int, page: int, tokens: tuple[int, ...]) -> None:
+    def register(self, group: int, h: bytes, page: int, tokens: tuple[int, ...]) -> None:
         """Record that `page` of `group` holds the full page of `tokens` whose chained hash is `h` (unless the
         hash or the page is known already)."""
         if (group, h) not in self._hash_to_page and page not in self.page_hash:
@@ -99,7 +103,7 @@ class PagePool:
             self.page_group[page] = group
             self.page_tokens[page] = tokens
 
-    def cached(self, group: int, h: int, tokens: tuple[int, ...]) -> int | None:
+    def cached(self, group: int, h: bytes, tokens: tuple[int, ...]) -> int | None:
         """The page of `group` holding `tokens` (hash `h`), in use or free, if the pool still has one."""
         page = self._hash_to_page.get((group, h))
         return page if page is not None and self.page_tokens.get(page) == tokens else None

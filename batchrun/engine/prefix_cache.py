@@ -20,7 +20,7 @@ class PrefixMatch(NamedTuple):
 
     num_blocks: int
     tables: list[list[int]]
-    hashes: list[int]
+    hashes: list[bytes]
 
 
 class PrefixCache:
@@ -43,7 +43,7 @@ class PrefixCache:
             return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
         tokens, P, G = seq.token_ids, self.layout.page_size, self.layout.num_groups
         chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range((len(tokens) - 1) // P)]
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         for chunk in chunks:
             hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
         # per group, its cached pages and the last block before each k that is not cached (-1: none); then the

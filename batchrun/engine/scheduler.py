@@ -18,6 +18,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .page_pool import PageCopy
 from .sequence import Sequence
+from .state_cache import NoStateSlots, StateCopy, StateSlots
 
 
 @dataclass
@@ -58,6 +59,10 @@ class SchedulerOutput:
     copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
     preempted: list[Sequence] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)
+    # a hybrid model's state slots (state_cache.StateCache.apply): forks' copies, swap out, swap in
+    state_forks: list[StateCopy] = field(default_factory=list)
+    state_swap_out: list[StateCopy] = field(default_factory=list)
+    state_swap_in: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -69,9 +74,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, watermark_pages: int = 0):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        watermark_pages: int = 0,
+        states: StateSlots | NoStateSlots | None = None,
+    ):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
+        # a hybrid model's state slots: a running sequence holds one beside its pages
+        self.states = states if states is not None else NoStateSlots()
+        self._pending_forks: list[StateCopy] = []  # forks since the last plan: their states are copied first
         self.prefix_cache = block_manager.prefix_cache
         # free pages admission leaves untouched, so decodes do not preempt at once
         self.watermark_pages = watermark_pages
@@ -91,21 +105,26 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
+        self.states.free(seq)
         self.running.remove(seq)
 
     def abort_all(self) -> None:
-        """Drop every request and free its pages (the caller gave up on them)."""
+        """Drop every request and free its pages and state slots (the caller gave up on them)."""
         for seq in self.running:
             self.bm.free_sequence(seq)
+            self.states.free(seq)
         for seq in self.swapped:
             self.bm.free_cpu_pages(seq)
+            self.states.free_cpu(seq)
+        self._pending_forks.clear()
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(state_forks=self._pending_forks)
+        self._pending_forks = []
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -147,11 +166,13 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         out.preempted.append(seq)
-        if self.config.preemption == "swap" and self.bm.can_swap_out(seq):
+        if self.config.preemption == "swap" and self.bm.can_swap_out(seq) and self.states.num_free_cpu:
             out.swap_out.extend(self.bm.swap_out(seq))
+            _add(out.state_swap_out, self.states.swap_out(seq))
             self.swapped.append(seq)
         else:
             self.bm.free_sequence(seq)
+            self.states.free(seq)
             seq.num_computed_tokens = 0
             out.recomputed.append(seq)
             self.waiting.appendleft(seq)
@@ -162,10 +183,11 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             # its pages come back, plus what its next tokens need
             need = self.bm.num_pages_to_swap_in(seq, n)
-            if need > self.bm.num_free_pages:
+            if need > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
                 break
             self.swapped.popleft()
             out.swap_in.extend(self.bm.swap_in(seq))
+            _add(out.state_swap_in, self.states.swap_in(seq))
             self.running.append(seq)
             self._schedule(seq, n, out)
             budget -= n
@@ -180,16 +202,25 @@ class Scheduler:
             match = self.prefix_cache.match(seq)  # hashes the whole prompt: once per admission attempt
             need = self.bm.num_new_pages_for_admission(seq, match, self.config.max_num_batched_tokens)
             reserve = self.watermark_pages if self.running else 0
-            if need + reserve > self.bm.num_free_pages:
+            if need + reserve > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
                 break
             self.waiting.popleft()
             n = self.bm.allocate_sequence(seq, budget, match)
+            self.states.allocate(seq)
             self.running.append(seq)
             self._planned(seq, n, out)
             budget -= n
 
     # ---- after the forward pass -----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Add a parallel sample that shares every page of its parent."""
+        """Add a parallel sample that shares every page of its parent (and takes a copy of its state, made
+        before the next step)."""
         self.bm.fork(parent, child)
+        _add(self._pending_forks, self.states.fork(parent, child))
         self.running.append(child)
+
+
+def _add(copies: list[StateCopy], copy: StateCopy | None) -> None:
+    """A state copy to the plan's list (None: a model without state slots)."""
+    if copy is not None:
+        copies.append(copy)

@@ -27,8 +27,13 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # one block table per KV cache group (block_manager.py; one group unless layers attend differently)
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
-    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full page, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 of each full page, in order
     cpu_block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # CPU pages while swapped
+    # a hybrid model's state slot (state_cache.StateSlots): held while running, with one reserved for each
+    # sample still to fork; a CPU slot while swapped out; -1: none
+    state_slot: int = -1
+    reserved_state_slots: list[int] = field(default_factory=list)
+    cpu_state_slot: int = -1
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked

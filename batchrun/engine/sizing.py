@@ -3,6 +3,8 @@ budget fits the memory there is (made before the model loads, so a bad budget is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..checks import parse_size
@@ -53,6 +55,45 @@ def model_max_len(model_config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 8192
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """The engine's pools: KV pages and (a hybrid model's) state slots, on the device and on the CPU."""
+
+    num_pages: int
+    num_cpu_pages: int
+    num_slots: int = 0
+    num_cpu_slots: int = 0
+
+
+def pool_sizes(
+    config: EngineConfig, bytes_per_page: int, num_groups: int, bytes_per_slot: int, device: torch.device
+) -> PoolSizes:
+    """Pages, and for a hybrid model (`bytes_per_slot` > 0) state slots, from the KV budget and the swap space.
+
+    One budget serves both, split by what the scheduler needs: a running sequence holds one state slot and at
+    least one page per KV cache group, and at most `max_num_seqs` sequences run at once. So there are
+    `max_num_seqs` slots (fewer where the budget cannot hold that many slots with a page per group each), and
+    the rest of the budget is pages. The swap space is split the same way. An explicit `engine.num_pages` is the
+    pages alone; the slots then come on top."""
+    swap = parse_size(config.swap_space)
+    if not bytes_per_slot:
+        return PoolSizes(num_pages_for(config, bytes_per_page, device), swap // bytes_per_page)
+    per_seq = bytes_per_slot + num_groups * bytes_per_page
+    cpu_slots = min(config.max_num_seqs, swap // per_seq)
+    cpu_pages = (swap - cpu_slots * bytes_per_slot) // bytes_per_page
+    if config.num_pages is not None:
+        return PoolSizes(config.num_pages, cpu_pages, config.max_num_seqs, cpu_slots)
+    budget = num_pages_for(config, 1, device)  # the budget in bytes: "pages" of one byte
+    slots = min(config.max_num_seqs, budget // per_seq)
+    if slots < 1:
+        raise BadInput(
+            f"key `engine.kv_cache_memory`: {config.kv_cache_memory!r} holds no sequence of this hybrid model "
+            f"(a state slot of {bytes_per_slot} bytes and {num_groups} KV page(s) of {bytes_per_page} bytes); "
+            "give more memory or set engine.num_pages."
+        )
+    return PoolSizes((budget - slots * bytes_per_slot) // bytes_per_page, cpu_pages, slots, cpu_slots)
 
 
 def num_pages_for(config: EngineConfig, bytes_per_page: int, device: torch.device) -> int:

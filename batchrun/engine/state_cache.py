@@ -1,0 +1,347 @@
+"""The second kind of cache: a state slot per sequence, for hybrid models' stateful layers.
+
+Linear-attention (Gated DeltaNet, KDA), Mamba and short-convolution layers do not read back over earlier
+tokens: each carries a fixed-size state from one step to the next, a convolution window and (most of them) a
+recurrent state. A hybrid model (Qwen 3.5, Granite 4, Nemotron-H, LFM 2, Falcon-H1, ...) has such layers beside
+its attention layers. batchrun keeps their states in a pool of *state slots*, one slot per running sequence
+holding every stateful layer's states, beside the pages of the attention layers:
+
+- `StateSpec`: what one slot holds, found by the load probe (architecture.py): each stateful layer's conv and
+  recurrent state shapes, as the model's own code creates them.
+- `StateSlots`: which slot each sequence holds (pure integers, like page_pool.py): accelerator slots and CPU
+  swap slots, a slot reserved at admission for each parallel sample still to be forked.
+- `StateCache`: the slot tensors and the copies between them (swap out, swap in, a fork's copy).
+- `StepStates`: one step's view, passed to the layers with the attention metadata. Each stateful layer runs its
+  own `transformers` code, never a re-implementation: on a `transformers` cache whose layer objects
+  (`LinearAttentionLayer`, with its own padding and update rules) hold views of the sequence's slot. The
+  decoding sequences run together as one batch (their states gathered, then written back); a prompt, or a
+  chunk of one, runs on its own, continuing the state its earlier chunks left.
+
+A slot is never shared: a state is rewritten every step, so a fork copies it at once (as `n > 1` samples do)
+rather than on write. Prefix sharing needs the state at the end of the shared prefix, which no slot keeps, so a
+hybrid model computes every prompt whole (the engine turns prefix sharing off for it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+
+class StateShape(NamedTuple):
+    shape: tuple[int, ...]  # of one sequence's state, without the batch axis
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LayerStates:
+    """One stateful layer's states, by state index (`state_idx` of transformers' cache interface)."""
+
+    layer: int
+    conv: tuple[StateShape | None, ...]
+    recurrent: tuple[StateShape | None, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in (*self.conv, *self.recurrent) if s is not None)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one state slot holds: every stateful layer's states."""
+
+    layers: tuple[LayerStates, ...]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        return tuple(layer.layer for layer in self.layers)
+
+
+class StateCopy(NamedTuple):
+    src: int
+    dst: int
+
+
+class StateSlots:
+    """The accelerator's and the CPU's state slots: which are free. A sequence holds `state_slot` while it runs
+    (and `reserved_state_slots` for the samples it will fork), `cpu_state_slot` while it is swapped out."""
+
+    def __init__(self, num_slots: int, num_cpu_slots: int):
+        self.num_slots, self.num_cpu_slots = num_slots, num_cpu_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free_cpu: deque[int] = deque(range(num_cpu_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def num_free_cpu(self) -> int:
+        return len(self._free_cpu)
+
+    def seats(self, seq) -> int:
+        """Slots `seq` takes when it (re)enters the running queue: its own and one per sample still to fork."""
+        return 1 + seq.num_siblings_to_fork
+
+    def allocate(self, seq) -> None:
+        assert seq.state_slot < 0, "a sequence holds one state slot"
+        seq.state_slot = self._free.pop()
+        seq.reserved_state_slots = [self._free.pop() for _ in range(seq.num_siblings_to_fork)]
+
+    def free(self, seq) -> None:
+        for slot in (seq.state_slot, *seq.reserved_state_slots):
+            if slot >= 0:
+                self._free.append(slot)
+        seq.state_slot, seq.reserved_state_slots = -1, []
+
+    def fork(self, parent, child) -> StateCopy:
+        """The child takes a slot its parent reserved; returns the copy of the parent's state into it."""
+        child.state_slot = parent.reserved_state_slots.pop()
+        return StateCopy(parent.state_slot, child.state_slot)
+
+    def swap_out(self, seq) -> StateCopy:
+        """seq's state to a CPU slot; returns the copy (accelerator slot -> CPU slot) to make before the freed
+        slot is reused."""
+        seq.cpu_state_slot = self._free_cpu.popleft()
+        copy = StateCopy(seq.state_slot, seq.cpu_state_slot)
+        self.free(seq)
+        return copy
+
+    def swap_in(self, seq) -> StateCopy:
+        self.allocate(seq)
+        copy = StateCopy(seq.cpu_state_slot, seq.state_slot)
+        self.free_cpu(seq)
+        return copy
+
+    def free_cpu(self, seq) -> None:
+        if seq.cpu_state_slot >= 0:
+            self._free_cpu.append(seq.cpu_state_slot)
+        seq.cpu_state_slot = -1
+
+    def check(self, running, swapped) -> None:
+        """Every slot is free or held by exactly one sequence (AssertionError otherwise)."""
+        held = [s for seq in running for s in (seq.state_slot, *seq.reserved_state_slots)]
+        assert all(s >= 0 for s in held), "a running sequence without a state slot"
+        assert len(held) + len(self._free) == self.num_slots, "state slots lost or held twice"
+        assert not set(held) & set(self._free), "a held state slot is on the free list"
+        cpu = [seq.cpu_state_slot for seq in swapped]
+        assert len(cpu) + len(self._free_cpu) == self.num_cpu_slots, "CPU state slots lost or held twice"
+        assert not set(cpu) & set(self._free_cpu), "a held CPU state slot is on the free list"
+
+
+class NoStateSlots:
+    """A model without stateful layers: no slot to take, none to check."""
+
+    num_slots = num_used = num_cpu_slots = 0
+    num_free = num_free_cpu = 1 << 62
+
+    def seats(self, seq) -> int:
+        return 0
+
+    def allocate(self, seq) -> None:
+        return None
+
+    def free(self, seq) -> None:
+        return None
+
+    def fork(self, parent, child) -> None:
+        return None
+
+    def swap_out(self, seq) -> None:
+        return None
+
+    def swap_in(self, seq) -> None:
+        return None
+
+    def free_cpu(self, seq) -> None:
+        return None
+
+    def check(self, running, swapped) -> None:
+        return None
+
+
+class StateCache:
+    """The slot tensors: per stateful layer and state index, [num_slots, *shape] on the device and
+    [num_cpu_slots, *shape] on the CPU (pinned on CUDA)."""
+
+    def __init__(self, spec: StateSpec, num_slots: int, num_cpu_slots: int, device: torch.device):
+        self.spec = spec
+        self.device = device
+        pin = device.type == "cuda"
+        self.conv: dict[int, list[torch.Tensor | None]] = {}
+        self.recurrent: dict[int, list[torch.Tensor | None]] = {}
+        self.cpu: list[torch.Tensor] = []  # every CPU tensor, in the order of `self.tensors`
+        for layer in spec.layers:
+            for kind, shapes in (("conv", layer.conv), ("recurrent", layer.recurrent)):
+                getattr(self, kind)[layer.layer] = [
+                    None if s is None else torch.zeros(num_slots, *s.shape, dtype=s.dtype, device=device)
+                    for s in shapes
+                ]
+        for t in self.tensors:
+            self.cpu.append(torch.empty(num_cpu_slots, *t.shape[1:], dtype=t.dtype, pin_memory=pin))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for d in (self.conv, self.recurrent) for ts in d.values() for t in ts if t is not None]
+
+    def apply(self, forks: list[StateCopy], swap_out: list[StateCopy], swap_in: list[StateCopy]) -> None:
+        """A step's copies, in the only safe order: forks (from slots still held), out, in."""
+        if forks:
+            src = torch.tensor([c.src for c in forks], device=self.device)
+            dst = torch.tensor([c.dst for c in forks], device=self.device)
+            for t in self.tensors:
+                t[dst] = t[src]
+        if swap_out:
+            src = torch.tensor([c.src for c in swap_out], device=self.device)
+            dst = torch.tensor([c.dst for c in swap_out])
+            for t, cpu in zip(self.tensors, self.cpu):
+                cpu[dst] = t[src].to("cpu")
+        if swap_in:
+            src = torch.tensor([c.src for c in swap_in])
+            dst = torch.tensor([c.dst for c in swap_in], device=self.device)
+            for t, cpu in zip(self.tensors, self.cpu):
+                t[dst] = cpu[src].to(self.device, non_blocking=True)
+
+
+# ---- the layers' side: transformers' cache interface over slots ------------------------------------------------
+def linear_layer(conv: list, recurrent: list, has_previous: bool):
+    """A transformers `LinearAttentionLayer` whose states are the given tensors (views of slots, or slots
+    gathered for a batch): the model's own code reads and updates them through it, in place."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    n = max(len(conv), len(recurrent))
+    layer = LinearAttentionLayer(number_of_states=n)
+    for i in range(n):
+        c = conv[i] if i < len(conv) else None
+        r = recurrent[i] if i < len(recurrent) else None
+        like = c if c is not None else r
+        layer.device, layer.dtype = like.device, like.dtype
+        if c is not None:
+            layer.conv_states[i] = c
+            layer.conv_kernel_size[i] = c.shape[-1]
+            layer.is_conv_states_initialized[i] = True
+        if r is not None:
+            layer.recurrent_states[i] = r
+            layer.is_recurrent_states_initialized[i] = True
+        layer.has_previous_state[i] = has_previous
+    return layer
+
+
+def layer_cache(layer_idx: int, layer) -> Any:
+    """A transformers `Cache` holding one layer (the one the called module reads by its `layer_idx`)."""
+    from transformers.cache_utils import Cache
+
+    return Cache(layers={layer_idx: layer})
+
+
+class StatefulCall(NamedTuple):
+    """How a stateful module is called: its own forward, and the keyword its cache goes in."""
+
+    forward: Any
+    cache_keyword: str
+
+
+class StepStates:
+    """One step's state slots, in packed order (one entry per scheduled sequence), for the stateful layers."""
+
+    def __init__(self, cache: StateCache, slots: list[int], query_lens: list[int], starts: list[int]):
+        self.cache = cache
+        self.slots, self.query_lens, self.starts = slots, query_lens, starts
+        offsets, decodes, prompts = 0, [], []
+        for i, (n, start) in enumerate(zip(query_lens, starts)):
+            # a decode continues a state; a prompt's first token (start 0) has none to continue
+            (decodes if n == 1 and start > 0 else prompts).append((i, offsets))
+            offsets += n
+        self.num_tokens = offsets
+        device = cache.device
+        self.decode_rows = torch.tensor([t for _, t in decodes], dtype=torch.long, device=device)
+        self.decode_slots = torch.tensor([slots[i] for i, _ in decodes], dtype=torch.long, device=device)
+        self.prompts = prompts  # (index in the step, first packed row)
+
+    def run(self, module, call: StatefulCall, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The module's own forward over the step's packed rows hidden [1, T, H] -> [1, T, H']."""
+        layer_idx = module.layer_idx
+        conv, recurrent = self.cache.conv[layer_idx], self.cache.recurrent[layer_idx]
+        pieces: list[tuple[Any, torch.Tensor]] = []  # (rows, output [rows, H'])
+        if len(self.decode_rows):
+            slots = self.decode_slots
+            given = (
+                [None if t is None else t.index_select(0, slots) for t in conv],
+                [None if t is None else t.index_select(0, slots) for t in recurrent],
+            )
+            layer = linear_layer(*given, has_previous=True)
+            x = hidden[0].index_select(0, self.decode_rows)[:, None]  # [B, 1, H]: a batch of one-token rows
+            out = call.forward(x, **{call.cache_keyword: layer_cache(layer_idx, layer)}, **kwargs)
+            pools = (conv, recurrent)
+            _write_back(layer, given, lambda kind, i, new, _: pools[kind][i].index_copy_(0, slots, new))
+            pieces.append((self.decode_rows, out[:, 0]))
+        for i, row in self.prompts:
+            slot, n = self.slots[i], self.query_lens[i]
+            given = (
+                [None if t is None else t[slot : slot + 1] for t in conv],
+                [None if t is None else t[slot : slot + 1] for t in recurrent],
+            )
+            layer = linear_layer(*given, has_previous=self.starts[i] > 0)
+            cache = layer_cache(layer_idx, layer)
+            out = call.forward(hidden[:, row : row + n], **{call.cache_keyword: cache}, **kwargs)
+            # the layer updates the slot's views in place; a state it replaced instead is copied in
+            _write_back(layer, given, lambda kind, j, new, view: None if new is view else view.copy_(new))
+            pieces.append((slice(row, row + n), out[0]))
+        result = hidden.new_empty(self.num_tokens, pieces[0][1].shape[-1])
+        for rows, out in pieces:
+            result[rows] = out
+        return result[None]
+
+
+def _write_back(layer, given: tuple[list, list], put) -> None:
+    """The states the layer object holds after the call, into the slots: `put(i, kind, new, given)` for each."""
+    for kind, held in enumerate((layer.conv_states, layer.recurrent_states)):
+        for i, t in enumerate(given[kind]):
+            if t is not None:
+                put(kind, i, held[i], t)
+
+
+class StateProbe:
+    """The load probe's states: a fresh `LinearAttentionLayer` per stateful layer, created by the model's own
+    code as it would be under `generate`; afterwards, the shapes it made (the `StateSpec`)."""
+
+    MAX_STATES = 8
+
+    def __init__(self) -> None:
+        self.layers: dict[int, Any] = {}
+
+    def run(self, module, call: StatefulCall, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        from transformers.cache_utils import LinearAttentionLayer
+
+        layer = self.layers[module.layer_idx] = LinearAttentionLayer(number_of_states=self.MAX_STATES)
+        return call.forward(hidden, **{call.cache_keyword: layer_cache(module.layer_idx, layer)}, **kwargs)
+
+    def spec(self) -> StateSpec:
+        found = []
+        for idx, layer in sorted(self.layers.items()):
+            n = 1 + max(
+                [i for i in range(self.MAX_STATES) if layer.is_conv_states_initialized[i]]
+                + [i for i in range(self.MAX_STATES) if layer.is_recurrent_states_initialized[i]],
+                default=-1,
+            )
+            shape = lambda t: None if t is None else StateShape(tuple(t.shape[1:]), t.dtype)
+            conv = tuple(shape(layer.conv_states[i]) for i in range(n))
+            recurrent = tuple(shape(layer.recurrent_states[i]) for i in range(n))
+            found.append(LayerStates(idx, conv, recurrent))
+        return StateSpec(tuple(found))

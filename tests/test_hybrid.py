@@ -1,0 +1,149 @@
+"""Hybrid models' state slots (engine/state_cache.py): each stateful layer's conv and recurrent states in a slot
+per sequence, swapped bit for bit, copied for parallel samples, counted in the statistics; against HF `generate`
+on tiny random-weight models of tests/model_families.py (test_families.py runs the whole matrix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_engine
+from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
+
+from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine.state_cache import LayerStates, StateCache, StateCopy, StateShape, StateSlots, StateSpec
+from batchrun.errors import BadInput
+
+FAMILY = "qwen3_5_text"  # 3 Gated DeltaNet layers (a conv and a recurrent state each) : 1 attention
+
+
+@pytest.mark.parametrize("family", [FAMILY, "nemotron_h", "lfm2"])
+def test_swap_moves_the_states_and_equals_hf(family):
+    """A pool too small for every sequence: sequences are swapped out (pages and state slot) and back, and every
+    completion still equals HF `generate`; the slot bookkeeping holds at every step."""
+    model, expected = model_and_reference(family)
+    swaps = []
+
+    def check(eng, result):
+        eng.check_integrity()
+        swaps.append((len(result.plan.state_swap_out), len(result.plan.state_swap_in)))
+
+    got, steps, engine = run(model, family, "torch", full_pages=8, preemption="swap", on_step=check)
+    assert sum(o for o, _ in swaps) > 0 and sum(i for _, i in swaps) > 0, "no state was swapped"
+    assert not any(s.plan.recomputed for s in steps), "swap fell back to recompute"
+    assert got == expected
+    assert (
+        engine.state_slots.num_used == 0
+        and engine.state_slots.num_free_cpu == engine.state_slots.num_cpu_slots
+    )
+
+
+def test_swap_copies_a_slot_bit_for_bit():
+    spec = StateSpec(
+        (LayerStates(0, (StateShape((6, 4), torch.float32),), (StateShape((2, 3, 3), torch.bfloat16),)),)
+    )
+    cache = StateCache(spec, num_slots=4, num_cpu_slots=2, device=torch.device("cpu"))
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    before = [t[1].clone() for t in cache.tensors]
+    cache.apply([], swap_out=[StateCopy(1, 0)], swap_in=[])
+    for t in cache.tensors:
+        t[1].zero_()
+    cache.apply([], swap_out=[], swap_in=[StateCopy(0, 3)])
+    for t, b in zip(cache.tensors, before):
+        assert torch.equal(t[3], b)
+    cache.apply([StateCopy(3, 2)], [], [])  # a fork's copy
+    for t, b in zip(cache.tensors, before):
+        assert torch.equal(t[2], b)
+
+
+def test_parallel_samples_copy_the_state():
+    """n = 2 greedy samples: the second is forked after the prompt with a copy of the first's state; both equal
+    HF `generate`."""
+    ours, ref = models(FAMILY)
+    token_lists = prompts(256)
+    expected = hf_tokens(ref, token_lists)
+    engine = Engine(
+        ours, None, EngineConfig(device="cpu", num_pages=256, max_num_seqs=8), torch.device("cpu")
+    )
+    forks = []
+    seqs, _ = run_engine(
+        engine,
+        token_lists,
+        SamplingParams(max_new_tokens=NEW_TOKENS, n=2),
+        on_step=lambda e, r: (e.check_integrity(), forks.append(len(r.plan.state_forks))),
+    )
+    assert sum(forks) == len(token_lists)
+    for i, samples in enumerate(seqs):
+        assert [s.output_token_ids for s in samples] == [expected[i]] * 2, f"prompt {i}"
+
+
+def test_the_matrix_sees_a_dropped_state(monkeypatch):
+    """The comparison can fail: layers that start every step from no state (what running a hybrid as if it were
+    attention alone computes) differ from HF `generate`."""
+    from batchrun.engine import state_cache
+
+    model, expected = model_and_reference(FAMILY)
+    real = state_cache.linear_layer
+    monkeypatch.setattr(state_cache, "linear_layer", lambda c, r, has_previous: real(c, r, False))
+    got, _, _ = run(model, FAMILY, "gather")
+    assert got != expected
+
+
+def test_statistics_count_state_slots():
+    """Every step: state slots in use from the slot manager equal a recount over the running sequences, and one
+    slot is held per running sequence (plus those reserved for samples still to fork)."""
+    model, _ = model_and_reference(FAMILY)
+    engine = Engine(
+        model, None, EngineConfig(device="cpu", num_pages=64, max_num_seqs=4), torch.device("cpu")
+    )
+    used = []
+
+    def check(eng, result):
+        counted = eng.memory_snapshot()
+        assert counted == eng.memory_snapshot(recount=True)
+        held = sum(1 + len(s.reserved_state_slots) for s in eng.running_sequences())
+        assert counted.state_slots_used == held and counted.state_slots_total == 4
+        used.append(counted.state_slots_used)
+
+    run_engine(engine, prompts(256), SamplingParams(max_new_tokens=4, n=2), on_step=check)
+    assert max(used) == 4 and engine.bytes_per_state_slot > 0
+
+
+def test_slot_bookkeeping_catches_a_double_hold():
+    class Seq:
+        state_slot, reserved_state_slots, cpu_state_slot, num_siblings_to_fork = -1, [], -1, 1
+
+    slots = StateSlots(3, 1)
+    a, b = Seq(), Seq()
+    slots.allocate(a)  # its own slot and one reserved for its fork
+    assert slots.num_free == 1 and len(a.reserved_state_slots) == 1
+    slots.check([a], [])
+    b.state_slot, b.reserved_state_slots = a.state_slot, []  # two sequences on one slot
+    with pytest.raises(AssertionError):
+        slots.check([a, b], [])
+
+
+def test_the_budget_is_split_by_what_the_scheduler_needs():
+    """max_num_seqs slots when the budget holds them with a page per KV cache group each; fewer when it does
+    not; a budget that holds no sequence is a bad job naming the key."""
+    from batchrun.engine.sizing import pool_sizes
+
+    cpu = torch.device("cpu")
+    roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, 10_000, cpu)
+    assert roomy.num_slots == 8 and roomy.num_pages == (2**20 - 8 * 10_000) // 1000
+    tight = pool_sizes(EngineConfig(kv_cache_memory="50000", max_num_seqs=8), 1000, 2, 10_000, cpu)
+    assert tight.num_slots == 50_000 // 12_000 and tight.num_pages == (50_000 - 4 * 10_000) // 1000
+    with pytest.raises(BadInput, match="kv_cache_memory"):
+        pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, 10_000, cpu)
+
+
+def test_prefix_sharing_is_off_for_a_hybrid():
+    """A hybrid's shared prefix would need the state at its end, which no slot keeps: no prefix hits, every
+    prompt computed whole, completions still equal HF."""
+    ours, ref = models(FAMILY)
+    common = list(range(3, 60))
+    shared = [common + [100 + i] for i in range(3)]
+    engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=64), torch.device("cpu"))
+    seqs, _ = run_engine(engine, shared, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert [s[0].output_token_ids for s in seqs] == hf_tokens(ref, shared)
+    assert engine.block_manager.prefix_cache.hit_tokens == 0
