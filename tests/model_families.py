@@ -89,13 +89,33 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
     "granite": ("scaled residuals and logits", {}),
     "phi": ("partial rotary, parallel blocks", {}),
     "phi3": ("fused projections", dict(sliding_window=None)),
-    "gpt_neox": ("parallel residual", {}),
-    "gpt2": ("learned positions", {}),
+    "gpt_neox": ("parallel residual", dict(_drop=["num_key_value_heads"])),  # no GQA: heads = KV heads
+    "gpt2": ("learned positions", dict(_drop=["num_key_value_heads"])),
     "olmo2": ("post-norms", {}),
     "cohere": ("parallel blocks", {}),
     "glm": ("partial rotary", {}),
     "smollm3": ("NoPE layers", {}),
     "exaone": ("full attention", {}),
+    "hunyuan_v1_moe": (
+        "mixture of experts whose router reads its linear's weight",
+        dict(num_experts=4, moe_topk=2, moe_intermediate_size=32),
+    ),
+    "longcat_flash": (
+        "two MLA sublayers per decoder layer",
+        dict(
+            num_layers=2,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            n_routed_experts=4,
+            moe_topk=2,
+            expert_ffn_hidden_size=32,
+            ffn_hidden_size=64,
+        ),
+    ),
 }
 
 # hybrids: linear-attention, Mamba or short-convolution layers (a state slot per sequence) beside attention
@@ -211,6 +231,9 @@ REFUSED: dict[str, tuple[str, dict]] = {
         "never call the attention interface nor keep a state",
         dict(layer_types=["linear_attention", "full_attention"]),
     ),
+    "deepseek_v32": ("sparse attention (DeepseekV32Indexer", {}),
+    "glm_moe_dsa": ("sparse attention (GlmMoeDsaIndexer", {}),
+    "deepseek_v4": ("sparse attention", {}),
     "recurrent_gemma": (
         "outside transformers' linear-attention cache interface",
         dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),

@@ -16,6 +16,7 @@ from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
 
 from batchrun.engine import SamplingParams
 from batchrun.engine.attention import FULL, UnsupportedModel
+from batchrun.engine.sizing import MAX_SNAPSHOTS
 
 NEW_TOKENS = 24
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -82,7 +83,9 @@ def run(model, family: str, attention: str, full_pages: int = 256, on_step=None,
     found = inspect_model(model)
     full_page = found.kv_shape(16, torch.float32).bytes_per_page * found.groups.num_groups
     max_num_seqs = engine.get("max_num_seqs", 8)
-    slots = found.states.bytes_per_slot * max_num_seqs if found.states else 0  # a hybrid's state slots
+    # a hybrid's state slots: one per sequence, and those keeping shared prefixes' states (sizing.pool_sizes)
+    kept = min(MAX_SNAPSHOTS, max(1, max_num_seqs // 4))
+    slots = found.states.bytes_per_slot * (max_num_seqs + kept) if found.states else 0
     cfg = dict(
         device="cpu",
         kv_cache_memory=str(full_pages * full_page + slots),
@@ -122,10 +125,10 @@ def test_family_equals_hf_generate_under_preemption(family):
     assert got == expected, f"{family} differs under preemption"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4_text", "qwen3_5_text"])
 def test_family_on_triton_equals_hf_generate(family):
     """The Triton kernels (interpreted on the CPU here; they take head dims from 32) with a window, soft-capping,
-    sinks and chunks."""
+    sinks and chunks, and beside a hybrid's stateful layers."""
     model, expected = model_and_reference(family, head_dim=32)
     got, _, engine = run(model, family, "triton")
     assert engine.attention.name == "triton"
@@ -301,3 +304,49 @@ def test_prefix_sharing_and_copy_on_write_per_group(family):
     assert bm.prefix_cache.hit_tokens >= 3 * WINDOW and bm.num_cow_copies > 0 and bm.num_window_freed > 0
     engine.check_integrity()
     assert engine.num_used_pages == 0
+
+
+def test_weight_packing_leaves_the_linears_a_model_reads_itself():
+    """Hunyuan's MoE router reads `self.wg.weight.dtype`: packed for oneDNN it has no plain weight, and the
+    model was refused at load. Such linears stay `nn.Linear`; the rest are packed; the load probe passes."""
+    import copy
+
+    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.cpu_linear import PackedLinear, pack_linear_layers
+
+    model = copy.deepcopy(models("hunyuan_v1_moe")[0])
+    assert pack_linear_layers(model) > 0
+    routers = [m.wg for m in model.modules() if hasattr(m, "wg")]
+    assert routers and all(type(r) is torch.nn.Linear for r in routers)
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    inspect_model(model)
+
+
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_the_pre_load_page_is_the_engines_page(family):
+    """`engine.num_pages` means the same pages to the memory check made before the load (from the config) as to
+    the engine (from the probed layers): a page of one KV cache group's layers, not of all of them."""
+    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.kv_cache import KVCacheShape
+
+    model, _ = models(family)
+    estimated = KVCacheShape.of_model(model.config, 16, torch.float32)
+    assert estimated == inspect_model(model).kv_shape(16, torch.float32)
+
+
+@pytest.mark.parametrize("attention", ["torch", "gather"])
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_a_row_alone_equals_the_row_beside_a_long_batch_mate(family, attention):
+    """Batch invariance: the shortest prompt run alone gives the tokens it gives beside the longest one (a
+    feature computed from the batch, such as LongRoPE's factors, would break it)."""
+    from batchrun.engine import Engine, EngineConfig
+
+    model, _ = models(family)
+    short, long = prompts(model.config.vocab_size)[0], prompts(model.config.vocab_size)[-1]
+    got = []
+    for batch in ([short], [long, short]):
+        config = EngineConfig(device="cpu", num_pages=256, attention=attention)
+        engine = Engine(model, None, config, torch.device("cpu"), set(), 512)
+        seqs, _ = run_engine(engine, batch, SamplingParams(max_new_tokens=NEW_TOKENS))
+        got.append(seqs[-1][0].output_token_ids)
+    assert got[0] == got[1]

@@ -179,4 +179,3 @@ def test_the_prefix_chain_is_sha256_of_the_whole_prefix():
             expected = hashlib.sha256(expected + array.array("q", p).tobytes()).digest()
         assert h == expected
     assert chain_hash(None, [1, 2]) != chain_hash(None, [2, 1])
-

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_engine
+from model_families import HYBRID
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
@@ -56,10 +57,11 @@ def test_swap_copies_a_slot_bit_for_bit():
         assert torch.equal(t[2], b)
 
 
-def test_parallel_samples_copy_the_state():
+@pytest.mark.parametrize("family", sorted(HYBRID))
+def test_parallel_samples_copy_the_state(family):
     """n = 2 greedy samples: the second is forked after the prompt with a copy of the first's state; both equal
     HF `generate`."""
-    ours, ref = models(FAMILY)
+    ours, ref = models(family)
     token_lists = prompts(256)
     expected = hf_tokens(ref, token_lists)
     engine = Engine(
@@ -130,20 +132,54 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
 
     cpu = torch.device("cpu")
     roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, 10_000, cpu)
-    assert roomy.num_slots == 8 and roomy.num_pages == (2**20 - 8 * 10_000) // 1000
-    tight = pool_sizes(EngineConfig(kv_cache_memory="50000", max_num_seqs=8), 1000, 2, 10_000, cpu)
+    # 8 slots for sequences, 2 keeping shared prefixes' states (a quarter as many), the rest pages
+    assert (roomy.num_slots, roomy.num_snapshots) == (8, 2)
+    assert roomy.num_pages == (2**20 - 10 * 10_000) // 1000
+    config = EngineConfig(kv_cache_memory="50000", max_num_seqs=8, prefix_sharing=False)
+    tight = pool_sizes(config, 1000, 2, 10_000, cpu)
     assert tight.num_slots == 50_000 // 12_000 and tight.num_pages == (50_000 - 4 * 10_000) // 1000
+    assert tight.num_snapshots == 0
     with pytest.raises(BadInput, match="kv_cache_memory"):
         pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, 10_000, cpu)
 
 
-def test_prefix_sharing_is_off_for_a_hybrid():
-    """A hybrid's shared prefix would need the state at its end, which no slot keeps: no prefix hits, every
-    prompt computed whole, completions still equal HF."""
+@pytest.mark.parametrize("family", sorted(HYBRID))
+def test_prefix_sharing_restores_the_state_at_the_prefix_end(family):
+    """Rows sharing a system prompt of 3.5 pages: the first computes it and keeps the state at the end of its
+    third page; the others start behind the shared pages from a copy of that state. Every row equals HF
+    `generate`, and the rows after the first computed none of the shared pages."""
+    ours, ref = models(family)
+    gen = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 256, (56,), generator=gen).tolist()
+    rows = [system + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 20, 1, 30, 14)]
+    expected = hf_tokens(ref, rows)
+    engine = Engine(
+        ours,
+        None,
+        EngineConfig(device="cpu", num_pages=64, max_num_seqs=4, max_num_batched_tokens=256),
+        torch.device("cpu"),
+    )
+    restores = []
+    seqs, _ = run_engine(
+        engine,
+        rows,
+        SamplingParams(max_new_tokens=NEW_TOKENS),
+        on_step=lambda e, r: (e.check_integrity(), restores.append(len(r.plan.state_forks))),
+    )
+    assert [s[0].output_token_ids for s in seqs] == expected
+    slots = engine.state_slots
+    assert slots.snapshots_taken == 1 and slots.snapshots_restored == len(rows) - 1
+    assert engine.block_manager.prefix_cache.hit_tokens == 48 * (len(rows) - 1)
+
+
+def test_a_prefix_without_a_kept_state_is_computed():
+    """Pages of a prefix are cached but no state was kept at their end (no waiting row shared it when the
+    first was admitted): a later row computes the prefix again rather than start from a wrong state."""
     ours, ref = models(FAMILY)
-    common = list(range(3, 60))
-    shared = [common + [100 + i] for i in range(3)]
+    system = list(range(3, 60))
+    rows = [system + [100], system + [101]]
     engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=64), torch.device("cpu"))
-    seqs, _ = run_engine(engine, shared, SamplingParams(max_new_tokens=NEW_TOKENS))
-    assert [s[0].output_token_ids for s in seqs] == hf_tokens(ref, shared)
-    assert engine.block_manager.prefix_cache.hit_tokens == 0
+    first, _ = run_engine(engine, rows[:1], SamplingParams(max_new_tokens=4))
+    second, _ = run_engine(engine, rows[1:], SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert second[0][0].output_token_ids == hf_tokens(ref, rows[1:])[0]
+    assert engine.block_manager.prefix_cache.hit_tokens == 0 and engine.state_slots.snapshots_taken == 0

@@ -41,11 +41,14 @@ from .attention import (
 from .kv_cache import KVCacheShape
 from .state_cache import StatefulCall, StateProbe, StateSpec
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
 FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
 # modules that carry a state from one step to the next (linear attention, convolutions, state-space mixers)
 STATEFUL_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|LinearAttention|Rwkv|RWKV|xLSTM|Recurrent")
+# sparse attention: an indexer picks each query's keys by a score over every earlier token, a compressor pools
+# old keys into entries (DeepSeek V3.2 and V4, GLM-MoE-DSA, Qwen 4's indexed layers)
+SPARSE_MODULE = re.compile(r"Indexer|Compressor")
+SPARSE_LAYER_TYPE = re.compile(r"index|compress|sparse")
 # how a module keeps that state through transformers' cache interface
 CACHE_INTERFACE = re.compile(r"\.update_conv_state\(|\.update_recurrent_state\(")
 
@@ -275,6 +278,16 @@ def check_config(model) -> ModelLayers:
     arch = cfg.model_type
     if getattr(cfg, "is_encoder_decoder", False):
         raise refusal(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
+    sparse = sorted({type(m).__name__ for m in model.modules() if SPARSE_MODULE.search(type(m).__name__)})
+    sparse += sorted({t for t in getattr(cfg, "layer_types", None) or [] if SPARSE_LAYER_TYPE.search(t)})
+    if sparse:
+        raise refusal(
+            arch,
+            f"sparse attention ({', '.join(sparse)}): an indexer or compressor chooses or pools each query's keys "
+            "from a score over all earlier tokens and keeps its own cache of them, which batchrun's paged "
+            "attention does not compute (it would need the indexer's keys paged beside K/V and a top-k gather "
+            "in every backend)",
+        )
     for rope in sorted(rope_types(cfg) & BATCH_DEPENDENT_ROPE.keys()):
         raise refusal(
             arch,
@@ -295,10 +308,21 @@ def check_config(model) -> ModelLayers:
     return ModelLayers(chunks, scale_fixes)
 
 
-def num_decoder_layers(model) -> int:
+def layer_indices_per_decoder_layer(model) -> list[set[int]]:
+    """For each decoder layer, the `layer_idx` of the modules inside it (its own index where none has one)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
-    return len(layers) if layers is not None else model.config.num_hidden_layers
+    if layers is None:
+        return [{i} for i in range(model.config.num_hidden_layers)]
+    found = []
+    for i, layer in enumerate(layers):
+        inner = {
+            m.layer_idx
+            for m in layer.modules()
+            if m is not layer and isinstance(getattr(m, "layer_idx", None), int)
+        }
+        found.append(inner or {i})
+    return found
 
 
 def inspect_model(model) -> ModelAttention:
@@ -334,10 +358,14 @@ def inspect_model(model) -> ModelAttention:
         ) from None
     calls = probe.calls
     state_spec = states.spec()
-    expected = num_decoder_layers(model)
+    decoder_layers = layer_indices_per_decoder_layer(model)
+    expected = len(decoder_layers)
     layer_types = list(getattr(model.config, "layer_types", None) or [])
     feed_forward = {i for i, t in enumerate(layer_types) if t in FEED_FORWARD_LAYER_TYPES}
-    silent = sorted(set(range(expected)) - set(calls) - set(state_spec.layer_indices) - feed_forward)
+    # a decoder layer is covered when one of its modules attended or kept a state (LongCat-Flash's layers hold
+    # two attention sublayers, indices 2i and 2i + 1), or it is a feed-forward layer alone
+    seen = set(calls) | set(state_spec.layer_indices)
+    silent = [i for i, inner in enumerate(decoder_layers) if not inner & seen and i not in feed_forward]
     if not calls and not state_spec.layers:
         raise refusal(
             arch,
@@ -363,14 +391,15 @@ def inspect_model(model) -> ModelAttention:
     ((num_heads, num_kv_heads, head_dim, v_head_dim),) = shapes
     if num_heads % num_kv_heads:
         raise refusal(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    num_layers = max(expected, 1 + max(seen))  # attention and state indices may outnumber decoder layers
     return ModelAttention(
         architecture=arch,
         layers=layers,
-        num_layers=expected,
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
-        layer_kinds=tuple(calls[i][4].kind if i in calls else None for i in range(expected)),
+        layer_kinds=tuple(calls[i][4].kind if i in calls else None for i in range(num_layers)),
         states=state_spec if state_spec.layers else None,
     )

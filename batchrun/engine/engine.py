@@ -108,11 +108,14 @@ class Engine:
             self.num_pages,
             config.page_size,
             sizes.num_cpu_pages,
-            # a hybrid's prefix would need the state at its end, which no slot keeps: every prompt runs whole
-            config.prefix_sharing and state_spec is None,
+            config.prefix_sharing,
             [kind.first_key for kind in self.kv_groups.kinds],
         )
-        self.state_slots = StateSlots(sizes.num_slots, sizes.num_cpu_slots) if state_spec else NoStateSlots()
+        self.state_slots = (
+            StateSlots(sizes.num_slots, sizes.num_cpu_slots, sizes.num_snapshots)
+            if state_spec
+            else NoStateSlots()
+        )
         self.scheduler = Scheduler(
             config, self.block_manager, max(1, self.num_pages // 100), states=self.state_slots
         )
@@ -123,7 +126,9 @@ class Engine:
             )
         self.kv_cache = KVCache(self.kv_shape, self.num_pages, sizes.num_cpu_pages, device)
         self.state_cache = (
-            StateCache(state_spec, sizes.num_slots, sizes.num_cpu_slots, device) if state_spec else None
+            StateCache(state_spec, sizes.num_slots + sizes.num_snapshots, sizes.num_cpu_slots, device)
+            if state_spec
+            else None
         )
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_shape, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)

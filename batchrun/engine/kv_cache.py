@@ -43,16 +43,28 @@ class KVCacheShape:
         """The page shape a `transformers` model config suggests, before the model is loaded (for sizing checks);
         the engine takes the shape the loaded model's layers actually produce (architecture.inspect_model)."""
         cfg = model_config
+        layers = layers_per_page(cfg)
         if getattr(
             cfg, "kv_lora_rank", None
         ):  # MLA: keys of the nope + rope dims, one KV head per query head
             k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            return cls(
-                cfg.num_hidden_layers, cfg.num_attention_heads, k_dim, page_size, dtype, cfg.v_head_dim
-            )
+            return cls(layers, cfg.num_attention_heads, k_dim, page_size, dtype, cfg.v_head_dim)
         head_dim = _largest(cfg, "head_dim") or cfg.hidden_size // _largest(cfg, "num_attention_heads")
         num_kv_heads = _largest(cfg, "num_key_value_heads") or _largest(cfg, "num_attention_heads")
-        return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, page_size, dtype)
+        return cls(layers, num_kv_heads, head_dim, page_size, dtype)
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def layers_per_page(cfg) -> int:
+    """The layers one page holds, from the config: those of one KV cache group, as the engine forms them
+    (architecture.KVGroups: the attention layers by kind, in groups of the gcd of the kinds' counts), so that
+    `engine.num_pages` means the same pages before the load and after. Without `layer_types`: every layer."""
+    types = [t for t in getattr(cfg, "layer_types", None) or [] if t in ATTENTION_LAYER_TYPES]
+    if not types:
+        return cfg.num_hidden_layers
+    return math.gcd(*(types.count(t) for t in set(types)))
 
 
 def _largest(cfg, key: str):

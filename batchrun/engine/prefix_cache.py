@@ -21,6 +21,9 @@ class PrefixMatch(NamedTuple):
     num_blocks: int
     tables: list[list[int]]
     hashes: list[bytes]
+    prompt_hashes: list[
+        bytes
+    ] = []  # every full page's hash that could be matched (the last token's excluded)
 
 
 class PrefixCache:
@@ -35,17 +38,26 @@ class PrefixCache:
     def _no_tables(self) -> list[list[int]]:
         return [[] for _ in range(self.layout.num_groups)]
 
-    def match(self, seq: Sequence) -> PrefixMatch:
+    def page_hashes(self, seq: Sequence) -> list[bytes]:
+        """The chain hash of each full page of seq's tokens but the one holding its last token (which is never
+        matched: its logits are needed), kept on the sequence while its tokens stay as they are."""
+        tokens, P = seq.token_ids, self.layout.page_size
+        n = (len(tokens) - 1) // P
+        cached = seq.page_hash_chain  # tokens are only ever appended: the pages hashed before stay valid
+        for i in range(len(cached), n):
+            cached.append(chain_hash(cached[-1] if cached else None, tokens[i * P : (i + 1) * P]))
+        return cached[:n]
+
+    def match(self, seq: Sequence, usable=None) -> PrefixMatch:
         """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
         window still reads at the prefix's end). The last token is never matched: its logits are needed, so at
-        least one token of the prompt is always computed."""
+        least one token of the prompt is always computed. `usable(hashes, k)`: whether a prefix of k pages may
+        be used (a hybrid model needs its layers' state at the prefix's end too)."""
         if not self.enabled or seq.prompt_logprobs is not None:
             return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
         tokens, P, G = seq.token_ids, self.layout.page_size, self.layout.num_groups
-        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range((len(tokens) - 1) // P)]
-        hashes: list[bytes] = []
-        for chunk in chunks:
-            hashes.append(chain_hash(hashes[-1] if hashes else None, chunk))
+        hashes = self.page_hashes(seq)
+        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range(len(hashes))]
         # per group, its cached pages and the last block before each k that is not cached (-1: none); then the
         # longest prefix k for which every group holds the blocks it reads: those from first_block(g, k * P) on
         pages = [[self.pool.cached(g, h, c) for h, c in zip(hashes, chunks)] for g in range(G)]
@@ -59,10 +71,12 @@ class PrefixCache:
         first_block = self.layout.first_block
         for k in range(len(hashes), 0, -1):
             firsts = [first_block(g, k * P) for g in range(G)]
-            if all(last_miss[g][k - 1] < firsts[g] for g in range(G)):
+            if all(last_miss[g][k - 1] < firsts[g] for g in range(G)) and (
+                usable is None or usable(hashes, k)
+            ):
                 tables = [[NULL_PAGE] * f + pages[g][f:k] for g, f in enumerate(firsts)]
-                return PrefixMatch(k, tables, hashes[:k])
-        return PrefixMatch(0, self._no_tables(), [])
+                return PrefixMatch(k, tables, hashes[:k], hashes)
+        return PrefixMatch(0, self._no_tables(), [], hashes)
 
     def register_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Hash the pages of seq that its first `num_tokens` tokens fill, so other sequences can reuse them.

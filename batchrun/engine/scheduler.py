@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -123,8 +124,9 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(state_forks=self._pending_forks)
+        out = SchedulerOutput(state_forks=self._pending_forks)  # forks and snapshots of the last plan first
         self._pending_forks = []
+        self.states.new_step()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -138,6 +140,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)  # 1 for a decode; a chunk of a long prompt
+            if seq.state_snapshot_blocks:  # a hybrid's prefill stops once where its prefix's state is kept
+                n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             self.bm.trim(seq)  # pages behind a window go back before anything new is taken
             need = self.bm.num_pages_to_grow(seq, n)
             while need > self.bm.num_free_pages:
@@ -161,6 +165,9 @@ class Scheduler:
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         self.prefix_cache.register_full_pages(seq, seq.num_computed_tokens + n)
         out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
+        if seq.state_snapshot_blocks:  # the step ends at the prefix a hybrid keeps a state of: copy it after
+            end, hashes = seq.num_computed_tokens + n, self.prefix_cache.page_hashes(seq)
+            _add(self._pending_forks, self.states.reached(seq, end, self.bm.page_size, hashes))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -181,6 +188,8 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.state_snapshot_blocks:
+                n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             # its pages come back, plus what its next tokens need
             need = self.bm.num_pages_to_swap_in(seq, n)
             if need > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
@@ -199,14 +208,28 @@ class Scheduler:
             seats = 1 + seq.num_siblings_to_fork
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
-            match = self.prefix_cache.match(seq)  # hashes the whole prompt: once per admission attempt
+            # a hybrid matches only prefixes whose state is kept (a snapshot); the page hashes are kept on seq
+            match = self.prefix_cache.match(seq, self.states.usable)
+            if self.states.snapshot_coming(match.prompt_hashes, match.num_blocks):
+                break  # the state of a longer prefix of it is being kept this step: computed once, not twice
             need = self.bm.num_new_pages_for_admission(seq, match, self.config.max_num_batched_tokens)
             reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
                 break
             self.waiting.popleft()
-            n = self.bm.allocate_sequence(seq, budget, match)
             self.states.allocate(seq)
+            if self.states.num_snapshots:
+                for other in islice(self.waiting, self.states.LOOKAHEAD):
+                    self.prefix_cache.page_hashes(other)
+                self.states.choose_snapshot(seq, match.prompt_hashes, match.num_blocks, self.waiting)
+            start = match.num_blocks * self.bm.page_size
+            limit = (
+                self.states.limit(seq, start, budget, self.bm.page_size)
+                if seq.state_snapshot_blocks
+                else budget
+            )
+            n = self.bm.allocate_sequence(seq, limit, match)
+            _add(out.state_forks, self.states.restore(seq, match.hashes, match.num_blocks))
             self.running.append(seq)
             self._planned(seq, n, out)
             budget -= n

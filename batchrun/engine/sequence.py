@@ -34,6 +34,9 @@ class Sequence:
     state_slot: int = -1
     reserved_state_slots: list[int] = field(default_factory=list)
     cpu_state_slot: int = -1
+    # a hybrid's prefix to keep a state snapshot of: the state after this many full pages (0: none)
+    state_snapshot_blocks: int = 0
+    page_hash_chain: list[bytes] = field(default_factory=list)  # PrefixCache.page_hashes, kept
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked

@@ -65,6 +65,10 @@ class PoolSizes:
     num_cpu_pages: int
     num_slots: int = 0
     num_cpu_slots: int = 0
+    num_snapshots: int = 0  # state slots that keep shared prefixes' states (prefix sharing)
+
+
+MAX_SNAPSHOTS = 16  # shared prefixes whose state a hybrid keeps at once: a job has few system prompts
 
 
 def pool_sizes(
@@ -75,16 +79,19 @@ def pool_sizes(
     One budget serves both, split by what the scheduler needs: a running sequence holds one state slot and at
     least one page per KV cache group, and at most `max_num_seqs` sequences run at once. So there are
     `max_num_seqs` slots (fewer where the budget cannot hold that many slots with a page per group each), and
-    the rest of the budget is pages. The swap space is split the same way. An explicit `engine.num_pages` is the
-    pages alone; the slots then come on top."""
+    the rest of the budget is pages. With prefix sharing, a few more slots (a quarter as many, at most
+    MAX_SNAPSHOTS) keep shared prefixes' states. The swap space is split the same way. An explicit
+    `engine.num_pages` is the pages alone; the slots then come on top."""
     swap = parse_size(config.swap_space)
     if not bytes_per_slot:
         return PoolSizes(num_pages_for(config, bytes_per_page, device), swap // bytes_per_page)
     per_seq = bytes_per_slot + num_groups * bytes_per_page
     cpu_slots = min(config.max_num_seqs, swap // per_seq)
     cpu_pages = (swap - cpu_slots * bytes_per_slot) // bytes_per_page
+    snapshots = lambda slots: min(MAX_SNAPSHOTS, max(1, slots // 4)) if config.prefix_sharing else 0
     if config.num_pages is not None:
-        return PoolSizes(config.num_pages, cpu_pages, config.max_num_seqs, cpu_slots)
+        slots = config.max_num_seqs
+        return PoolSizes(config.num_pages, cpu_pages, slots, cpu_slots, snapshots(slots))
     budget = num_pages_for(config, 1, device)  # the budget in bytes: "pages" of one byte
     slots = min(config.max_num_seqs, budget // per_seq)
     if slots < 1:
@@ -93,7 +100,9 @@ def pool_sizes(
             f"(a state slot of {bytes_per_slot} bytes and {num_groups} KV page(s) of {bytes_per_page} bytes); "
             "give more memory or set engine.num_pages."
         )
-    return PoolSizes((budget - slots * bytes_per_slot) // bytes_per_page, cpu_pages, slots, cpu_slots)
+    kept = snapshots(slots) if budget >= (slots + snapshots(slots)) * bytes_per_slot + bytes_per_page else 0
+    pages = (budget - (slots + kept) * bytes_per_slot) // bytes_per_page
+    return PoolSizes(pages, cpu_pages, slots, cpu_slots, kept)
 
 
 def num_pages_for(config: EngineConfig, bytes_per_page: int, device: torch.device) -> int:
