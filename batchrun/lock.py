@@ -10,11 +10,19 @@ disks); on one that does not (NFSv3 without lockd, some FUSE mounts) the lock ca
 run says so rather than pretend.
 
 On an object store there are no file locks. The lock is a lease object, `.batchrun/locks/shard-IofN.lease`,
-created with a conditional write (only if absent), renewed every few seconds by a thread of its own with a
-compare-and-swap on its version, given back at the end, and taken over (again by compare-and-swap) from a run
-that stopped renewing it for `BATCHRUN_LEASE_S` seconds (default 60): a run killed with kill -9, a lost node.
-A run whose renewal finds the lease taken has lost it, and writes no further part (`check`). A store that cannot
-do conditional writes atomically (storage.CONDITIONAL_WRITES) is a bad job, unless `--no-lock` accepts the risk.
+created with a conditional write (only if absent), renewed every quarter of `BATCHRUN_LEASE_S` seconds (default
+60) by a thread of its own with a compare-and-swap on its version, and given back at the end by a
+compare-and-swap to a `released` record (never a plain delete, which could remove a lease another run took over
+meanwhile). Every clock that decides is the deciding run's own:
+- a run writes no further part once its last successful renewal is older than half the lease (`check`): cut off
+  from the store, it stops before anyone may take its shard over; one whose renewal found the lease taken has
+  lost it;
+- a run takes over a lease only after watching its version stay unchanged for a whole lease time on its own
+  clock (nobody renewed it): the holder's time stamp, written by another machine's clock, decides nothing but
+  the message (a fresh-looking stamp makes a run without `--wait` exit 2 at once, as a live holder would).
+Conditional writes are probed on the store before the first lease (a create over an existing object and a
+replace at a wrong version must both fail): a store that ignores them is a bad job, unless `--no-lock`
+accepts the risk.
 """
 
 from __future__ import annotations
@@ -132,65 +140,94 @@ class ShardLock:
 class LeaseLock:
     """The shard's lease on an object store (the module's docstring says how it works)."""
 
+    SAFE_SHARE = 0.5  # of the lease: no part is written once the last renewal is older than this
+
     def __init__(self, state_dir: Path, shard_index: int, shard_count: int):
         self.path = state_dir / "locks" / f"{lock_name(shard_index, shard_count)}.lease"
         self.shard = f"{shard_index}/{shard_count}"
         self.lease_s = float(os.environ.get("BATCHRUN_LEASE_S", "60"))
         self.record = {**holder_record(), "owner": uuid.uuid4().hex}
         self.version: str | None = None  # the lease's version while this run holds it
+        self.renewed_at = 0.0  # time.monotonic() of the last successful take or renewal
         self.lost = False
+        self._watched: tuple[str, float] | None = None  # another run's lease: (version, first seen unchanged)
         self._ended = threading.Event()
         self._mutex = threading.Lock()  # the version, between the renewing thread and release
 
-    def _data(self) -> bytes:
-        return json.dumps({**self.record, "renewed": time.time()}).encode()
+    def _data(self, released: bool = False) -> bytes:
+        return json.dumps({**self.record, "renewed": time.time(), "released": released}).encode()
 
     def acquire(self, wait: bool, output_dir, source: str) -> None:
+        self._probe(output_dir, source)
         announced = False
         while True:
-            holder = self._try_take(output_dir, source)
+            holder = self._try_take(wait)
             if holder is None:
                 break
-            if not wait:
+            if holder and not wait:
                 raise busy(source, self.shard, output_dir, holder)
-            if not announced:
+            if holder and not announced:
                 print(f"batchrun: waiting for the run holding shard {self.shard} ({holder})", flush=True)
                 announced = True
-            time.sleep(min(5.0, self.lease_s / 4))
+            time.sleep(min(1.0, self.lease_s / 8))
         threading.Thread(target=self._renew, name="batchrun-lease", daemon=True).start()
 
-    def _try_take(self, output_dir, source: str) -> str | None:
-        """Take the lease if it is free or stale; None if taken, else who holds it."""
+    def _probe(self, output_dir, source: str) -> None:
+        """BadInput unless the store honours conditional writes (a create over an object, a replace at a wrong
+        version: both must fail), probed on a scratch object beside the lease."""
+        probe = self.path.with_name(f".probe-{uuid.uuid4().hex}")
         try:
-            self.version = storage.create_exclusive(self.path, self._data())
+            honoured = storage.honours_conditional_writes(probe)
         except storage.NoConditionalWrites as e:
+            honoured, store = False, f"this store ({e}://) has no atomic conditional writes"
+        else:
+            store = "this store accepted a conditional write it should have refused"
+        if not honoured:
             raise BadInput(
-                f"{source}: output.path {output_dir}: this store ({e}://) has no atomic conditional writes "
-                f"(create an object only if it is absent), so batchrun cannot keep two runs of one shard apart "
-                f"there. Use s3:// (or a shared file system), or pass --no-lock and make sure only one run of "
-                f"each shard is started."
-            ) from None
+                f"{source}: output.path {output_dir}: {store} (create an object only if it is absent, replace it "
+                f"only at a version), so batchrun cannot keep two runs of one shard apart there. Use a store "
+                f"that honours them (AWS S3, or a shared file system), or pass --no-lock and make sure only one "
+                f"run of each shard is started."
+            )
+
+    def _try_take(self, wait: bool) -> str | None:
+        """Take the lease if it is free, given back, or unchanged for a lease time on this run's clock: None.
+        Else who holds it, or "" while this run watches whether anyone renews it."""
+        self.version = storage.create_exclusive(self.path, self._data())
         if self.version is not None:
+            self.renewed_at = time.monotonic()
             return None
         current = storage.read_versioned(self.path)
         if current is None:
-            return self._try_take(output_dir, source)  # given back meanwhile
+            return self._try_take(wait)  # given back and removed meanwhile
         data, version = current
         try:
             theirs = json.loads(data)
-            age = time.time() - float(theirs["renewed"])
+            stamp_age = time.time() - float(theirs["renewed"])
+            released = bool(theirs.get("released"))
         except (ValueError, KeyError, TypeError):
-            theirs, age = {}, float("inf")  # not a lease batchrun wrote whole: nobody renews it
-        if age <= self.lease_s:
-            return describe_holder(theirs)
+            theirs, stamp_age, released = {}, float("inf"), True  # not a lease batchrun wrote whole
+        now = time.monotonic()
+        if not released:
+            if self._watched is None or self._watched[0] != version:
+                renewed = self._watched is not None  # it changed while watched: its holder is alive
+                self._watched = (version, now)
+                if renewed or (stamp_age < self.lease_s and not wait):
+                    return describe_holder(theirs)
+                return ""
+            if now - self._watched[1] < self.lease_s:
+                return ""  # unchanged, but not yet for a whole lease time
         self.version = storage.replace_if(self.path, self._data(), version)
-        if self.version is None:  # another run took it over first
-            return "a run that took over a stale lease just now"
-        print(
-            f"batchrun: took over shard {self.shard}'s lease from a run that stopped renewing it {age:.0f} s ago "
-            f"({describe_holder(theirs)}).",
-            flush=True,
-        )
+        self._watched = None
+        if self.version is None:  # another run took it first
+            return "a run that took over the lease just now"
+        self.renewed_at = time.monotonic()
+        if not released:
+            print(
+                f"batchrun: took over shard {self.shard}'s lease from a run that did not renew it for "
+                f"{self.lease_s:.0f} s ({describe_holder(theirs)}).",
+                flush=True,
+            )
         return None
 
     def _renew(self) -> None:
@@ -204,26 +241,40 @@ class LeaseLock:
                 return False
             try:
                 version = storage.replace_if(self.path, self._data(), self.version)
-            except OSError:
-                return True  # the store did not answer: try again; the lease lasts lease_s
+            except Exception:  # noqa: BLE001 - the store did not answer (botocore's errors are not OSErrors)
+                return True  # try again; `check` stops the writes meanwhile
             if version is None:
                 self.lost = True
+            else:
+                self.renewed_at = time.monotonic()
             self.version = version
             return version is not None
 
     def check(self) -> None:
-        """Before each part is written: a run that lost its lease (another took it over) must write no more."""
+        """Before each part is written: a run that lost its lease, or could not renew it for half the lease
+        time (another run may take it over after a whole one), must write no more."""
         if self.lost:
             raise JobStopped(
                 f"shard {self.shard}'s lease ({self.path}) was taken over by another run after this one failed "
                 f"to renew it for {self.lease_s:.0f} s; this run writes nothing more (the other run finishes "
                 f"the shard)."
             )
+        silent = time.monotonic() - self.renewed_at
+        if silent > self.SAFE_SHARE * self.lease_s:
+            raise JobStopped(
+                f"shard {self.shard}'s lease ({self.path}) could not be renewed for {silent:.0f} s (the store "
+                f"did not answer); this run writes nothing more, since another run may take the shard over "
+                f"after {self.lease_s:.0f} s. Run it again to resume."
+            )
 
     def release(self) -> None:
+        """Give the lease back: a compare-and-swap to a released record, so a lease another run took over
+        meanwhile stays that run's."""
         self._ended.set()
         with self._mutex:
             if self.version is not None and not self.lost:
-                # still ours (renewed within lease_s, so no run can have taken it over): given back
-                self.path.fs.rm_file(self.path.path)
+                try:
+                    storage.replace_if(self.path, self._data(released=True), self.version)
+                except Exception:  # noqa: BLE001 - unreachable: the lease goes stale, taken over a lease later
+                    pass
             self.version = None

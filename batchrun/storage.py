@@ -161,6 +161,21 @@ def create_exclusive(path: Path, data: bytes) -> str | None:
         raise
 
 
+def honours_conditional_writes(probe: Path) -> bool:
+    """Whether the store honours create-if-absent and replace-if-unchanged, tried on a scratch object `probe`
+    (removed after): some S3-compatible servers accept the headers and ignore them. NoConditionalWrites on a
+    store batchrun has no way to ask."""
+    if not is_remote(probe):
+        return True
+    first = create_exclusive(probe, b"probe")
+    try:
+        if first is None:
+            return False  # a fresh name reads as taken: nothing conditional can be trusted there
+        return create_exclusive(probe, b"again") is None and replace_if(probe, b"again", '"0"') is None
+    finally:
+        probe.fs.rm_file(probe.path)
+
+
 def replace_if(path: Path, data: bytes, version: str) -> str | None:
     """Overwrite `path` with `data` only if it is still at `version` (compare-and-swap on the ETag): the new
     version, or None when another writer changed it first."""

@@ -127,7 +127,8 @@ def test_slot_bookkeeping_catches_a_double_hold():
 
 def test_the_budget_is_split_by_what_the_scheduler_needs():
     """max_num_seqs slots when the budget holds them with a page per KV cache group each; fewer when it does
-    not; a budget that holds no sequence is a bad job naming the key."""
+    not, or when they would take more than half of it; a budget that holds no sequence is a bad job naming the
+    key."""
     from batchrun.engine.sizing import pool_sizes
 
     cpu = torch.device("cpu")
@@ -137,7 +138,8 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
     assert roomy.num_pages == (2**20 - 10 * 10_000) // 1000
     config = EngineConfig(kv_cache_memory="50000", max_num_seqs=8, prefix_sharing=False)
     tight = pool_sizes(config, 1000, 2, 10_000, cpu)
-    assert tight.num_slots == 50_000 // 12_000 and tight.num_pages == (50_000 - 4 * 10_000) // 1000
+    # one page a slot would allow 4 slots (50,000 // 12,000); at most half the budget in slots allows 2
+    assert tight.num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
     assert tight.num_snapshots == 0
     with pytest.raises(BadInput, match="kv_cache_memory"):
         pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, 10_000, cpu)

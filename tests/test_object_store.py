@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -109,7 +110,9 @@ def test_parquet_glob_in_and_out_equal_a_local_run(s3, tmp_path):
     expected = {k: v["completion"] for k, v in read_outputs(tmp_path / "out").items()}
     got = {k: v["completion"] for k, v in s3_outputs(fs, "bkt/out").items()}
     assert got == expected and len(got) == len(prompts)
-    assert fs.find("bkt/out/.batchrun/locks") == [], "the lease was not given back"
+    locks = fs.find("bkt/out/.batchrun/locks")  # the lease, given back; no probe object left behind
+    assert [k.rsplit("/", 1)[1] for k in locks] == ["shard-00000of00001.lease"], locks
+    assert json.loads(fs.cat_file(locks[0]))["released"] is True, "the lease was not given back"
     # a rerun finds every row in the store's listing: nothing to do, no model loaded
     r = run_cli("submit", str(remote), "--quiet", "--set", "input.id_column=id", env=env)
     assert r.returncode == 0 and "nothing to do" in r.stdout, r.stdout + r.stderr
@@ -254,7 +257,7 @@ def test_lease_is_exclusive_renewed_taken_over_when_stale_and_lost_when_taken(s3
             a.check()
         b.check()
         b.release()
-        assert not fs_exists(state / "locks" / "shard-00000of00001.lease")
+        assert json.loads((state / "locks" / "shard-00000of00001.lease").read_bytes())["released"] is True
         c = LeaseLock(state, 0, 1)
         c.acquire(False, "s3://bkt/lease-test", "job.yaml")  # free again at once
         c.release()
@@ -262,6 +265,155 @@ def test_lease_is_exclusive_renewed_taken_over_when_stale_and_lost_when_taken(s3
         os.environ.pop("BATCHRUN_LEASE_S")
 
 
-def fs_exists(path) -> bool:
-    path.fs.invalidate_cache()
-    return path.exists()
+class CuttableProxy:
+    """A TCP proxy on 127.0.0.1 to the moto server whose connections can be cut (and later let through again):
+    a run reaching the store through it loses the store, as on a network partition."""
+
+    def __init__(self, target: str):
+        host, port = target.rsplit("//", 1)[1].split(":")
+        self.target = (host, int(port))
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.cut = threading.Event()
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut.is_set():
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def sever(self) -> None:
+        self.cut.set()
+        for sock in self.open:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.open = []
+
+    def restore(self) -> None:
+        self.cut.clear()
+
+    def close(self) -> None:
+        self.sever()
+        self.listener.close()
+
+
+def test_a_run_cut_off_from_the_store_stops_writing_and_gives_back_nothing_it_lost(s3):
+    """Run a reaches the store through a proxy that is then cut: after half a lease without a renewal it writes
+    nothing more (it used to go on: its renewals' errors were swallowed); run b, watching the lease unchanged for
+    a whole lease on its own clock, takes it over; when a reaches the store again, its release leaves b's lease
+    alone (a plain delete used to remove it)."""
+    from upath import UPath
+
+    from batchrun.errors import JobStopped
+    from batchrun.lock import LeaseLock
+
+    env, fs = s3
+    proxy = CuttableProxy(env["AWS_ENDPOINT_URL"])
+    os.environ["BATCHRUN_LEASE_S"] = "2"
+    cut_off = dict(
+        client_kwargs={"endpoint_url": proxy.url},
+        config_kwargs={"connect_timeout": 0.5, "read_timeout": 0.5, "retries": {"max_attempts": 1}},
+        skip_instance_cache=True,
+    )
+    try:
+        a = LeaseLock(UPath("s3://bkt/cut/.batchrun", **cut_off), 0, 1)
+        a.acquire(False, "s3://bkt/cut", "job.yaml")
+        a.check()
+        proxy.sever()
+        time.sleep(1.3)  # more than half the lease without a renewal
+        with pytest.raises(JobStopped, match="could not be renewed"):
+            a.check()
+        t0 = time.monotonic()
+        b = LeaseLock(UPath("s3://bkt/cut/.batchrun"), 0, 1)
+        b.acquire(True, "s3://bkt/cut", "job.yaml")
+        assert time.monotonic() - t0 >= 1.0, "taken over before the lease could be stale on b's clock"
+        proxy.restore()
+        a.release()  # a never learnt it lost the lease: its give-back must not remove b's
+        lease = json.loads(UPath("s3://bkt/cut/.batchrun/locks/shard-00000of00001.lease").read_bytes())
+        assert lease["owner"] == b.record["owner"] and lease["released"] is False
+        b.check()
+        b.release()
+    finally:
+        os.environ.pop("BATCHRUN_LEASE_S")
+        proxy.close()
+
+
+def test_staleness_is_judged_on_the_takers_clock(s3, monkeypatch):
+    """A holder whose clock is far behind writes old time stamps, but renews: no other run takes the lease over
+    (one used to, at once, comparing the holder's stamp with its own clock)."""
+    from upath import UPath
+
+    from batchrun import lock
+    from batchrun.errors import BadInput
+    from batchrun.lock import LeaseLock
+
+    os.environ["BATCHRUN_LEASE_S"] = "1.2"
+    state = UPath("s3://bkt/skew/.batchrun")
+    try:
+        a = LeaseLock(state, 0, 1)
+        real = lock.time.time
+        monkeypatch.setattr(
+            a,
+            "_data",
+            lambda released=False: json.dumps(
+                {**a.record, "renewed": real() - 3600, "released": released}
+            ).encode(),
+        )
+        a.acquire(False, "s3://bkt/skew", "job.yaml")
+        with pytest.raises(BadInput, match="being written by another run"):
+            LeaseLock(state, 0, 1).acquire(False, "s3://bkt/skew", "job.yaml")
+        a.check()
+        a.release()
+    finally:
+        os.environ.pop("BATCHRUN_LEASE_S")
+
+
+def test_a_store_that_ignores_conditional_writes_is_found_by_the_probe(s3, monkeypatch):
+    """Some S3-compatible servers accept If-None-Match / If-Match and ignore them: the probe finds out, on s3://
+    too, and the run is a bad job naming --no-lock (it used to be trusted from the scheme)."""
+    import s3fs
+    from upath import UPath
+
+    from batchrun.errors import BadInput
+    from batchrun.lock import LeaseLock
+
+    real = s3fs.S3FileSystem._pipe_file
+
+    async def ignoring(self, path, data, **kwargs):  # what such a server does with the conditions
+        kwargs.pop("mode", None)
+        kwargs.pop("IfMatch", None)
+        return await real(self, path, data, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", ignoring)
+    with pytest.raises(BadInput, match="--no-lock"):
+        LeaseLock(UPath("s3://bkt/ignoring/.batchrun", skip_instance_cache=True), 0, 1).acquire(
+            False, "s3://bkt/ignoring", "job.yaml"
+        )

@@ -78,8 +78,8 @@ def pool_sizes(
 
     One budget serves both, split by what the scheduler needs: a running sequence holds one state slot and at
     least one page per KV cache group, and at most `max_num_seqs` sequences run at once. So there are
-    `max_num_seqs` slots (fewer where the budget cannot hold that many slots with a page per group each), and
-    the rest of the budget is pages. With prefix sharing, a few more slots (a quarter as many, at most
+    `max_num_seqs` slots (fewer where the budget cannot hold that many slots with a page per group each, or
+    where they would take more than half of it), and the rest of the budget is pages. With prefix sharing, a few more slots (a quarter as many, at most
     MAX_SNAPSHOTS) keep shared prefixes' states. The swap space is split the same way. An explicit
     `engine.num_pages` is the pages alone; the slots then come on top."""
     swap = parse_size(config.swap_space)
@@ -93,7 +93,9 @@ def pool_sizes(
         slots = config.max_num_seqs
         return PoolSizes(config.num_pages, cpu_pages, slots, cpu_slots, snapshots(slots))
     budget = num_pages_for(config, 1, device)  # the budget in bytes: "pages" of one byte
-    slots = min(config.max_num_seqs, budget // per_seq)
+    # at most half the budget in slots: at a small budget, slots for max_num_seqs would leave too few pages for
+    # them (one page each is no sequence's length), and sequences at once would be bounded by pages anyway
+    slots = min(config.max_num_seqs, budget // per_seq, max(1, budget // 2 // bytes_per_slot))
     if slots < 1:
         raise BadInput(
             f"key `engine.kv_cache_memory`: {config.kv_cache_memory!r} holds no sequence of this hybrid model "
