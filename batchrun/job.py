@@ -124,9 +124,11 @@ class Job:
         replicas: int | str | None = None,
         lock: bool = True,
         worker: RowWorker | None = None,
+        waiting: dict | None = None,
     ):
         """`lock`: False is --no-lock. `worker`: an engine already loaded for this job (a Ray actor running
-        another shard of it), used instead of loading one."""
+        another shard of it), used instead of loading one. `waiting`: how `wait` gives up (lock.Waiting's
+        `stop` and `limit_s`)."""
         src = spec.source_file
         self.spec = spec
         self.shard = shard or Shard()
@@ -137,7 +139,7 @@ class Job:
         self.placement = place(spec.engine.device, spec.model.dtype)  # once: the fingerprint, then the load
         check_writable(spec.output_dir, "output.path", src)
         self.lock = shard_lock(spec.state_dir, self.shard.index, self.shard.count, enabled=lock)
-        self.lock.acquire(wait, spec.output_dir, src)
+        self.lock.acquire(wait, spec.output_dir, src, **(waiting or {}))
         try:
             dtype = fingerprint_dtype(spec.model.dtype, self.placement)
             self.sink = OutputSink(

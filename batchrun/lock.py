@@ -63,6 +63,30 @@ def busy(source: str, shard: str, output_dir, holder: str) -> BadInput:
     )
 
 
+def lock_wait_limit_s() -> float:
+    """How long a replaced shard waits for its dead holder's lock: a lease goes stale after BATCHRUN_LEASE_S
+    (and is watched that long again), an OS lock with its process; then a minute to spare."""
+    return 2 * float(os.environ.get("BATCHRUN_LEASE_S", "60")) + 60
+
+
+class Waiting:
+    """How a run waits for a shard's lock held by another: until `stop()` says to give up (a Ray actor being
+    stopped), or `limit_s` passes (a replaced shard whose dead holder's lock should have gone by then)."""
+
+    def __init__(self, shard: str, stop=None, limit_s: float | None = None):
+        self.shard, self.stop, self.limit_s = shard, stop, limit_s
+        self.started = time.monotonic()
+
+    def check(self, holder: str) -> None:
+        if self.stop is not None and self.stop():
+            raise JobStopped(f"stopped while waiting for shard {self.shard}'s lock ({holder})")
+        if self.limit_s is not None and time.monotonic() - self.started > self.limit_s:
+            raise BadInput(
+                f"shard {self.shard} is still held by another run after {self.limit_s:.0f} s of waiting "
+                f"({holder}): a live run holds it"
+            )
+
+
 def shard_lock(state_dir: Path, shard_index: int, shard_count: int, enabled: bool = True):
     """The lock this output's shard gets: a ShardLock (flock) on a file system, a LeaseLock on an object store,
     a NoLock when `enabled` is False (--no-lock)."""
@@ -95,10 +119,12 @@ class ShardLock:
         self.shard = f"{shard_index}/{shard_count}"
         self._lock: FileLock | None = None
 
-    def acquire(self, wait: bool, output_dir: Path, source: str) -> None:
-        """Take the lock; with `wait`, block until the holder ends, else BadInput naming the holder at once."""
+    def acquire(self, wait: bool, output_dir: Path, source: str, stop=None, limit_s=None) -> None:
+        """Take the lock; with `wait`, block until the holder ends (or `stop()`, or `limit_s`: Waiting), else
+        BadInput naming the holder at once."""
         self.dir.mkdir(parents=True, exist_ok=True)
         lock = FileLock(self.path, thread_local=False)
+        waiting = Waiting(self.shard, stop, limit_s)
         announced = False
         while True:
             try:
@@ -108,6 +134,7 @@ class ShardLock:
                 holder = self.holder()
                 if not wait:
                     raise busy(source, self.shard, output_dir, holder) from None
+                waiting.check(holder)
                 if not announced:
                     print(f"batchrun: waiting for the run holding shard {self.shard} ({holder})", flush=True)
                     announced = True
@@ -157,8 +184,9 @@ class LeaseLock:
     def _data(self, released: bool = False) -> bytes:
         return json.dumps({**self.record, "renewed": time.time(), "released": released}).encode()
 
-    def acquire(self, wait: bool, output_dir, source: str) -> None:
+    def acquire(self, wait: bool, output_dir, source: str, stop=None, limit_s=None) -> None:
         self._probe(output_dir, source)
+        waiting = Waiting(self.shard, stop, limit_s)
         announced = False
         while True:
             holder = self._try_take(wait)
@@ -166,6 +194,7 @@ class LeaseLock:
                 break
             if holder and not wait:
                 raise busy(source, self.shard, output_dir, holder)
+            waiting.check(holder or "its holder stopped renewing it")
             if holder and not announced:
                 print(f"batchrun: waiting for the run holding shard {self.shard} ({holder})", flush=True)
                 announced = True

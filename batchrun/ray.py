@@ -83,10 +83,10 @@ class EngineThread:
         """`make_rows(indexes)` builds the batch's InputRows from the row indexes given; returns the future of
         their output rows (a list per input row, in order)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self.dead is not None:
-            future.set_exception(RuntimeError(f"the engine died: {self.dead!r}"))
-            return future
-        with self._mutex:
+        with self._mutex:  # the same lock the engine's death is declared under: no batch slips in between
+            if self.dead is not None:
+                future.set_exception(RuntimeError(f"the engine died: {self.dead!r}"))
+                return future
             rows: list[InputRow] = make_rows(self.index)
             batch = _Batch([None] * len(rows), future)
             for place, row in enumerate(rows):
@@ -129,8 +129,8 @@ class EngineThread:
         try:
             drive(self.worker, self._next, self._emit, self.after_step)
         except BaseException as e:  # noqa: BLE001 - every waiting batch hears of it
-            self.dead = e
             with self._mutex:
+                self.dead = e
                 for batch, _ in self.owner.values():
                     if not batch.future.done():
                         batch.future.set_exception(RuntimeError(f"the engine died: {e!r}"))

@@ -28,6 +28,7 @@ from .config import JobSpec
 from .errors import BadInput, JobStopped
 from .heartbeat import read_heartbeats
 from .job import Job, check_job
+from .lock import lock_wait_limit_s
 from .report import load_summary
 from .rows import Shard
 from .sinks import check_writable, remove_parts
@@ -63,6 +64,9 @@ class ShardRunner:
             replicas=1,
             lock=lock,
             worker=self.worker,
+            # a dead actor's OS lock goes with its process, its lease once stale: waiting longer means a live
+            # run holds the shard; `stop` ends the wait too
+            waiting={"stop": lambda: self.stopping, "limit_s": lock_wait_limit_s()},
         )
         job.stop_requested, self.job = self.stopping, job
         try:

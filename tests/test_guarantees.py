@@ -179,3 +179,26 @@ def test_the_prefix_chain_is_sha256_of_the_whole_prefix():
             expected = hashlib.sha256(expected + array.array("q", p).tobytes()).digest()
         assert h == expected
     assert chain_hash(None, [1, 2]) != chain_hash(None, [2, 1])
+
+
+def test_a_wait_for_a_shards_lock_can_be_stopped_and_ends(tmp_path):
+    """A replaced Ray shard waits for its dead holder's lock: `stop()` ends the wait (exit 3's JobStopped), and
+    so does a time limit (a live run holds the shard). It used to wait forever, deaf to stop()."""
+    import threading
+    import time
+
+    from batchrun.errors import BadInput, JobStopped
+    from batchrun.lock import ShardLock
+
+    holder = ShardLock(tmp_path, 0, 1)
+    holder.acquire(False, tmp_path, "job.yaml")
+    stopping = threading.Event()
+    threading.Timer(0.3, stopping.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(JobStopped, match="stopped while waiting"):
+        ShardLock(tmp_path, 0, 1).acquire(True, tmp_path, "job.yaml", stop=stopping.is_set)
+    with pytest.raises(BadInput, match="still held by another run"):
+        ShardLock(tmp_path, 0, 1).acquire(True, tmp_path, "job.yaml", limit_s=0.5)
+    assert time.monotonic() - t0 < 10
+    holder.release()
+    ShardLock(tmp_path, 0, 1).acquire(True, tmp_path, "job.yaml", stop=stopping.is_set)  # free: taken at once

@@ -235,3 +235,46 @@ def test_a_dead_engine_fails_every_waiting_batch():
     assert isinstance(engine.dead, RuntimeError)
     with pytest.raises(RuntimeError, match="the engine died"):
         engine.submit(rows_of("c", 1)).result(timeout=10)
+
+
+def test_a_batch_submitted_as_the_engine_dies_is_failed_not_forgotten():
+    """The engine dies between a submitter's look at `dead` and its registering the batch: the batch must still
+    hear of it (it used to wait forever: the death was declared outside the lock the batch registers under)."""
+    import threading
+    import time
+
+    from batchrun.ray import EngineThread
+
+    trigger, died = threading.Event(), threading.Event()
+
+    def hook(step):
+        if trigger.is_set():
+            raise RuntimeError("out of memory")
+        time.sleep(0.002)
+
+    class LateLock:
+        """The submitter, once armed, kills the engine and waits for the engine thread to declare the death
+        (and let go of the lock) before it takes the lock itself."""
+
+        def __init__(self):
+            self.lock, self.armed = threading.Lock(), False
+
+        def __enter__(self):
+            if self.armed and threading.current_thread() is threading.main_thread():
+                trigger.set()
+                died.wait(10)
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            if threading.current_thread() is not threading.main_thread() and trigger.is_set():
+                died.set()
+
+    engine = EngineThread(FakeWorker(steps=10**6, at_step=hook))
+    lock = engine._mutex = LateLock()
+    first = engine.submit(rows_of("a", 1))  # keeps the engine stepping
+    lock.armed = True
+    late = engine.submit(rows_of("b", 1))
+    for future in (first, late):
+        with pytest.raises(RuntimeError, match="the engine died"):
+            future.result(timeout=10)
