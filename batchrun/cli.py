@@ -171,14 +171,16 @@ def validate(job_file: Path, overrides) -> None:
     """Check a job without loading its model.
 
     Checks everything about JOB_FILE that needs no model weights: the job file, the input (columns and their
-    types, unique ids, its rows), the model path, a job-wide response format (it compiles and is enforced)."""
+    types, unique ids, its rows), the model path, a job-wide response format (it compiles and is enforced), the
+    outputs (writable; an object store's conditional writes) and the KV budget against this machine's memory."""
     from .config import load_job
-    from .job import check_job
+    from .job import check_job, check_outputs
     from .model_loader import check_model_path
 
     spec = load_job(job_file, overrides)
     source = check_job(spec, spec.input.limit)
     model = check_model_path(spec.model.path, spec.source_file)
+    check_outputs(spec)
     rows = source.num_rows()
     if rows is not None and spec.input.limit is not None:
         rows = min(rows, spec.input.limit)
@@ -194,9 +196,8 @@ def validate(job_file: Path, overrides) -> None:
 @click.option(
     "--plot",
     "plot_path",
-    type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Draw memory and sequences over time into this PNG.",
+    help="Draw memory and sequences over time into this PNG (a local path or a URL, as PATH).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
@@ -212,7 +213,7 @@ def stats(path: str, plot_path, as_json) -> None:
     summary = load_summary(path)
     click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
     if plot_path:
-        plot(path, plot_path)
+        plot(path, location(plot_path, "--plot"))
         click.echo(f"plot: {plot_path}")
 
 
@@ -236,7 +237,6 @@ def status(out_dir: str, as_json) -> None:
 @click.option(
     "--from",
     "from_path",
-    type=click.Path(path_type=Path),
     default=None,
     help="Replay a real job: its completions directory, a part file, or a Parquet of lengths "
     "(columns prompt_tokens, completion_tokens).",
@@ -305,7 +305,9 @@ def simulate(
     from .simulate import format_table, load_workload, random_workload, run_all
 
     if from_path is not None:
-        workload = load_workload(from_path)
+        from .storage import location
+
+        workload = load_workload(location(from_path, "--from"))
     else:
         workload = random_workload(
             requests, _range(prompt_len, "--prompt-len"), _range(output_len, "--output-len"), seed

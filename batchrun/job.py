@@ -17,17 +17,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from . import storage
 from .config import JobSpec
+from .engine.sizing import check_memory_budget
 from .engine.structured import check_format
 from .errors import BadInput, JobStopped
 from .heartbeat import Heartbeat
 from .host import place
-from .lock import shard_lock
+from .lock import LeaseLock, shard_lock
 from .loop import drive
-from .model_loader import fingerprint_dtype
+from .model_loader import fingerprint_dtype, load_config
 from .replicas import replica_count, run_replicas
 from .rows import InputRow, OutputRow, Shard
 from .sinks import OutputSink, check_writable, move_legacy_state
@@ -326,6 +328,28 @@ def check_job(spec: JobSpec, limit: int | None) -> InputSource | OpenAIBatchSour
         except ValueError as e:
             raise BadInput(f"{spec.source_file}: key `sampling.response_format`: {e}.") from None
     return source
+
+
+def check_outputs(spec: JobSpec) -> None:
+    """What `submit` checks of the outputs before any model loads, for `batchrun validate`: output.path and the
+    statistics' folder can be written, and on an object store the shard lease's conditional writes work there
+    (else submit needs --no-lock); the KV budget and swap space fit this machine's memory."""
+    src = spec.source_file
+    check_writable(spec.output_dir, "output.path", src)
+    check_writable(spec.stats_path().parent, "output.stats", src)
+    if storage.is_remote(spec.state_dir):
+        LeaseLock(spec.state_dir, 0, 1).probe(spec.output_dir, src)
+    placement = place(spec.engine.device, spec.model.dtype)
+    try:  # the page count needs the model's shape: only where its config is at hand, unconverted
+        model_config = (
+            load_config(Path(spec.model.path)) if spec.model.path and Path(spec.model.path).is_dir() else None
+        )
+    except Exception:  # noqa: BLE001 - an unreadable config is the load's to report
+        model_config = None
+    try:
+        check_memory_budget(spec.engine, model_config, placement.dtype, placement.device)
+    except BadInput as e:
+        raise BadInput(f"{src}: {e}") from None
 
 
 def run_job(job, overrides=None, **options: Any) -> dict | None:

@@ -91,17 +91,51 @@ def shard_lock(state_dir: Path, shard_index: int, shard_count: int, enabled: boo
     """The lock this output's shard gets: a ShardLock (flock) on a file system, a LeaseLock on an object store,
     a NoLock when `enabled` is False (--no-lock)."""
     if not enabled:
-        return NoLock()
+        return NoLock(state_dir, shard_index, shard_count)
     if storage.is_remote(state_dir):
         return LeaseLock(state_dir, shard_index, shard_count)
     return ShardLock(state_dir, shard_index, shard_count)
 
 
 class NoLock:
-    """--no-lock: the user keeps runs of one shard apart."""
+    """--no-lock: the user keeps runs of one shard apart. A run it can see holding the shard all the same (a
+    lease renewed within its time and not given back, an OS lock held) makes it exit 2: `--no-lock` is for a store
+    without conditional writes, not a way to write a shard's rows twice."""
 
-    def acquire(self, wait: bool, output_dir, source: str) -> None:
-        pass
+    def __init__(self, state_dir: Path, shard_index: int, shard_count: int):
+        self.shard = f"{shard_index}/{shard_count}"
+        self.remote = storage.is_remote(state_dir)
+        kind = LeaseLock if self.remote else ShardLock
+        self.lock = kind(state_dir, shard_index, shard_count)
+
+    def acquire(self, wait: bool, output_dir, source: str, stop=None, limit_s=None) -> None:
+        holder = self._live_holder()
+        if holder:
+            raise BadInput(
+                f"{busy(source, self.shard, output_dir, holder)} --no-lock does not let a second run of a held "
+                f"shard in."
+            )
+
+    def _live_holder(self) -> str | None:
+        if self.remote:
+            try:
+                current = storage.read_versioned(self.lock.path)
+                theirs = json.loads(current[0]) if current else None
+                fresh = theirs and time.time() - float(theirs["renewed"]) < self.lock.lease_s
+            except (ValueError, KeyError, TypeError, OSError):
+                return None  # nothing readable: nothing seen
+            return describe_holder(theirs) if fresh and not theirs.get("released") else None
+        if not self.lock.path.exists():
+            return None
+        try:
+            probe = FileLock(self.lock.path, thread_local=False)
+            probe.acquire(timeout=0)
+            probe.release()
+        except Timeout:
+            return self.lock.holder()
+        except OSError:
+            return None  # no flock here: nothing can be seen
+        return None
 
     def check(self) -> None:
         pass
@@ -185,7 +219,7 @@ class LeaseLock:
         return json.dumps({**self.record, "renewed": time.time(), "released": released}).encode()
 
     def acquire(self, wait: bool, output_dir, source: str, stop=None, limit_s=None) -> None:
-        self._probe(output_dir, source)
+        self.probe(output_dir, source)
         waiting = Waiting(self.shard, stop, limit_s)
         announced = False
         while True:
@@ -201,7 +235,7 @@ class LeaseLock:
             time.sleep(min(1.0, self.lease_s / 8))
         threading.Thread(target=self._renew, name="batchrun-lease", daemon=True).start()
 
-    def _probe(self, output_dir, source: str) -> None:
+    def probe(self, output_dir, source: str) -> None:
         """BadInput unless the store honours conditional writes (a create over an object, a replace at a wrong
         version: both must fail), probed on a scratch object beside the lease."""
         probe = self.path.with_name(f".probe-{uuid.uuid4().hex}")

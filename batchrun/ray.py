@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from .job import job_spec
 from .loop import NOT_YET, drive
-from .rows import OPTIONAL_COLUMNS, OUTPUT_COLUMNS, InputRow, OutputRow
+from .rows import OPTIONAL_COLUMNS, OUTPUT_COLUMNS, InputRow, OutputRow, clashing_columns
 from .sinks import optional_columns, output_schema
 from .sources import input_row
 from .storage import location, write_text_whole
@@ -167,6 +167,12 @@ class Processor:
             raise ValueError(
                 f"the batch has no column {missing[0]!r} (input: of the job); its columns: {table.column_names}"
             )
+        clash = clashing_columns([c for c in table.column_names if c != "id"], spec.id_column)  # no id added
+        if clash:  # the batch's own columns come out too: one would be replaced by an output column
+            raise ValueError(
+                f"the batch's column {clash[0]!r} clashes with an output column of the same name; rename it "
+                f"(batchrun submit refuses it as a passthrough column alike)"
+            )
         rows = range(table.num_rows)
         make = lambda counter: [input_row(spec, data, j, next(counter)) for j in rows]  # noqa: E731
         try:
@@ -194,9 +200,7 @@ class Processor:
             c for c in OUTPUT_COLUMNS if c != "id" and (c not in OPTIONAL_COLUMNS or c in self.optional)
         ]
         out = table.take(pa.array(order, pa.int64())) if order else table.slice(0, 0)
-        for name in columns:
-            if name in out.column_names:
-                out = out.drop_columns([name])
+        for name in columns:  # no input column has an output column's name (checked in __call__)
             out = out.append_column(
                 own.field(name), pa.array([getattr(r, name) for r in flat], own.field(name).type)
             )

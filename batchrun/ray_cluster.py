@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from .config import JobSpec
@@ -35,6 +36,7 @@ from .sinks import check_writable, remove_parts
 from .storage import is_url
 
 MAX_RESTARTS = 8  # actors that may die in one job before the driver gives up
+STOP_GRACE_S = 60.0  # after a stop, how long the driver waits for the actors to write what they finished
 FORWARDED_ENV = ("BATCHRUN_", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
@@ -89,7 +91,13 @@ def plan_actors(resources: dict, device: str, replicas: int | str | None) -> tup
     count = 1 if replicas in (None, "auto") else int(replicas)
     if count < 1:
         raise BadInput(f"--replicas {replicas}: give at least 1 actor.")
-    return count, {"num_cpus": max(1, int(resources.get("CPU", 1)) // count)}
+    cpus = int(resources.get("CPU", 1))
+    if count > cpus:  # the actors past the cluster's CPUs would wait for CPUs that never come free in time
+        raise BadInput(
+            f"--replicas {replicas}: {count} actors need a CPU each, and the Ray cluster has {cpus}; give at "
+            f"most {cpus} (or add nodes)."
+        )
+    return count, {"num_cpus": max(1, cpus // count)}
 
 
 def absolute(spec: JobSpec) -> JobSpec:
@@ -144,6 +152,7 @@ class RayRun:
         if overwrite:
             remove_parts(self.spec.output_dir)  # once, here: each shard's run resumes from nothing
         self.stopping = False
+        self.stopped_at = 0.0  # time.monotonic() of the stop
         self.actors: dict[int, object] = {}
 
     def run(self) -> dict | None:
@@ -151,8 +160,9 @@ class RayRun:
 
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
         address = None if self.address == "local" else self.address
-        host, _, port = (address or "").rpartition(":")
-        if host and "://" not in address and port.isdigit():  # HOST:PORT: Ray would wait for it without end
+        # HOST:PORT or ray://HOST:PORT (Ray Client, from the `ray` extra): Ray would wait for it without end
+        host, _, port = (address or "").rpartition("://")[2].rpartition(":")
+        if host and port.isdigit() and (address or "").split("://")[0] in (address, "ray"):
             try:
                 socket.create_connection((host, int(port)), timeout=10).close()
             except OSError as e:
@@ -198,10 +208,18 @@ class RayRun:
             while refs:
                 ready, _ = ray.wait(list(refs), timeout=1.0)
                 bar.update(self._rows_done(count) - bar.n)
+                if self.stopping and time.monotonic() - self.stopped_at > STOP_GRACE_S:
+                    for i in refs.values():  # an actor that does not answer stop() (never started, stuck)
+                        ray.kill(self.actors[i])
+                    refs.clear()
+                    break
                 for ref in ready:
                     i = refs.pop(ref)
                     try:
                         summaries[i] = ray.get(ref)
+                        ray.kill(
+                            self.actors[i]
+                        )  # its shard is done: its CPUs (or GPU) go back to the cluster
                     except ray.exceptions.RayActorError as e:
                         if self.stopping:
                             continue
@@ -219,7 +237,7 @@ class RayRun:
                     except ray.exceptions.RayTaskError as e:
                         cause = e.cause if isinstance(e.cause, BaseException) else e
                         if isinstance(cause, JobStopped):
-                            self.stopping = True
+                            self._mark_stopping()
                         elif failure is None:
                             failure = cause
                             self._stop_all()
@@ -240,8 +258,12 @@ class RayRun:
         beats = read_heartbeats(self.spec.state_dir)
         return sum(b.get("rows_done") or 0 for b in beats if b.get("shard_count") == count)
 
+    def _mark_stopping(self) -> None:
+        if not self.stopping:
+            self.stopping, self.stopped_at = True, time.monotonic()
+
     def _stop_all(self) -> None:
-        self.stopping = True
+        self._mark_stopping()
         for actor in self.actors.values():
             actor.stop.remote()
 

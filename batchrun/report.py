@@ -201,6 +201,5 @@ def plot(path: Path, out_png: Path) -> None:
     ax_seq.legend(loc="upper right", fontsize=8)
     ax_seq.grid(alpha=0.3)
     fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
+    storage.write_whole(out_png, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)

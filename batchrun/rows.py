@@ -93,6 +93,12 @@ OUTPUT_COLUMNS = [f.name for f in fields(OutputRow) if "arrow" in f.metadata]
 OPTIONAL_COLUMNS = [f.name for f in fields(OutputRow) if f.metadata.get("optional")]
 
 
+def clashing_columns(columns, id_column: str | None) -> list[str]:
+    """Input columns that would come out beside an output column of the same name (the id column is the
+    output's `id`): refused by `submit` (passthrough) and by the Ray Data processor alike."""
+    return [c for c in columns if c in OUTPUT_COLUMNS and c != id_column]
+
+
 ROLES = ("system", "user", "assistant")
 
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import pyarrow.parquet as pq
-
+from . import storage
 from .engine.page_pool import cdiv
 from .errors import BadInput
 
@@ -52,16 +51,20 @@ def random_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], se
 
 def load_workload(path: Path) -> list[Request]:
     """Lengths from a completions directory / part file or a Parquet with prompt_tokens, completion_tokens."""
+    path = storage.fresh(path)
+    if not path.exists():
+        raise BadInput(f"--from {path}: no such file or directory.")
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     reqs = []
     for f in files:
         try:
-            cols = pq.read_schema(f).names
+            part = storage.parquet_file(f)
+            cols = part.schema_arrow.names
         except Exception as e:
             raise BadInput(f"--from {f}: not a readable Parquet file ({e}).") from None
         if "prompt_tokens" not in cols or "completion_tokens" not in cols:
             continue  # e.g. stats.parquet beside the parts
-        t = pq.read_table(f, columns=["prompt_tokens", "completion_tokens"]).to_pydict()
+        t = part.read(columns=["prompt_tokens", "completion_tokens"]).to_pydict()
         reqs += [Request(p, max(1, c)) for p, c in zip(t["prompt_tokens"], t["completion_tokens"]) if p]
     if not reqs:
         raise BadInput(f"--from {path}: no rows with prompt_tokens and completion_tokens columns.")

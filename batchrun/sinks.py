@@ -314,6 +314,13 @@ def check_writable(out_dir: Path, key: str, source: str) -> None:
         probe.unlink()
     except OSError as e:
         raise BadInput(f"{source}: key `{key}`: cannot write into {out_dir} ({e.strerror or e}).") from None
+    except Exception as e:  # noqa: BLE001 - a store's client: no credentials, no endpoint, no bucket
+        if not storage.is_remote(out_dir):
+            raise
+        raise BadInput(
+            f"{source}: key `{key}`: cannot write into {out_dir} ({type(e).__name__}: {e}); check the store's "
+            f"credentials and endpoint (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) and that the bucket exists."
+        ) from None
 
 
 def remove_parts(out_dir: Path) -> None:

@@ -21,7 +21,7 @@ import pyarrow as pa
 from . import openai_batch, storage
 from .config import InputSpec
 from .errors import BadInput
-from .rows import OUTPUT_COLUMNS, InputRow, Shard, content_hash
+from .rows import InputRow, Shard, clashing_columns, content_hash
 
 BATCH_ROWS = 1024
 
@@ -68,7 +68,7 @@ class InputSource:
                 f"{kind}; expected strings, or conversations (lists of {{role, content}} strings)."
             )
         for i, col in enumerate(self.spec.passthrough):
-            if col in OUTPUT_COLUMNS and col != self.spec.id_column:
+            if clashing_columns([col], self.spec.id_column):
                 raise BadInput(
                     f"{self.source}: key `input.passthrough[{i}]`: column {col!r} clashes with an output "
                     f"column of the same name; rename it in the input."

@@ -46,7 +46,7 @@ def main() -> None:
             "report_dir": str(reports),
             "overlap": not args.one_batch_at_a_time,
         },
-        concurrency=args.actors,
+        compute=ray.data.ActorPoolStrategy(size=args.actors),  # one engine per actor, kept across batches
         batch_size=args.batch_size,
         batch_format="pyarrow",
     )

@@ -16,7 +16,6 @@ from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
 
 from batchrun.engine import SamplingParams
 from batchrun.engine.attention import FULL, UnsupportedModel
-from batchrun.engine.sizing import MAX_SNAPSHOTS
 
 NEW_TOKENS = 24
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -82,15 +81,11 @@ def run(model, family: str, attention: str, full_pages: int = 256, on_step=None,
 
     found = inspect_model(model)
     full_page = found.kv_shape(16, torch.float32).bytes_per_page * found.groups.num_groups
-    max_num_seqs = engine.get("max_num_seqs", 8)
-    # a hybrid's state slots: one per sequence, and those keeping shared prefixes' states (sizing.pool_sizes)
-    kept = min(MAX_SNAPSHOTS, max(1, max_num_seqs // 4))
-    slots = found.states.bytes_per_slot * (max_num_seqs + kept) if found.states else 0
     cfg = dict(
         device="cpu",
-        kv_cache_memory=str(full_pages * full_page + slots),
+        kv_cache_memory=str(full_pages * full_page),
         page_size=16,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=8,
         max_num_batched_tokens=64,  # the long prompts are prefilled in chunks, beside decodes
         prefix_sharing=True,
         preemption="swap",
@@ -98,6 +93,10 @@ def run(model, family: str, attention: str, full_pages: int = 256, on_step=None,
         swap_space=1 << 22,
     )
     cfg.update(engine)
+    if (
+        found.states
+    ):  # a hybrid: the pages alone, the state slots on top (one per sequence, not from the budget)
+        cfg["num_pages"] = full_pages * found.groups.num_groups
     eng = Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
     seqs, steps = run_engine(eng, prompts(model.config.vocab_size), params, on_step=on_step)

@@ -225,6 +225,29 @@ def test_bad_job_files_exit_2_with_a_clear_message(tmp_path, text, words):
         assert w in r.stderr, (w, r.stderr)
 
 
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("output: {{path: {dir}/a-file/out}}\n", ["output.path", "a-file"]),
+        ("output: {{path: /proc/batchrun-out}}\n", ["output.path", "/proc"]),
+        ("output: {{path: 'memory://bucket/out'}}\n", ["conditional writes", "--no-lock"]),
+        ("engine: {{kv_cache_memory: 500TiB}}\n", ["engine.kv_cache_memory", "512000.0 GiB"]),
+    ],
+)
+def test_validate_refuses_what_submit_refuses(tmp_path, extra, words):
+    """`validate` said ok for outputs and budgets that `submit` then refused: it checks them now."""
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2])
+    (tmp_path / "a-file").write_text("not a folder")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: t\ninput: {{parquet: {tmp_path / 'in.parquet'}}}\n" + extra.format(dir=tmp_path),
+    )
+    r = run_cli("validate", str(job))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in r.stderr, (w, r.stderr)
+
+
 def test_duplicate_ids_are_rejected_before_any_work(tmp_path):
     write_prompts(tmp_path / "in.parquet", PROMPTS[:3], ids=["a", "b", "a"])
     job = write_job(

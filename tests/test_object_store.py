@@ -122,6 +122,16 @@ def test_parquet_glob_in_and_out_equal_a_local_run(s3, tmp_path):
     assert st["rows_done"] == len(prompts) and st["shards"][0]["state"] == "finished", st
     stats = run_cli("stats", "s3://bkt/out", "--json", env=env)
     assert stats.returncode == 0 and json.loads(stats.stdout)["rows"] == len(prompts), stats.stderr
+    # every path option takes a URL as job keys do (--plot wrote ./s3:/..., --from read s3:/...)
+    png = "s3://bkt/out/.batchrun/memory.png"
+    plotted = run_cli("stats", "s3://bkt/out", "--plot", png, env=env, cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr
+    fs.invalidate_cache()
+    assert fs.cat_file(png[5:])[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "s3:").exists()
+    replay = run_cli("simulate", "--from", "s3://bkt/out", "--budget", "4096", env=env, cwd=tmp_path)
+    assert replay.returncode == 0 and f"{len(prompts)} requests" in replay.stdout, (
+        replay.stdout + replay.stderr
+    )
 
 
 def test_openai_batch_in_and_out(s3, tmp_path):
@@ -417,3 +427,22 @@ def test_a_store_that_ignores_conditional_writes_is_found_by_the_probe(s3, monke
         LeaseLock(UPath("s3://bkt/ignoring/.batchrun", skip_instance_cache=True), 0, 1).acquire(
             False, "s3://bkt/ignoring", "job.yaml"
         )
+
+
+def test_no_lock_beside_a_live_holder_is_refused(s3, tmp_path):
+    """--no-lock while another run holds the shard (a live lease on the store, an OS lock on disk): exit 2 naming
+    the holder, not every row written twice (it used to go ahead without a word)."""
+    from upath import UPath
+
+    from batchrun.errors import BadInput
+    from batchrun.lock import LeaseLock, NoLock, ShardLock
+
+    for state, held in (
+        (UPath("s3://bkt/nolock/.batchrun"), LeaseLock(UPath("s3://bkt/nolock/.batchrun"), 0, 1)),
+        (tmp_path / ".batchrun", ShardLock(tmp_path / ".batchrun", 0, 1)),
+    ):
+        held.acquire(False, "out", "job.yaml")
+        with pytest.raises(BadInput, match="--no-lock does not let"):
+            NoLock(state, 0, 1).acquire(False, "out", "job.yaml")
+        held.release()
+        NoLock(state, 0, 1).acquire(False, "out", "job.yaml")  # nobody holds it: goes ahead

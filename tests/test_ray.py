@@ -96,6 +96,37 @@ def test_two_actors_equal_one_process(cluster, job):
     assert [s["state"] for s in st["shards"]] == ["finished", "finished"] and st["rows_done"] == N_ROWS, st
 
 
+def test_more_actors_than_the_clusters_cpus_is_refused_up_front(cluster, job):
+    """--replicas 5 on a 2-CPU cluster: three shards would wait for CPUs the finished actors kept (the driver
+    hung, deaf to SIGTERM); refused before any actor starts, naming the CPUs."""
+    job_file, d, _ = job
+    r = run_cli(
+        "submit",
+        str(job_file),
+        "--quiet",
+        "--ray",
+        cluster,
+        "--replicas",
+        "5",
+        "--set",
+        f"output.path={d / 'five'}",
+    )
+    assert r.returncode == 2, r.stderr
+    assert "5 actors" in r.stderr and "has 2" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_unreachable_ray_client_address_is_exit_2(job):
+    """--ray ray://HOST:PORT needs Ray Client (the `ray` extra brings it) and a server there: nothing listening is
+    exit 2 naming the address (it was exit 1, "Ray Client requires pip package 'ray[client]'")."""
+    job_file, d, _ = job
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    r = run_cli("submit", str(job_file), "--quiet", "--ray", f"ray://127.0.0.1:{port}")
+    assert r.returncode == 2, r.stderr
+    assert f"ray://127.0.0.1:{port}" in r.stderr and "ray[client]" not in r.stderr, r.stderr
+
+
 def start_driver(job_file, cluster: str, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [BATCHRUN, "submit", str(job_file), "--quiet", "--ray", cluster, "--replicas", "2"]
@@ -278,3 +309,22 @@ def test_a_batch_submitted_as_the_engine_dies_is_failed_not_forgotten():
     for future in (first, late):
         with pytest.raises(RuntimeError, match="the engine died"):
             future.result(timeout=10)
+
+
+def test_the_processor_refuses_a_column_an_output_column_would_replace(job):
+    """A batch with its own `error` or `completion` column: an error naming it, as `submit` refuses such a
+    passthrough column (the processor used to replace the column silently)."""
+    import asyncio
+
+    import pyarrow as pa
+
+    from batchrun.ray import Processor
+
+    job_file, _, _ = job
+    processor = Processor(str(job_file))
+    for column in ("error", "completion"):
+        batch = pa.table({"id": ["a"], "prompt": ["Say hi."], column: ["mine"]})
+        with pytest.raises(ValueError, match=f"column '{column}' clashes with an output column"):
+            asyncio.run(processor(batch))
+    ok = asyncio.run(processor(pa.table({"id": ["a"], "prompt": ["Say hi."], "topic": ["greeting"]})))
+    assert ok.column("topic").to_pylist() == ["greeting"] and ok.column("error").to_pylist() == [None]

@@ -22,8 +22,11 @@ def _gib(n: int) -> str:
 
 def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> None:
     """A KV budget larger than the memory there is: BadInput naming the key and what is available, before the
-    model loads (rather than a MemoryError, or the OOM killer, minutes later)."""
-    bytes_per_page = KVCacheShape.of_model(model_config, config.page_size, dtype).bytes_per_page
+    model loads (rather than a MemoryError, or the OOM killer, minutes later). `model_config` None (not read
+    yet): the byte sizes alone, not `engine.num_pages`."""
+    bytes_per_page = (
+        KVCacheShape.of_model(model_config, config.page_size, dtype).bytes_per_page if model_config else 0
+    )
     ram = available_ram()
     if device.type == "cuda":
         accelerator, _ = torch.cuda.mem_get_info(device)
@@ -32,15 +35,16 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
         accelerator, where = ram, "of available RAM"
     wanted = []
     if config.num_pages is not None:
-        wanted.append(("engine.num_pages", config.num_pages * bytes_per_page, accelerator, where))
+        if bytes_per_page:
+            wanted.append(("engine.num_pages", config.num_pages * bytes_per_page, accelerator, where))
     elif not isinstance(config.kv_cache_memory, float | int):
         wanted.append(("engine.kv_cache_memory", parse_size(config.kv_cache_memory), accelerator, where))
     wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of available RAM"))
     for key, need, have, what in wanted:
         if need > have:
             raise BadInput(
-                f"key `{key}`: asks for {_gib(need)} but only {_gib(have)} is {what}; lower it "
-                f"({bytes_per_page} bytes per KV page)."
+                f"key `{key}`: asks for {_gib(need)} but only {_gib(have)} is {what}; lower it"
+                + (f" ({bytes_per_page} bytes per KV page)." if bytes_per_page else ".")
             )
     if device.type == "cpu" and len(wanted) == 2 and wanted[0][1] + wanted[1][1] > ram:
         raise BadInput(
