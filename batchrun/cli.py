@@ -279,6 +279,14 @@ def status(out_dir: str, as_json) -> None:
     help="Tokens of a prefix common to every request (a system prompt), put before each prompt.",
 )
 @click.option(
+    "--state-slots",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="A hybrid model: the fixed state each running request holds, in token slots of the budget (a run's "
+    "bytes_per_state_slot over bytes_per_page / page_size).",
+)
+@click.option(
     "--page-sizes",
     default="1,8,16,32,64,128",
     show_default=True,
@@ -295,6 +303,7 @@ def simulate(
     requests,
     budget,
     shared_prefix,
+    state_slots,
     page_sizes,
     seed,
     as_json,
@@ -322,11 +331,11 @@ def simulate(
             f"--page-sizes {page_sizes!r}: {bad[0]} is not a page size; pages hold a power of two tokens "
             "(1, 2, 4, ...)."
         )
-    results = run_all(workload, budget, max_new_tokens, sizes, shared_prefix)
+    results = run_all(workload, budget, max_new_tokens, sizes, shared_prefix, state_slots)
     if as_json:
         click.echo(json.dumps([r._asdict() for r in results], indent=2))
     else:
-        click.echo(format_table(results, workload, budget, shared_prefix))
+        click.echo(format_table(results, workload, budget, shared_prefix, state_slots))
 
 
 def _range(text: str, option: str) -> tuple[int, int]:

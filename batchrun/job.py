@@ -190,6 +190,9 @@ class Job:
             first = next(rows, None)
             if first is None:  # nothing to do (or an input without rows) loads no model
                 self.sink.write_empty()
+                total = self.rows.shard_rows()  # `batchrun status`: finished, not pending 0/?
+                self.heartbeat.start(self.rows.input_rows(), total, total or 0, 0)
+                self.heartbeat.finish("finished", 0)
                 return None
             self.rows.put_back(first)  # the run goes on from there
             return self._run()

@@ -28,6 +28,9 @@ class Request(NamedTuple):
     output: int
 
 
+SHARES = ("tokens", "reserved", "internal", "external", "duplication", "free", "state")  # of the budget
+
+
 class Result(NamedTuple):
     allocator: str
     tokens: float
@@ -36,6 +39,9 @@ class Result(NamedTuple):
     external: float
     duplication: float
     free: float
+    state: (
+        float  # a hybrid model's fixed state per running sequence (--state-slots), its pages' padding aside
+    )
     peak_concurrency: int
     mean_concurrency: float
     steps: int
@@ -77,7 +83,7 @@ class _Live:
     generated: int = 0
     start: int = 0  # contiguous: first slot of the reservation
     size: int = 0  # contiguous: slots reserved
-    pages: int = 0  # paged: private pages held
+    pages: int = 0  # paged: private pages held (its state's included)
 
 
 class _Allocator:
@@ -85,8 +91,9 @@ class _Allocator:
 
     name = ""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, state: int = 0):
         self.budget = budget
+        self.state = state  # slots of a hybrid's fixed per-sequence state, held while a request runs
 
     def need(self, r: Request) -> int:  # slots a request needs to be admitted; > budget means never
         raise NotImplementedError
@@ -107,8 +114,8 @@ class _Allocator:
 class _Contiguous(_Allocator):
     """A contiguous reservation per request, placed first-fit in one address range."""
 
-    def __init__(self, budget: int, reserve_output: int | None, shared_prefix: int):
-        super().__init__(budget)
+    def __init__(self, budget: int, reserve_output: int | None, shared_prefix: int, state: int = 0):
+        super().__init__(budget, state)
         self.reserve_output = reserve_output  # None: the exact output length (an oracle)
         self.shared_prefix = shared_prefix
         self.name = (
@@ -117,7 +124,7 @@ class _Contiguous(_Allocator):
         self.segments: list[tuple[int, int]] = []  # taken (start, size), sorted
 
     def need(self, r: Request) -> int:
-        return r.prompt + (self.reserve_output if self.reserve_output is not None else r.output)
+        return r.prompt + (self.reserve_output if self.reserve_output is not None else r.output) + self.state
 
     def _gaps(self) -> list[tuple[int, int]]:
         gaps, pos = [], 0
@@ -149,13 +156,15 @@ class _Contiguous(_Allocator):
         dup = max(0, len(running) - 1) * self.shared_prefix
         gaps = self._gaps()
         external = sum(g for _, g in gaps if head is not None and g < self.need(head))
+        state = self.state * len(running)
         return {
             "tokens": stored - dup,
             "duplication": dup,
             "reserved": future,
-            "internal": held - stored - future,
+            "internal": held - stored - future - state,
             "external": external,
             "free": self.budget - held - external,
+            "state": state,
         }
 
 
@@ -163,9 +172,10 @@ class _Paged(_Allocator):
     """Fixed pages; a request takes pages as its tokens arrive; with prefix sharing, the full pages of the common
     prefix are stored once for everyone."""
 
-    def __init__(self, budget: int, page_size: int, shared_prefix: int, sharing: bool):
-        super().__init__(budget)
+    def __init__(self, budget: int, page_size: int, shared_prefix: int, sharing: bool, state: int = 0):
+        super().__init__(budget, state)
         self.P = page_size
+        self.state_pages = cdiv(state, page_size)  # pages of the state (a hybrid's slot, in the same budget)
         self.num_pages = budget // page_size
         self.shared_pages = shared_prefix // page_size if sharing else 0
         self.shared_prefix = shared_prefix
@@ -180,10 +190,10 @@ class _Paged(_Allocator):
         return lv_tokens - self.shared_pages * self.P
 
     def need(self, r: Request) -> int:
-        return cdiv(r.prompt + r.output, self.P) * self.P
+        return (cdiv(r.prompt + r.output, self.P) + self.state_pages) * self.P
 
     def _pages_for(self, tokens: int) -> int:
-        return cdiv(self._private_tokens(tokens), self.P)
+        return cdiv(self._private_tokens(tokens), self.P) + self.state_pages
 
     def admit(self, live: _Live) -> bool:
         pages = self._pages_for(live.req.prompt + live.generated)
@@ -221,13 +231,15 @@ class _Paged(_Allocator):
         distinct = stored - max(0, k - 1) * once
         dup = max(0, k - 1) * (self.shared_prefix - once)  # the part of the prefix in unshared pages
         held = self.used * P
+        state = self.state * k
         return {
             "tokens": distinct - dup,
             "duplication": dup,
             "reserved": 0,
-            "internal": held - distinct,
+            "internal": held - distinct - state,
             "external": 0,
             "free": self.budget - held,
+            "state": state,
         }
 
 
@@ -236,7 +248,7 @@ def simulate_one(alloc: _Allocator, workload: list[Request]) -> Result:
     rejected = len(workload) - len(waiting)
     queue = [_Live(r) for r in waiting]
     running: list[_Live] = []
-    shares = {k: 0.0 for k in ("tokens", "reserved", "internal", "external", "duplication", "free")}
+    shares = {k: 0.0 for k in SHARES}
     saturated = steps = peak = preemptions = 0
     conc_sum = 0
     delayed: set[int] = set()
@@ -281,7 +293,7 @@ def simulate_one(alloc: _Allocator, workload: list[Request]) -> Result:
     n = saturated or 1
     return Result(
         alloc.name,
-        *(shares[k] / n for k in ("tokens", "reserved", "internal", "external", "duplication", "free")),
+        *(shares[k] / n for k in SHARES),
         peak,
         conc_sum / max(steps, 1),
         steps,
@@ -297,29 +309,34 @@ def run_all(
     max_new_tokens: int | None,
     page_sizes: list[int],
     shared_prefix: int = 0,
+    state: int = 0,
 ) -> list[Result]:
     """Every allocator over the same workload; `shared_prefix` tokens common to all requests are put before each
-    prompt."""
+    prompt; `state`: slots a hybrid model's fixed state takes per running request (0: attention alone)."""
     reserve = max_new_tokens if max_new_tokens is not None else max(r.output for r in workload)
     workload = [Request(shared_prefix + r.prompt, min(r.output, reserve)) for r in workload]
     allocators: list[_Allocator] = [
-        _Contiguous(budget, reserve, shared_prefix),
-        _Contiguous(budget, None, shared_prefix),
+        _Contiguous(budget, reserve, shared_prefix, state),
+        _Contiguous(budget, None, shared_prefix, state),
     ]
-    allocators += [_Paged(budget, p, shared_prefix, sharing=False) for p in page_sizes]
+    allocators += [_Paged(budget, p, shared_prefix, sharing=False, state=state) for p in page_sizes]
     if shared_prefix:
-        allocators.append(_Paged(budget, 16, shared_prefix, sharing=True))
+        allocators.append(_Paged(budget, 16, shared_prefix, sharing=True, state=state))
     return [simulate_one(a, workload) for a in allocators]
 
 
-def format_table(results: list[Result], workload: list[Request], budget: int, shared_prefix: int = 0) -> str:
+def format_table(
+    results: list[Result], workload: list[Request], budget: int, shared_prefix: int = 0, state: int = 0
+) -> str:
     workload = [Request(shared_prefix + r.prompt, r.output) for r in workload]
     n = len(workload)
     mean_p = sum(r.prompt for r in workload) / n
     mean_o = sum(r.output for r in workload) / n
     head = (
         f"{n} requests, prompt mean {mean_p:.0f} tokens, output mean {mean_o:.0f} tokens, "
-        f"KV budget {budget} token slots. Shares of the budget, averaged over steps with a request waiting.\n"
+        f"KV budget {budget} token slots"
+        + (f", a state of {state} slots per running request (a hybrid model)" if state else "")
+        + ". Shares of the budget, averaged over steps with a request waiting.\n"
     )
     cols = [
         "allocator",
@@ -329,6 +346,7 @@ def format_table(results: list[Result], workload: list[Request], budget: int, sh
         "external",
         "dup",
         "free",
+        *(["state"] if state else []),
         "peak",
         "mean",
         "steps",
@@ -344,6 +362,7 @@ def format_table(results: list[Result], workload: list[Request], budget: int, sh
             f"{r.external:.1%}",
             f"{r.duplication:.1%}",
             f"{r.free:.1%}",
+            *([f"{r.state:.1%}"] if state else []),
             str(r.peak_concurrency),
             f"{r.mean_concurrency:.1f}",
             str(r.steps),

@@ -1,5 +1,6 @@
 """Whole jobs: inputs (Parquet, save_to_disk), outputs, bad rows, validation errors, memory flatness."""
 
+import json
 import resource
 
 import pyarrow as pa
@@ -331,6 +332,8 @@ def test_an_input_without_rows_loads_no_model_and_leaves_an_empty_table_of_the_j
     assert "category" in table.column_names
     r = run_cli("submit", str(job), "--quiet")  # again: still one (empty) part, still nothing to do
     assert r.returncode == 0 and len(list((tmp_path / "out").glob("part-*"))) == 1
+    st = json.loads(run_cli("status", str(tmp_path / "out"), "--json").stdout)  # it said `pending 0/?`
+    assert st["shards"][0]["state"] == "finished" and st["rows_done"] == 0 and st["rows_total"] == 0, st
 
 
 def test_slurm_with_an_unwritable_output_is_exit_2(tmp_path):

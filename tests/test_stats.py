@@ -140,6 +140,16 @@ def test_paged_simulation_by_hand():
     assert res.external == 0
 
 
+def test_paged_simulation_of_a_hybrid_by_hand():
+    # 4 pages of 4; a hybrid's state of 4 slots takes a page per running request: two of three fit at first
+    # (without the state all three would); at step 0 the two hold 8 token slots and 8 of state, nothing free
+    res = simulate_one(_Paged(16, 4, 0, sharing=False, state=4), [Request(3, 1)] * 3)
+    assert res.peak_concurrency == 2 and res.preemptions == 0
+    assert res.tokens == pytest.approx(8 / 16) and res.state == pytest.approx(8 / 16) and res.free == 0
+    plain = simulate_one(_Paged(16, 4, 0, sharing=False), [Request(3, 1)] * 3)
+    assert plain.peak_concurrency == 3 and plain.state == 0
+
+
 @pytest.mark.parametrize("sizes", ["0,16", "3", "16,-8"])
 def test_simulate_refuses_page_sizes_that_are_not_powers_of_two(sizes):
     """issue 24, item 13: 0 was a ZeroDivisionError (exit 1) and 3 was accepted."""
