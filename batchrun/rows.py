@@ -102,6 +102,27 @@ def clashing_columns(columns, id_column: str | None) -> list[str]:
 ROLES = ("system", "user", "assistant")
 
 
+def _text_of_parts(parts, turn: int, role: str) -> str:
+    """OpenAI's content parts of a text model's turn, as one string: the text parts joined by newlines (as vLLM
+    does). Fields a Parquet struct gives every part (`image_url: null` beside a text part) are ignored when null;
+    an image part is this row's error: batchrun runs text models."""
+    texts = []
+    for j, part in enumerate(parts, 1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "image", "input_image"):
+            raise ValueError(
+                f"conversation turn {turn} ({role}), content part {j}: an image; batchrun runs text models "
+                "and takes no images yet"
+            )
+        else:
+            raise ValueError(
+                f"conversation turn {turn} ({role}), content part {j}: expected {{type: text, text: ...}}"
+            )
+    return "\n".join(texts)
+
+
 def check_conversation(messages: Any) -> list[dict[str, str]]:
     """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one."""
     if not isinstance(messages, list | tuple):
@@ -115,8 +136,12 @@ def check_conversation(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"conversation turn {i} has no role")
         if role not in ROLES:
             raise ValueError(f"conversation turn {i} has unknown role {role!r} (expected {', '.join(ROLES)})")
+        if isinstance(content, list | tuple):  # OpenAI's content parts
+            content = _text_of_parts(content, i, role)
         if not isinstance(content, str):
-            raise ValueError(f"conversation turn {i} ({role}) has no content (a string)")
+            raise ValueError(
+                f"conversation turn {i} ({role}) has no content (a string, or a list of content parts)"
+            )
         turns.append({"role": role, "content": content})
     if not any(t["role"] == "user" for t in turns) or turns[-1]["role"] == "assistant":
         raise ValueError(

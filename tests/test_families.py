@@ -349,3 +349,19 @@ def test_a_row_alone_equals_the_row_beside_a_long_batch_mate(family, attention):
         seqs, _ = run_engine(engine, batch, SamplingParams(max_new_tokens=NEW_TOKENS))
         got.append(seqs[-1][0].output_token_ids)
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3"])
+def test_a_vision_language_config_is_sized_from_its_text_config(family):
+    """The pre-load memory check read a vision-language model's page shape from the top-level config (which has
+    no hidden_size: exit 1 with a raw AttributeError before any row); it reads the language model's config."""
+    from transformers import AutoConfig
+
+    from batchrun.engine.kv_cache import KVCacheShape
+    from batchrun.engine.sizing import model_max_len
+
+    cfg = AutoConfig.for_model(family)
+    text = cfg.get_text_config()
+    shape = KVCacheShape.of_model(cfg, 16, torch.float32)
+    assert shape == KVCacheShape.of_model(text, 16, torch.float32) and shape.num_kv_heads > 0
+    assert model_max_len(cfg) == model_max_len(text)

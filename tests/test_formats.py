@@ -83,6 +83,31 @@ def test_conversations_column_equals_hf_generate(tmp_path, tok_model, model_dir)
     assert "nothing to answer" in reasons[2] and "nothing to answer" in reasons[3]
 
 
+def test_openai_content_parts_in_a_parquet_conversation(tmp_path, tok_model):
+    """Conversations whose content is a list of OpenAI content parts (as Parquet stores them: every part has
+    every field, `image_url` null beside a text part): text parts are the text, joined by newlines, and the row
+    equals the same conversation written as strings; an image part is that row's error naming turn and part
+    (every such row was "has no content (a string)")."""
+    text = lambda t: {"type": "text", "text": t, "image_url": None}  # noqa: E731
+    image = {"type": "image_url", "text": None, "image_url": {"url": "data:image/png;base64,AAAA"}}
+    parts = [
+        [{"role": "user", "content": [text("Name a colour."), text("One word.")]}],
+        [{"role": "user", "content": [text("Describe this."), image]}],
+    ]
+    plain = [[{"role": "user", "content": "Name a colour.\nOne word."}]]
+    for name, convs in (("parts", parts), ("plain", plain)):
+        data = write_table(tmp_path / f"{name}.parquet", {"id": list(range(len(convs))), "messages": convs})
+        job = job_text(tmp_path, data).replace(str(tmp_path / "out"), str(tmp_path / f"out-{name}"))
+        r = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", job)), "--quiet")
+        assert r.returncode == 0, r.stderr
+    got, want = read_outputs(tmp_path / "out-parts"), read_outputs(tmp_path / "out-plain")
+    assert got[(0, 0)]["completion"] == want[(0, 0)]["completion"] and got[(0, 0)]["error"] is None
+    assert (
+        got[(1, 0)]["finish_reason"] == "error"
+        and "turn 1 (user), content part 2: an image" in got[(1, 0)]["error"]
+    )
+
+
 def test_per_row_sampling_columns(tmp_path):
     n = 5
     data = write_table(

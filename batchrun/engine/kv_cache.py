@@ -41,8 +41,9 @@ class KVCacheShape:
     @classmethod
     def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheShape:
         """The page shape a `transformers` model config suggests, before the model is loaded (for sizing checks);
-        the engine takes the shape the loaded model's layers actually produce (architecture.inspect_model)."""
-        cfg = model_config
+        the engine takes the shape the loaded model's layers actually produce (architecture.inspect_model). A
+        vision-language model's config holds its language model's in `text_config`: that one is read."""
+        cfg = text_config(model_config)
         layers = layers_per_page(cfg)
         if getattr(
             cfg, "kv_lora_rank", None
@@ -52,6 +53,11 @@ class KVCacheShape:
         head_dim = _largest(cfg, "head_dim") or cfg.hidden_size // _largest(cfg, "num_attention_heads")
         num_kv_heads = _largest(cfg, "num_key_value_heads") or _largest(cfg, "num_attention_heads")
         return cls(layers, num_kv_heads, head_dim, page_size, dtype)
+
+
+def text_config(cfg):
+    """The language model's config (a vision-language model's `text_config`; the config itself otherwise)."""
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

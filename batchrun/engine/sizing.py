@@ -11,7 +11,7 @@ from ..checks import parse_size
 from ..errors import BadInput
 from ..host import available_ram
 from .config import EngineConfig
-from .kv_cache import KVCacheShape
+from .kv_cache import KVCacheShape, text_config
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 
@@ -55,7 +55,7 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
 
 def model_max_len(model_config) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(model_config, key, None)
+        value = getattr(text_config(model_config), key, None)
         if isinstance(value, int) and value > 0:
             return value
     return 8192
