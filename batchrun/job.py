@@ -277,8 +277,12 @@ class Job:
         return stats.summary(rows=self.rows_done)
 
     def loaded(self) -> None:
-        """Every engine has its model: the heartbeat goes from loading to running."""
+        """Every engine has its model: the heartbeat goes from loading to running, and the bar's clock starts
+        again (its rate and ETA are of the rows, not of the model's load)."""
         self.heartbeat.running()
+        done = self.bar.n  # rows a faster replica finished already
+        self.bar.reset(total=self.bar.total)
+        self.bar.update(done)
 
     def emit(self, rows: list[OutputRow]) -> None:
         """All output rows of one input row, to the sink."""
@@ -292,12 +296,13 @@ class Job:
         """Every loop turn: progress, heartbeat, the statistics file now and then (`stats`: this process's
         engine; replicas write theirs from their reports)."""
         now = time.monotonic()
-        self.heartbeat.beat(self.rows_done)
+        # `batchrun status` counts rows in written parts: what a run killed now would not redo
+        self.heartbeat.beat(self.sink.input_rows_written)
         if stats is not None and stats_file.due():
             stats_file.write(stats.summary(rows=self.rows_done), job_rows=self.job_rows)
         if not self.bar.disable and now - self._last_postfix >= 0.5:
             self._last_postfix = now
-            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.set_postfix_str(f"{postfix}, written {self.sink.input_rows_written}", refresh=False)
 
     # ---- signals ------------------------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> dict:

@@ -351,12 +351,15 @@ class PartWriter:
         self.max_wait_s = max_wait_s
         self.buffer: list[OutputRow] = []
         self.num_parts = 0
-        self.rows_written = 0
+        self.rows_written = 0  # output rows (samples) in written parts
+        self.inputs_written = 0  # input rows whose every sample is in a written part: what a resume skips
+        self._buffered_inputs = 0
         self._last_flush = time.monotonic()
 
     def add(self, rows: list[OutputRow]) -> None:
         """All samples of one input row, together (a JSONL line holds them all)."""
         self.buffer.extend(rows)
+        self._buffered_inputs += 1
         if len(self.buffer) >= self.rows_per_part or time.monotonic() - self._last_flush >= self.max_wait_s:
             self.flush()
 
@@ -370,7 +373,8 @@ class PartWriter:
         storage.write_whole(self.out_dir / name, lambda f: self.fmt.write(f, buffer))
         self.num_parts += 1
         self.rows_written += len(self.buffer)
-        self.buffer = []
+        self.inputs_written += self._buffered_inputs
+        self.buffer, self._buffered_inputs = [], 0
 
 
 class OutputSink:
@@ -448,3 +452,8 @@ class OutputSink:
     @property
     def rows_written(self) -> int:
         return self.writer.rows_written
+
+    @property
+    def input_rows_written(self) -> int:
+        """Input rows of this run in written parts (finished rows still buffered are not, until written)."""
+        return self.writer.inputs_written
