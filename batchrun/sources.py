@@ -273,11 +273,28 @@ def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob:
             matches = glob.glob(os.path.expanduser(pattern), recursive=True)
             files = sorted(Path(f) for f in matches if os.path.isfile(f))
     if not files:
+        missing = _missing_bucket(where) if storage.is_url(pattern) else None
+        if missing:
+            raise BadInput(f"{source}: key `{key}`: {pattern!r}: {missing}.")
         raise BadInput(
             f"{source}: key `{key}`: no {kind} files match {pattern!r} "
             f"(expected a file, a directory of {suffix_glob} files, or a glob)."
         )
     return files
+
+
+def _missing_bucket(p: Path) -> str | None:
+    """Why nothing matched, when it is the bucket (container) itself that is not there."""
+    bucket = storage.fresh(p).path.split("/", 1)[0]
+    try:
+        exists = p.fs.exists(bucket)
+    except Exception:  # noqa: BLE001 - the listing already answered; this is only a better message
+        return None
+    return (
+        None
+        if exists
+        else f"the bucket {bucket!r} does not exist on this store (or these credentials see none)"
+    )
 
 
 def _matching_objects(p: Path, suffix_glob: str) -> list[Path]:

@@ -446,3 +446,16 @@ def test_no_lock_beside_a_live_holder_is_refused(s3, tmp_path):
             NoLock(state, 0, 1).acquire(False, "out", "job.yaml")
         held.release()
         NoLock(state, 0, 1).acquire(False, "out", "job.yaml")  # nobody holds it: goes ahead
+
+
+def test_an_unknown_bucket_is_named_as_such(s3, tmp_path):
+    """An input in a bucket that does not exist said "no Parquet files match"; it says the bucket is missing
+    (an existing bucket without the files keeps the old message)."""
+    env, _ = s3
+    for url, words in (
+        ("s3://no-such-bucket/in/*.parquet", "the bucket 'no-such-bucket' does not exist"),
+        ("s3://bkt/nothing-here/*.parquet", "no Parquet files match"),
+    ):
+        job = write_job(tmp_path / "job.yaml", job_text("u", "parquet", url, str(tmp_path / "out")))
+        r = run_cli("validate", str(job), env=env)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
