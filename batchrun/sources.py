@@ -260,9 +260,12 @@ def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob:
         where = storage.location(pattern, f"{source}: key `{key}`")
         try:
             files = _matching_objects(where, suffix_glob)
-        except (OSError, ValueError, RuntimeError) as e:  # the store refused, or cannot be reached (offline)
+        except Exception as e:  # noqa: BLE001 - refused, unreachable (offline), no credentials: the store's client
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise BadInput(f"{source}: key `{key}`: cannot list {pattern} ({msg}).") from None
+            raise BadInput(
+                f"{source}: key `{key}`: cannot list {pattern} ({type(e).__name__}: {msg}); check the store's "
+                f"credentials and endpoint (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)."
+            ) from None
     else:
         p = Path(pattern).expanduser()
         if p.is_dir():

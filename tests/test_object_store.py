@@ -459,3 +459,20 @@ def test_an_unknown_bucket_is_named_as_such(s3, tmp_path):
         job = write_job(tmp_path / "job.yaml", job_text("u", "parquet", url, str(tmp_path / "out")))
         r = run_cli("validate", str(job), env=env)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_missing_credentials_are_a_bad_job_naming_the_key(s3, tmp_path):
+    """No credentials for the store: exit 2 naming the key and what to check (it was exit 1 and botocore's
+    raw NoCredentialsError)."""
+    env, _ = s3
+    job = write_job(tmp_path / "job.yaml", job_text("c", "parquet", "s3://bkt/in/*.parquet", "s3://bkt/cout"))
+    bare = {
+        **env,
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+    }
+    bare["AWS_CONFIG_FILE"] = "/dev/null"
+    r = run_cli("validate", str(job), env=bare)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "input.parquet" in r.stderr and "credentials" in r.stderr, r.stderr
