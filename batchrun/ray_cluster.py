@@ -158,7 +158,9 @@ class RayRun:
     def run(self) -> dict | None:
         import ray
 
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+        # and the variables BATCHRUN_FORWARD_ENV names (a cluster whose nodes have no credentials of their own)
+        chosen = {n.strip() for n in os.environ.get("BATCHRUN_FORWARD_ENV", "").split(",") if n.strip()}
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV) or k in chosen}
         address = None if self.address == "local" else self.address
         # HOST:PORT or ray://HOST:PORT (Ray Client, from the `ray` extra): Ray would wait for it without end
         host, _, port = (address or "").rpartition("://")[2].rpartition(":")

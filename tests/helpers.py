@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -106,3 +107,50 @@ def read_outputs(out_dir: Path) -> dict:
             assert key not in rows, f"{key} written twice"
             rows[key] = r
     return rows
+
+
+@contextlib.contextmanager
+def moto_server(log_dir: Path):
+    """A moto S3 server (its own process) on a free port of 127.0.0.1 with a bucket `bkt`, this process's
+    environment pointing boto at it while it runs: yields (that environment, an s3fs file system)."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(log_dir / "server.log", "w")  # noqa: SIM115 - closed at the end
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
+    )
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        t0 = time.time()
+        while True:
+            try:
+                fs.mkdir("bkt")
+                break
+            except Exception:
+                if time.time() - t0 > 30 or server.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        yield env, fs
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

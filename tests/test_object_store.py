@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -15,7 +14,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
+from helpers import BATCHRUN, moto_server, read_outputs, run_cli, write_job, write_prompts
 
 N_ROWS = 16
 
@@ -23,42 +22,8 @@ N_ROWS = 16
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A moto S3 server on a free port, the environment that points boto at it, and an s3fs file system."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115 - closed at the end
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import s3fs
-
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    t0 = time.time()
-    while True:
-        try:
-            fs.mkdir("bkt")
-            break
-        except Exception:
-            if time.time() - t0 > 30 or server.poll() is not None:
-                raise
-            time.sleep(0.2)
-    yield env, fs
-    server.terminate()
-    server.wait(10)
-    log.close()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with moto_server(tmp_path_factory.mktemp("moto")) as server:
+        yield server
 
 
 def put_parquet(fs, key: str, table: pa.Table) -> None:

@@ -127,6 +127,35 @@ def test_an_unreachable_ray_client_address_is_exit_2(job):
     assert f"ray://127.0.0.1:{port}" in r.stderr and "ray[client]" not in r.stderr, r.stderr
 
 
+def test_ray_with_the_output_on_s3(cluster, job, tmp_path):
+    """--ray and an object store together (each was tested alone): two actors write their shards' parts, leases
+    and statistics to s3://, every row once, equal to one local process; status and stats read it there."""
+    from helpers import moto_server
+
+    job_file, d, expected = job
+    with moto_server(tmp_path) as (env, fs):
+        env = {**env, "BATCHRUN_FORWARD_ENV": ",".join(env)}  # the test cluster's node has no credentials
+        r = run_cli(
+            "submit", str(job_file), "--quiet", "--ray", cluster, "--replicas", "2",
+            "--set", "output.path=s3://bkt/ray-out", env=env,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        rows = {}
+        for key in sorted(fs.find("bkt/ray-out")):
+            if key.rsplit("/", 1)[1].startswith("part-"):
+                with fs.open(key, "rb") as f:
+                    for row in pq.read_table(f).to_pylist():
+                        assert (row["id"], row["sample"]) not in rows, f"{row['id']} written twice"
+                        rows[(row["id"], row["sample"])] = row
+        assert cells(rows) == expected
+        st = json.loads(run_cli("status", "s3://bkt/ray-out", "--json", env=env).stdout)
+        assert [s["state"] for s in st["shards"]] == ["finished", "finished"] and st["rows_done"] == N_ROWS, (
+            st
+        )
+        stats = run_cli("stats", "s3://bkt/ray-out", "--json", env=env)
+        assert stats.returncode == 0 and json.loads(stats.stdout)["rows"] == N_ROWS, stats.stderr
+
+
 def start_driver(job_file, cluster: str, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [BATCHRUN, "submit", str(job_file), "--quiet", "--ray", cluster, "--replicas", "2"]
