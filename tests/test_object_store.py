@@ -416,7 +416,7 @@ def test_no_lock_beside_a_live_holder_is_refused(s3, tmp_path):
 def test_an_unknown_bucket_is_named_as_such(s3, tmp_path):
     """An input in a bucket that does not exist said "no Parquet files match"; it says the bucket is missing
     (an existing bucket without the files keeps the old message)."""
-    env, _ = s3
+    env, fs = s3
     for url, words in (
         ("s3://no-such-bucket/in/*.parquet", "the bucket 'no-such-bucket' does not exist"),
         ("s3://bkt/nothing-here/*.parquet", "no Parquet files match"),
@@ -424,6 +424,12 @@ def test_an_unknown_bucket_is_named_as_such(s3, tmp_path):
         job = write_job(tmp_path / "job.yaml", job_text("u", "parquet", url, str(tmp_path / "out")))
         r = run_cli("validate", str(job), env=env)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    put_parquet(fs, "bkt/uin/in.parquet", pa.table({"id": [0], "prompt": ["Hi"]}))
+    job = write_job(
+        tmp_path / "job.yaml", job_text("u", "parquet", "s3://bkt/uin/in.parquet", "s3://no-such-bucket/out")
+    )
+    r = run_cli("validate", str(job), env=env)  # validate said ok; submit refused it
+    assert r.returncode == 2 and "output.path" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_missing_credentials_are_a_bad_job_naming_the_key(s3, tmp_path):
