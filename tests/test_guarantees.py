@@ -239,3 +239,25 @@ def test_status_counts_rows_in_written_parts(tmp_path):
         assert writer.inputs_written == (2 if i >= 1 else 0), i
     writer.flush()
     assert writer.inputs_written == 3 and writer.rows_written == 6
+
+
+def test_out_of_memory_while_loading_is_not_a_bad_model_path(tmp_path, monkeypatch):
+    """The load turned every exception into exit 2 ("cannot load the model"): an out-of-memory keeps its own
+    error (exit 1: Slurm and Ray may retry it), a broken model directory stays a bad job."""
+    import transformers
+
+    from batchrun.engine import loading
+    from batchrun.errors import BadInput
+
+    (tmp_path / "model").mkdir()
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(loading, "load_paged_model", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        loading.load_model(tmp_path / "model", torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(loading, "load_paged_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(BadInput, match="cannot load the model"):
+        loading.load_model(tmp_path / "model", torch.float32, torch.device("cpu"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput
-from .architecture import UnsupportedModel, refusal
+from .architecture import UnsupportedModel, not_the_models_fault, refusal
 from .attention import ATTENTION_NAME, register
 
 
@@ -26,6 +26,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
     except BadInput:
         raise
     except Exception as e:
+        if not_the_models_fault(e):
+            raise  # out of memory, I/O: the run failed (exit 1), the model path is not the reason
         raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
     model.to(device).eval()
     return tokenizer, model
