@@ -1,4 +1,4 @@
-"""A hybrid model (issue 31): a Qwen-3.5-shaped model of random weights (3 Gated DeltaNet layers : 1 gated
+"""A hybrid model: a Qwen-3.5-shaped model of random weights (3 Gated DeltaNet layers : 1 gated
 attention layer) on 200 rows behind one ~500-token system prompt, side by side in one run:
 
 1. batchrun vs HF `generate` (padded batches of 16) on the same rows, fp32, greedy: generated tokens/s of the
@@ -33,7 +33,7 @@ from .common import (
 )
 
 MODULE = "bench.hybrid"
-SYSTEM = (  # about 500 tokens
+SYSTEM = (  # its templated length: bench/RESULTS.md
     "You are the assistant of a regional railway. Answer travellers' questions about timetables, tickets, "
     "seat reservations, bicycles on board, luggage, delays and refunds, accessibility and connections to "
     "buses and ferries in two short sentences, politely, without inventing services. "

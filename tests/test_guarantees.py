@@ -1,4 +1,4 @@
-"""Promises at the edges (issue 32): no row depends on its batch-mates through RoPE scaling, load failures that are
+"""Promises at the edges: no row depends on its batch-mates through RoPE scaling, load failures that are
 not the model's fault keep their own error, sharded statistics never overwrite each other, a dead run's temporary
 files go, the prefix chain cannot collide."""
 

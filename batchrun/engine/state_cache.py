@@ -228,7 +228,8 @@ class StateSlots:
 
 
 class NoStateSlots:
-    """A model without stateful layers: no slot to take, none to check, every cached prefix usable."""
+    """A model without stateful layers: no slot to take, none to check, every cached prefix usable. (`limit` and
+    `reached` are asked only for a sequence that keeps a snapshot, which only StateSlots chooses.)"""
 
     num_slots = num_used = num_cpu_slots = num_snapshots = snapshots_taken = snapshots_restored = 0
     num_free = num_free_cpu = 1 << 62
@@ -244,12 +245,6 @@ class NoStateSlots:
         return None
 
     def choose_snapshot(self, seq, hashes, computed_blocks: int, waiting) -> None:
-        return None
-
-    def limit(self, seq, start: int, n: int, page_size: int) -> int:
-        return n
-
-    def reached(self, seq, end: int, page_size: int, hashes) -> None:
         return None
 
     def seats(self, seq) -> int:
