@@ -27,7 +27,7 @@ def chat_ids(tok, text: str, system: str | None = None) -> list[int]:
 def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192, **overrides):
     """An engine on the CPU with the torch backend; `overrides` are EngineConfig keys (the job's engine:)."""
     from batchrun.engine import Engine, EngineConfig
-    from batchrun.engine.kv_cache import KVCacheShape
+    from batchrun.engine.kv_cache import KVCacheSpec
     from batchrun.engine.loading import eos_token_ids
 
     tok, model = tok_model
@@ -42,8 +42,8 @@ def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192,
         attention="torch",
     )
     cfg.update(overrides)
-    shape = KVCacheShape.of_model(model.config, cfg["page_size"], next(model.parameters()).dtype)
-    cfg["swap_space"] = num_cpu_pages * shape.bytes_per_page
+    spec = KVCacheSpec.of_model(model.config, cfg["page_size"], next(model.parameters()).dtype)
+    cfg["swap_space"] = num_cpu_pages * spec.bytes_per_page
     return Engine(
         model, tok, EngineConfig(**cfg), torch.device("cpu"), eos_token_ids(tok, model), max_model_len
     )

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from batchrun.engine.kv_cache import KVCache, KVCacheShape
+from batchrun.engine.kv_cache import KVCache, KVCacheSpec, KVGroups, KVShape
 
 PROBE = """
 import random, resource, sys, torch
@@ -75,17 +75,18 @@ def test_the_kv_pool_grows_by_the_pages_written():
     """The CPU pool is zeroed lazily by the OS in 4 KiB pages: writing one page of it makes that page resident
     and no more. (In 2 MiB pages, as numpy's calloc asked for, a first write zeroes 2 MiB: on the reference
     workload the K/V writes took 1.4-1.5 s instead of 0.35.)"""
-    shape = KVCacheShape(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
-    cache = KVCache(shape, num_pages=4096, num_cpu_pages=0, device=torch.device("cpu"))  # 2 x 128 MiB
-    k, _ = cache.layer(1)
+    groups = KVGroups.of_layers([("full", KVShape(num_kv_heads=2, head_dim=64, v_head_dim=64))] * 4)
+    spec = KVCacheSpec(groups, page_size=16, dtype=torch.float32)
+    cache = KVCache(spec, num_pages=4096, num_cpu_pages=0, device=torch.device("cpu"))  # 256 MiB
+    _, k, v = cache.layer(1)
     k[100].fill_(1.0)  # one page of one layer's keys: 8 KiB
-    k_pool, v_pool = cache.pages
-    start = k_pool.data_ptr()
-    mapped = smaps_total(start, start + k_pool.numel() * 4)
-    assert mapped["Size"] >= k_pool.numel() * 4 // 1024
+    pool = cache.pages
+    start = pool.data_ptr()
+    mapped = smaps_total(start, start + pool.numel() * 4)
+    assert mapped["Size"] >= pool.numel() * 4 // 1024
     assert mapped.get("AnonHugePages", 0) == 0, mapped
     assert mapped["Rss"] <= 64, mapped
-    assert k_pool.sum().item() == 16 * 2 * 64 and v_pool.sum().item() == 0  # zeros but the page written
+    assert pool.sum().item() == 16 * 2 * 64 and v.sum().item() == 0  # zeros but the page written
 
 
 @pytest.mark.parametrize(

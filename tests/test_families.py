@@ -18,6 +18,8 @@ from batchrun.engine import SamplingParams
 from batchrun.engine.attention import FULL, UnsupportedModel
 
 NEW_TOKENS = 24
+# the Triton interpreter takes minutes over 8 layers: Gemma 4 there as 1 sliding and 1 full layer of wider heads
+INTERPRETED_SMALLER = {"gemma4_text": dict(num_hidden_layers=2, num_kv_shared_layers=0, global_head_dim=64)}
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -45,8 +47,8 @@ def build(family: str, overrides: dict, attn: str):
 def models(family: str, head_dim: int = 16):
     """batchrun's model of the family (perturbed) and the reference: the same weights, eager attention."""
     overrides = dict(SUPPORTED[family][1])
-    if head_dim != 16:
-        overrides["head_dim"] = head_dim
+    if head_dim != 16:  # for the Triton kernels
+        overrides.update(head_dim=head_dim, **INTERPRETED_SMALLER.get(family, {}))
     ours = build(family, overrides, "paged")
     perturb(ours, seed=len(family))
     ref = build(family, overrides, "eager")
@@ -80,7 +82,7 @@ def run(model, family: str, attention: str, full_pages: int = 256, on_step=None,
     from batchrun.engine.architecture import inspect_model
 
     found = inspect_model(model)
-    full_page = found.kv_shape(16, torch.float32).bytes_per_page * found.groups.num_groups
+    full_page = found.kv_spec(16, torch.float32).bytes_per_page * found.groups.num_groups
     cfg = dict(
         device="cpu",
         kv_cache_memory=str(full_pages * full_page),
@@ -124,10 +126,10 @@ def test_family_equals_hf_generate_under_preemption(family):
     assert got == expected, f"{family} differs under preemption"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4_text", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma4_text", "gpt_oss", "llama4_text", "qwen3_5_text"])
 def test_family_on_triton_equals_hf_generate(family):
     """The Triton kernels (interpreted on the CPU here; they take head dims from 32) with a window, soft-capping,
-    sinks and chunks, and beside a hybrid's stateful layers."""
+    sinks and chunks, beside a hybrid's stateful layers, and on KV cache groups of different shapes."""
     model, expected = model_and_reference(family, head_dim=32)
     got, _, engine = run(model, family, "triton")
     assert engine.attention.name == "triton"
@@ -240,7 +242,7 @@ def test_window_freed_pages_are_counted_and_recounted():
         set(),
         512,
     )
-    assert engine.kv_groups.num_groups == 6 and engine.kv_groups.layers_per_group == 1
+    assert engine.kv_groups.sizes == (1,) * 6
     freed = []
 
     def check(eng, result):
@@ -282,7 +284,7 @@ def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
     assert peaks["groups"] < peaks["kept"], peaks
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma4_text", "gpt_oss", "llama4_text"])
 def test_prefix_sharing_and_copy_on_write_per_group(family):
     """Prompts sharing a prefix longer than the window, two greedy samples each (they share every page until
     they write): prefix hits and copy-on-write happen in every group, and each sample equals HF `generate`."""
@@ -326,11 +328,15 @@ def test_the_pre_load_page_is_the_engines_page(family):
     """`engine.num_pages` means the same pages to the memory check made before the load (from the config) as to
     the engine (from the probed layers): a page of one KV cache group's layers, not of all of them."""
     from batchrun.engine.architecture import inspect_model
-    from batchrun.engine.kv_cache import KVCacheShape
+    from batchrun.engine.kv_cache import KVCacheSpec
 
     model, _ = models(family)
-    estimated = KVCacheShape.of_model(model.config, 16, torch.float32)
-    assert estimated == inspect_model(model).kv_shape(16, torch.float32)
+    estimated = KVCacheSpec.of_model(model.config, 16, torch.float32)
+    probed = inspect_model(model).kv_spec(16, torch.float32)
+    assert estimated.bytes_per_page == probed.bytes_per_page
+    # the same groups (their kinds are layer types before the load, mask kinds after)
+    for key in ("shapes", "sizes", "layer_group", "layer_slot"):
+        assert getattr(estimated.groups, key) == getattr(probed.groups, key), key
 
 
 @pytest.mark.parametrize("attention", ["torch", "gather"])
@@ -351,17 +357,57 @@ def test_a_row_alone_equals_the_row_beside_a_long_batch_mate(family, attention):
     assert got[0] == got[1]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3", "gemma4"])
 def test_a_vision_language_config_is_sized_from_its_text_config(family):
     """The pre-load memory check read a vision-language model's page shape from the top-level config (which has
     no hidden_size: exit 1 with a raw AttributeError before any row); it reads the language model's config."""
     from transformers import AutoConfig
 
-    from batchrun.engine.kv_cache import KVCacheShape
+    from batchrun.engine.kv_cache import KVCacheSpec
     from batchrun.engine.sizing import model_max_len
 
     cfg = AutoConfig.for_model(family)
     text = cfg.get_text_config()
-    shape = KVCacheShape.of_model(cfg, 16, torch.float32)
-    assert shape == KVCacheShape.of_model(text, 16, torch.float32) and shape.num_kv_heads > 0
+    spec = KVCacheSpec.of_model(cfg, 16, torch.float32)
+    assert spec == KVCacheSpec.of_model(text, 16, torch.float32) and spec.bytes_per_page > 0
     assert model_max_len(cfg) == model_max_len(text)
+
+
+def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
+    """Gemma 4 E4B's proportions (35 sliding layers of 512 K/V elements per token, 7 full of 1024, the last 2 of
+    each reading an earlier layer's K/V): the sliding layers go two to a page's worth, the last of them leaving
+    half its pages unused; each layer's K and V views are disjoint columns of the page rows, every element of a
+    page belongs to at most one layer, and a reusing layer sees its source's pages."""
+    from batchrun.engine.kv_cache import KVCache, KVCacheSpec, KVGroups, KVShape
+
+    sliding, full = ("sliding", KVShape(1, 256, 256)), ("full", KVShape(1, 512, 512))
+    layers = [full if i % 6 == 5 else sliding for i in range(42)]
+    reads = {40: 34, 41: 35}  # 40 is sliding, 41 full: each reads the last earlier layer of its kind
+    assert layers[40] == layers[34] and layers[41] == layers[35]
+    groups = KVGroups.of_layers(layers, reads)
+    counted = {k: [layers[i] for i in range(42) if i not in reads].count(k) for k in (sliding, full)}
+    assert counted == {sliding: 34, full: 6}
+    # gcd(34, 6) = 2 layers of the full shape fill a page: 2 x 1024 elements per token; sliding groups take 4
+    assert groups.elements_per_token == 2 * 1024
+    assert sorted(zip(groups.kinds, groups.sizes)) == sorted(
+        [("sliding", 4)] * 8 + [("sliding", 2)] + [("full", 2)] * 3
+    )
+    spec = KVCacheSpec(groups, page_size=4, dtype=torch.float32)
+    padded = [g for g in range(groups.num_groups) if spec.padding_bytes(g)]
+    assert [groups.sizes[g] for g in padded] == [2] and spec.padding_bytes(padded[0]) == 4 * 1024 * 4
+    cache = KVCache(spec, num_pages=3, num_cpu_pages=0, device=torch.device("cpu"))
+    owners = torch.zeros(groups.num_groups, 3, spec.page_elements)  # a page is one group's at a time
+    for layer in range(42):
+        group, k, v = cache.layer(layer)
+        assert group == groups.layer_group[layer] and k.shape[1:] == (4, 1, layers[layer][1].head_dim)
+        if layer in reads:
+            assert (k.data_ptr(), v.data_ptr()) == tuple(t.data_ptr() for t in cache.layer(reads[layer])[1:])
+            continue
+        cache.pages.zero_()
+        k.fill_(1.0)
+        v.fill_(2.0)
+        assert cache.pages.sum().item() == 3 * 4 * 3 * layers[layer][1].head_dim  # its own elements, no more
+        owners[group] += cache.pages != 0
+    assert owners.max().item() == 1  # no element of a group's page is two layers'
+    unused = (owners[:, 0] == 0).sum(dim=1) * 4  # bytes of a group's page none of its layers holds
+    assert unused.tolist() == [spec.padding_bytes(g) for g in range(groups.num_groups)]

@@ -22,7 +22,6 @@ module that keeps a state any other way (its own cache class) is refused.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from .attention import (
     attend,
     int_tensor,
 )
-from .kv_cache import KVCacheShape
+from .kv_cache import KVCacheSpec, KVGroups, KVShape
 from .state_cache import StatefulCall, StateProbe, StateSpec
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
@@ -87,61 +86,24 @@ class ModelLayers:
 
 
 @dataclass(frozen=True)
-class KVGroups:
-    """The layers in KV cache groups: one mask kind per group, every group of the same number of layers, so a
-    page (P tokens of one group's layers) is one size for all and every group draws from one pool. A model whose
-    layers all attend alike is one group of all its layers: the plain paged cache. Gemma 3's 5 sliding : 1 full
-    over 6 layers is 6 groups of 1 layer; gpt-oss's alternating 12 : 12, 2 groups of 12."""
-
-    kinds: tuple[MaskKind, ...]  # per group
-    layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
-    layer_slot: tuple[int, ...]  # per layer: its place among its group's layers (the pool's first axis)
-    layers_per_group: int
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.kinds)
-
-    @classmethod
-    def of_layers(cls, layer_kinds: list[MaskKind | None]) -> KVGroups:
-        """Groups of the attention layers (kind None: a layer without attention, in no group)."""
-        by_kind: dict[MaskKind, list[int]] = {}
-        for layer, kind in enumerate(layer_kinds):
-            if kind is not None:
-                by_kind.setdefault(kind, []).append(layer)
-        size = math.gcd(*(len(layers) for layers in by_kind.values()))
-        kinds, layer_group, layer_slot = [], [-1] * len(layer_kinds), [-1] * len(layer_kinds)
-        for kind, layers in by_kind.items():
-            for i in range(0, len(layers), size):
-                for slot, layer in enumerate(layers[i : i + size]):
-                    layer_group[layer], layer_slot[layer] = len(kinds), slot
-                kinds.append(kind)
-        return cls(tuple(kinds), tuple(layer_group), tuple(layer_slot), size)
-
-
-@dataclass(frozen=True)
 class ModelAttention:
-    """What the probe found: the layers' K/V shapes, the mask kinds they use, and the per-layer facts."""
+    """What the probe found: each layer's mask kind and K/V shape, the query heads, and the per-layer facts."""
 
     architecture: str
     layers: ModelLayers
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    layer_kinds: tuple[MaskKind | None, ...]  # per layer; None: a layer without attention
+    num_heads: int  # query heads (of every attention layer)
+    layer_kv: tuple[tuple[MaskKind, KVShape] | None, ...]  # per layer; None: a layer without attention
+    kv_reads: tuple[tuple[int, int], ...] = ()  # (layer, earlier layer whose K/V it was given: KV sharing)
     states: StateSpec | None = None  # what a hybrid model's stateful layers keep per sequence
 
     @property
     def groups(self) -> KVGroups:
-        return KVGroups.of_layers(list(self.layer_kinds))
+        return KVGroups.of_layers(list(self.layer_kv), dict(self.kv_reads))
 
-    def kv_shape(self, page_size: int, dtype: torch.dtype) -> KVCacheShape:
-        """The shape of one page: P tokens of one KV cache group's layers."""
-        v_dim = self.v_head_dim if self.v_head_dim != self.head_dim else None
-        layers = self.groups.layers_per_group
-        return KVCacheShape(layers, self.num_kv_heads, self.head_dim, page_size, dtype, v_dim)
+    def kv_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The pages: P tokens of one KV cache group's layers each."""
+        return KVCacheSpec(self.groups, page_size, dtype)
 
 
 class ProbeAttention:
@@ -151,12 +113,14 @@ class ProbeAttention:
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held, so no address is reused in the probe
 
-    def prepare(self, layout: StepLayout, kind: MaskKind) -> None:
+    def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> None:
         return None
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         self.calls[layer] = (q.shape[1], k.shape[1], k.shape[2], v.shape[2], call)
+        self.kv[layer] = (k, v)
         pos = torch.arange(q.shape[0], device=q.device)
         heads_first = lambda x: x.transpose(0, 1)[None]
         mask = call.kind.visible(pos, pos)[None, None]
@@ -336,7 +300,7 @@ def inspect_model(model) -> ModelAttention:
     T = 5
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(T)]
-    layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))))
+    layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))), T)
     services = AttentionServices(probe, None, None, layers)
     meta = AttentionMetadata(services, [layout], list(range(T)), states=states)
     device = next(model.parameters()).device
@@ -383,23 +347,37 @@ def inspect_model(model) -> ModelAttention:
         raise refusal(
             arch, "it has no attention layer (a model of stateful layers alone is not supported yet)"
         )
-    shapes = {c[:4] for c in calls.values()}
-    if len(shapes) > 1:
-        raise refusal(
-            arch, f"its layers differ in attention shape (heads, KV heads, K dim, V dim): {sorted(shapes)}"
-        )
-    ((num_heads, num_kv_heads, head_dim, v_head_dim),) = shapes
-    if num_heads % num_kv_heads:
-        raise refusal(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    query_heads = {c[0] for c in calls.values()}
+    if len(query_heads) > 1:
+        raise refusal(arch, f"its attention layers differ in query heads: {sorted(query_heads)}")
+    (num_heads,) = query_heads
+    for num_kv_heads in sorted({c[1] for c in calls.values()}):
+        if num_heads % num_kv_heads:
+            raise refusal(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     num_layers = max(expected, 1 + max(seen))  # attention and state indices may outnumber decoder layers
+    layer_kv = [None] * num_layers
+    for i, (_, num_kv_heads, head_dim, v_head_dim, call) in calls.items():
+        layer_kv[i] = (call.kind, KVShape(num_kv_heads, head_dim, v_head_dim))
     return ModelAttention(
         architecture=arch,
         layers=layers,
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        layer_kinds=tuple(calls[i][4].kind if i in calls else None for i in range(num_layers)),
+        layer_kv=tuple(layer_kv),
+        kv_reads=kv_reads(probe, layer_kv),
         states=state_spec if state_spec.layers else None,
     )
+
+
+def kv_reads(probe: ProbeAttention, layer_kv: list) -> tuple[tuple[int, int], ...]:
+    """The layers given the very K/V tensors of an earlier layer of their kind and shape (Gemma 3n's and 4's
+    KV-shared layers): they attend over that layer's pages, and keep none of their own. The probe holds every
+    layer's K/V, so equal addresses are the same tensor, never a freed one's memory reused."""
+    first: dict[tuple, int] = {}
+    reads = []
+    for layer in sorted(probe.kv):
+        k, v = probe.kv[layer]
+        source = first.setdefault((k.data_ptr(), v.data_ptr(), k.shape, v.shape), layer)
+        if source != layer and layer_kv[source] == layer_kv[layer]:
+            reads.append((layer, source))
+    return tuple(reads)

@@ -24,6 +24,7 @@ probe (architecture.py) meets it before any row runs.
 from __future__ import annotations
 
 import array
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ class StepLayout:
     context_lens: list[int]  # its context after this step (new tokens included)
     block_tables: list[list[int]]  # the group's tables (NULL_PAGE = -1 where a page fell behind the window)
     slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
+    page_size: int
+
+    @functools.cached_property
+    def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] page and [T] offset in it of each new token's slot: where `write_kv` puts its K/V."""
+        return self.slot_mapping // self.page_size, self.slot_mapping % self.page_size
 
 
 @dataclass
@@ -226,17 +233,15 @@ def _decode_batch(
 
 
 def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout
 ) -> None:
-    """key/value [T, Hkv, Dk|Dv] into the pages [num_pages, P, Hkv, Dk|Dv] at slot_mapping [T]."""
-    if key.shape[0] > 64:  # a prompt's K/V arrive head-major; index_copy_ is faster from a contiguous copy
+    """key/value [T, Hkv, Dk|Dv] into the pages [num_pages, P, Hkv, Dk|Dv] (a view with the pool's page stride,
+    kv_cache.py) at each token's page and offset."""
+    if key.shape[0] > 64:  # a prompt's K/V arrive head-major; the copy is faster from a contiguous tensor
         key, value = key.contiguous(), value.contiguous()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    pages, offsets = layout.slot_index
+    k_cache.index_put_((pages, offsets), key)
+    v_cache.index_put_((pages, offsets), value)
 
 
 def eager_attention(
@@ -348,14 +353,14 @@ NEUTRAL_KWARGS = frozenset(
 
 @dataclass
 class AttentionServices:
-    """The engine's parts every layer's call reaches, made once per engine: the backend, the pages, the clock,
-    what the load probe learned of each layer (architecture.ModelLayers) and the KV cache groups."""
+    """The engine's parts every layer's call reaches, made once per engine: the backend, the pages (and in
+    them each layer's KV cache group), the clock, and what the load probe learned of each layer
+    (architecture.ModelLayers)."""
 
     backend: Any  # TorchAttention | GatherAttention | TritonAttention | architecture.ProbeAttention
-    kv_cache: Any  # KVCache (None for the load probe)
+    kv_cache: Any  # kv_cache.KVCache (None for the load probe)
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     layers: Any  # architecture.ModelLayers: chunk size and query-scale fix of each layer
-    groups: Any = None  # architecture.KVGroups: each layer's group and slot; None: one group (the probe)
 
 
 class AttentionMetadata:
@@ -376,16 +381,13 @@ class AttentionMetadata:
 
     def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """A layer's KV cache group and its K and V pages."""
-        groups = self.services.groups
-        if groups is None:
-            return 0, *self.services.kv_cache.layer(layer)
-        return groups.layer_group[layer], *self.services.kv_cache.layer(groups.layer_slot[layer])
+        return self.services.kv_cache.layer(layer)
 
     def plan(self, group: int, kind: MaskKind):
         key = (group, kind)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self.services.backend.prepare(self.layouts[group], kind)
+            plan = self._plans[key] = self.services.backend.prepare(self.layouts[group], kind, group)
         return plan
 
     def query_scale_fix(self, fix, like: torch.Tensor) -> torch.Tensor:
@@ -482,7 +484,7 @@ class GatherAttention:
         self.device = device
         self.workspace = Workspace()
 
-    def prepare(self, layout: StepLayout, kind: MaskKind) -> GatherPlan:
+    def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> GatherPlan:
         """Decodes batched in groups of similar context length (padded, masked)."""
         rows, prefills = split_step(layout, kind, self.page_size, self.device)
         ctx, tables, P = layout.context_lens, layout.block_tables, self.page_size
@@ -491,7 +493,7 @@ class GatherAttention:
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         group, k_cache, v_cache = meta.layer(layer)
-        write_kv(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.layouts[group])
         plan: GatherPlan = meta.plan(group, call.kind)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, call, self.workspace)
@@ -527,7 +529,7 @@ class TorchAttention:
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
         self.device = torch.device("cpu")
 
-    def prepare(self, layout: StepLayout, kind: MaskKind) -> TorchPlan:
+    def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> TorchPlan:
         rows, prefills = split_step(layout, kind, self.page_size, self.device)
         if not rows:
             return TorchPlan(None, prefills)
@@ -550,7 +552,7 @@ class TorchAttention:
         group, k_cache, v_cache = meta.layer(layer)
         plan: TorchPlan = meta.plan(group, call.kind)
         with times.part("write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"):
-            write_kv(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
+            write_kv(k, v, k_cache, v_cache, meta.layouts[group])
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
@@ -579,18 +581,19 @@ class TritonPlan:
 
 class TritonAttention:
     """The paged Triton kernels: K/V written and read in place; the grid mapping built once per step and KV
-    cache group (the mask kind is a run-time argument of the kernel)."""
+    cache group (the mask kind is a run-time argument of the kernel; a group's query heads per KV head, of its
+    layers' shape, set the grid)."""
 
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, device: torch.device):
+    def __init__(self, gqa: tuple[int, ...], device: torch.device):
         import batchrun_kernels
 
         self.kernels = batchrun_kernels
-        self.gqa = num_heads // num_kv_heads
+        self.gqa = gqa  # per KV cache group
         self.device = device
 
-    def prepare(self, layout: StepLayout, kind: MaskKind) -> TritonPlan:
+    def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> TritonPlan:
         dev = self.device
         max_blocks = max(len(t) for t in layout.block_tables)
         query_start = [0]
@@ -600,7 +603,7 @@ class TritonAttention:
             block_tables=padded_int_tensor(layout.block_tables, max_blocks, torch.int32, dev),
             query_start_loc=int_tensor(query_start, torch.int32, dev),
             seq_lens=int_tensor(layout.context_lens, torch.int32, dev),
-            query_blocks=self.kernels.plan_query_blocks(layout.query_lens, self.gqa, dev),
+            query_blocks=self.kernels.plan_query_blocks(layout.query_lens, self.gqa[group], dev),
         )
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
@@ -623,32 +626,34 @@ class TritonAttention:
         )
 
 
-def make_backend(name: str, num_heads: int, kv_shape: Any, device: torch.device):
+def make_backend(name: str, num_heads: int, kv_spec: Any, device: torch.device):
     """The attention backend for `engine.attention`, chosen once: auto is triton on CUDA, torch elsewhere; torch
-    is the C++ paged decode on the CPU, gather where that cannot be built or on another device. `kv_shape`: the
-    KVCacheShape (KV heads, head dims, page size). A shape the Triton kernels do not take is a bad job here, at
-    load, not an error in every row."""
+    is the C++ paged decode on the CPU, gather where that cannot be built or on another device. `kv_spec`: the
+    kv_cache.KVCacheSpec (page size, dtype, each group's KV heads and head dims). A shape the Triton kernels do
+    not take is a bad job here, at load, not an error in every row."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+    page_size, shapes = kv_spec.page_size, kv_spec.groups.shapes
     if name == "triton":
         import batchrun_kernels
 
-        why = batchrun_kernels.unsupported_reason(
-            kv_shape.dtype, kv_shape.page_size, kv_shape.head_dim, kv_shape.value_dim,
-            num_heads // kv_shape.num_kv_heads,
-        )  # fmt: skip
-        if why:
-            raise BadInput(
-                f"key `engine.attention`: triton cannot run this model: {why}; use attention: gather"
+        gqa = tuple(num_heads // s.num_kv_heads for s in shapes)
+        for shape, g in zip(shapes, gqa):
+            why = batchrun_kernels.unsupported_reason(
+                kv_spec.dtype, page_size, shape.head_dim, shape.v_head_dim, g
             )
-        return TritonAttention(num_heads, kv_shape.num_kv_heads, device)
+            if why:
+                raise BadInput(
+                    f"key `engine.attention`: triton cannot run this model: {why}; use attention: gather"
+                )
+        return TritonAttention(gqa, device)
     if name == "torch" and device.type == "cpu":
         from . import cpu_kernels
 
         kernel = cpu_kernels.load()
         if kernel is not None:
-            return TorchAttention(kv_shape.page_size, kernel)
-    return GatherAttention(kv_shape.page_size, device)
+            return TorchAttention(page_size, kernel)
+    return GatherAttention(page_size, device)
 
 
 def register() -> None:

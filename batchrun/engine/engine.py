@@ -93,12 +93,12 @@ class Engine:
         dtype = next(model.parameters()).dtype
         # refuses what cannot run exactly, before any page is made
         self.model_attention = inspect_model(model)
-        self.kv_shape = self.model_attention.kv_shape(config.page_size, dtype)
-        self.kv_groups = self.model_attention.groups
+        self.kv_spec = self.model_attention.kv_spec(config.page_size, dtype)
+        self.kv_groups = self.kv_spec.groups
         state_spec = self.model_attention.states  # a hybrid model's per-sequence states; None: none
         sizes = pool_sizes(
             config,
-            self.kv_shape.bytes_per_page,
+            self.kv_spec.bytes_per_page,
             self.kv_groups.num_groups,
             state_spec.bytes_per_slot if state_spec else 0,
             device,
@@ -124,17 +124,15 @@ class Engine:
                 f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "
                 f"sequence; give it more pages or memory."
             )
-        self.kv_cache = KVCache(self.kv_shape, self.num_pages, sizes.num_cpu_pages, device)
+        self.kv_cache = KVCache(self.kv_spec, self.num_pages, sizes.num_cpu_pages, device)
         self.state_cache = (
             StateCache(state_spec, sizes.num_slots + sizes.num_snapshots, sizes.num_cpu_slots, device)
             if state_spec
             else None
         )
-        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_shape, device)
+        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
-        services = AttentionServices(
-            self.attention, self.kv_cache, self.times, self.model_attention.layers, self.kv_groups
-        )
+        services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
         self.runner = ModelRunner(model, services, device, self.times, self.state_cache)
         self.outputs = OutputProcessor(
             tokenizer,

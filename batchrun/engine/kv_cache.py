@@ -1,16 +1,23 @@
 """The page tensors: the accelerator pool, the (pinned, on CUDA) CPU swap pool, and the copies between them.
 
-Each pool is a K pool and a V pool, [layers of a page, num_pages, page_size, num_kv_heads, head_dim] each (K and
-V may differ in head dim: MLA models such as DeepSeek-V3 have wider keys than values), so one page of one layer
-is a contiguous [page_size, num_kv_heads, head_dim] block, and a swap moves every layer of a set of pages in one
-indexed copy per pool. A page holds P tokens of one KV cache group's layers (architecture.KVGroups): all the
-model's layers when they attend alike; layer l of the model is the slot `layer_slot[l]` of its group's pages.
+A page holds P tokens of one KV cache group's layers. The groups (`KVGroups`) are the model's attention layers
+sorted by mask kind and K/V shape: a model whose layers all attend alike is one group of all its layers (the
+plain paged cache); Gemma 3's 5 sliding : 1 full is 6 groups of 1 layer; Gemma 4, whose full-attention layers
+have other head dims and KV heads than its sliding ones, has groups of each shape. Every page is one size, and
+pages of every group come from one pool, so the scheduler counts pages alone: a group of smaller layers takes
+more of them into a page (up to the page's size), and the rest of its pages is unused (`padding_bytes`).
+
+Each pool is [num_pages, page elements]: a page is one row, so a swap or a copy-on-write moves whole pages in
+one indexed copy, whatever the groups. Inside a page each of the group's layers has its keys [P, Hkv, Dk] then
+its values [P, Hkv, Dv] (MLA models such as DeepSeek-V3 have wider keys than values), contiguous per page: the
+views `layer()` hands the backends are [num_pages, P, Hkv, D] with a page stride of the row.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -19,40 +26,132 @@ from .page_pool import PageCopy
 
 
 @dataclass(frozen=True)
-class KVCacheShape:
-    num_layers: (
-        int  # layers a page holds: one KV cache group's (all the model's, when its layers attend alike)
-    )
+class KVShape:
+    """One attention layer's K/V per token."""
+
     num_kv_heads: int
     head_dim: int  # of the keys (and queries)
-    page_size: int
-    dtype: torch.dtype
-    v_head_dim: int | None = None  # of the values, where it differs (MLA); None: head_dim
+    v_head_dim: int  # of the values (MLA: narrower than the keys)
 
     @property
-    def value_dim(self) -> int:
-        return self.v_head_dim or self.head_dim
+    def elements(self) -> int:
+        """K and V elements per token."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The attention layers in KV cache groups: one mask kind and one K/V shape per group, so that a group's
+    pages follow one block table and one view per layer. Layers of one kind and shape are split into groups of
+    `base` layers, `base` the gcd of the counts of each (kind, shape), so that every group of the common shape
+    fills a page; a group of a smaller shape takes as many layers as fit the page (gpt-oss's alternating
+    12 : 12 is 2 groups of 12; Gemma 3's 5 : 1 over 6 layers, 6 groups of 1)."""
+
+    kinds: tuple[Hashable, ...]  # per group: its mask kind (attention.MaskKind; a layer type before the load)
+    shapes: tuple[KVShape, ...]  # per group
+    sizes: tuple[int, ...]  # per group: its layers
+    layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
+    layer_slot: tuple[int, ...]  # per layer: its place among its group's layers (in the page)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def elements_per_token(self) -> int:
+        """A page's K/V elements per token: its largest group's."""
+        return max(n * s.elements for s, n in zip(self.shapes, self.sizes))
+
+    @classmethod
+    def of_layers(
+        cls, layers: list[tuple[Hashable, KVShape] | None], reads: dict[int, int] | None = None
+    ) -> KVGroups:
+        """Groups of the attention layers, each given as (mask kind, K/V shape); None: a layer without attention,
+        in no group. `reads`: layer -> the earlier layer whose K/V it attends over, of its kind and shape
+        (Gemma 3n's and 4's KV-shared layers): it gets that layer's place in the pages, not pages of its own."""
+        reads = reads or {}
+        by_key: dict[tuple[Hashable, KVShape], list[int]] = {}
+        for layer, key in enumerate(layers):
+            if key is not None and layer not in reads:
+                by_key.setdefault(key, []).append(layer)
+        base = math.gcd(*(len(members) for members in by_key.values()))
+        width = max(base * shape.elements for _, shape in by_key)  # a page's elements per token
+        kinds, shapes, sizes = [], [], []
+        layer_group, layer_slot = [-1] * len(layers), [-1] * len(layers)
+        for (kind, shape), members in by_key.items():
+            size = width // shape.elements
+            for i in range(0, len(members), size):
+                chunk = members[i : i + size]
+                for slot, layer in enumerate(chunk):
+                    layer_group[layer], layer_slot[layer] = len(kinds), slot
+                kinds.append(kind)
+                shapes.append(shape)
+                sizes.append(len(chunk))
+        for layer, source in reads.items():
+            assert layers[layer] == layers[source], "a layer reads the K/V of a layer of its kind and shape"
+            layer_group[layer], layer_slot[layer] = layer_group[source], layer_slot[source]
+        return cls(tuple(kinds), tuple(shapes), tuple(sizes), tuple(layer_group), tuple(layer_slot))
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The pages: their size in tokens, their dtype, and the groups whose layers they hold."""
+
+    groups: KVGroups
+    page_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_elements(self) -> int:
+        return self.page_size * self.groups.elements_per_token
 
     @property
     def bytes_per_page(self) -> int:
-        per_token = self.num_kv_heads * (self.head_dim + self.value_dim)
-        return self.num_layers * self.page_size * per_token * self.dtype.itemsize
+        return self.page_elements * self.dtype.itemsize
+
+    def padding_bytes(self, group: int) -> int:
+        """The bytes of each of `group`'s pages its layers leave unused (a group of smaller layers)."""
+        used = self.groups.sizes[group] * self.groups.shapes[group].elements
+        return self.page_size * (self.groups.elements_per_token - used) * self.dtype.itemsize
 
     @classmethod
-    def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheShape:
-        """The page shape a `transformers` model config suggests, before the model is loaded (for sizing checks);
-        the engine takes the shape the loaded model's layers actually produce (architecture.inspect_model). A
-        vision-language model's config holds its language model's in `text_config`: that one is read."""
+    def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The pages a `transformers` model config suggests, before the model is loaded (for sizing checks);
+        the engine takes the groups the loaded model's layers actually form (architecture.inspect_model), and a
+        test holds the two equal over the family matrix. A vision-language model's config holds its language
+        model's in `text_config`: that one is read."""
         cfg = text_config(model_config)
-        layers = layers_per_page(cfg)
-        if getattr(
-            cfg, "kv_lora_rank", None
-        ):  # MLA: keys of the nope + rope dims, one KV head per query head
-            k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            return cls(layers, cfg.num_attention_heads, k_dim, page_size, dtype, cfg.v_head_dim)
-        head_dim = _largest(cfg, "head_dim") or cfg.hidden_size // _largest(cfg, "num_attention_heads")
-        num_kv_heads = _largest(cfg, "num_key_value_heads") or _largest(cfg, "num_attention_heads")
-        return cls(layers, num_kv_heads, head_dim, page_size, dtype)
+        types = list(getattr(cfg, "layer_types", None) or [])
+        if not set(types) & set(ATTENTION_LAYER_TYPES):  # no types, or none that says attention (Falcon-H1's
+            types = []  # "hybrid" layers attend beside their Mamba mixer): every layer attends
+        per_layer = getattr(cfg, "per_layer_config", None) or []
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            kind = types[i] if i < len(types) else "full_attention"
+            if kind not in ATTENTION_LAYER_TYPES:
+                layers.append(None)
+                continue
+            layers.append((kind, layer_kv_shape(cfg, per_layer[i] if i < len(per_layer) else None)))
+        return cls(KVGroups.of_layers(layers, shared_kv_sources(cfg)), page_size, dtype)
+
+
+def layer_kv_shape(cfg, layer=None) -> KVShape:
+    """A layer's K/V shape from the config (`layer`: its entry in a per-layer config, as Gemma 4's)."""
+    if getattr(cfg, "kv_lora_rank", None):  # MLA: keys of the nope + rope dims, one KV head per query head
+        k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return KVShape(cfg.num_attention_heads, k_dim, cfg.v_head_dim)
+    read = lambda key: getattr(layer, key, None) or getattr(cfg, key, None)
+    head_dim = read("head_dim") or cfg.hidden_size // cfg.num_attention_heads
+    return KVShape(read("num_key_value_heads") or cfg.num_attention_heads, head_dim, head_dim)
+
+
+def shared_kv_sources(cfg) -> dict[int, int]:
+    """Layer -> the layer whose K/V it reuses, from a config's `kv_sharing_modes` (Gemma 3n, Gemma 4: a "reuse"
+    layer attends over the K/V of the "store" layer of its type)."""
+    modes = getattr(cfg, "kv_sharing_modes", None) or []
+    types = list(getattr(cfg, "layer_types", None) or [])
+    stores = {types[i]: i for i, m in enumerate(modes) if m == "store"}
+    return {i: stores[types[i]] for i, m in enumerate(modes) if m == "reuse" and types[i] in stores}
 
 
 def text_config(cfg):
@@ -61,26 +160,6 @@ def text_config(cfg):
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
-def layers_per_page(cfg) -> int:
-    """The layers one page holds, from the config: those of one KV cache group, as the engine forms them
-    (architecture.KVGroups: the attention layers by kind, in groups of the gcd of the kinds' counts), so that
-    `engine.num_pages` means the same pages before the load and after. Without `layer_types`: every layer."""
-    types = [t for t in getattr(cfg, "layer_types", None) or [] if t in ATTENTION_LAYER_TYPES]
-    if not types:
-        return cfg.num_hidden_layers
-    return math.gcd(*(types.count(t) for t in set(types)))
-
-
-def _largest(cfg, key: str):
-    """A config value, or its largest over the layers where the config gives one per layer (Gemma 4's
-    `per_layer_config`: sliding and full layers of different head dims): an upper bound for the budget check."""
-    layers = getattr(cfg, "per_layer_config", None)
-    if layers:
-        values = [getattr(c, key, None) for c in layers]
-        return max((v for v in values if v), default=None)
-    return getattr(cfg, key, None)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -98,42 +177,49 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class KVCache:
-    def __init__(self, shape: KVCacheShape, num_pages: int, num_cpu_pages: int, device: torch.device):
-        self.shape = shape
+    def __init__(self, spec: KVCacheSpec, num_pages: int, num_cpu_pages: int, device: torch.device):
+        self.spec = spec
         self.device = device
-        L, P, H = shape.num_layers, shape.page_size, shape.num_kv_heads
-        # [layers, pages, page_size, kv heads, head dim]: the K pool and the V pool
-        self.pages = tuple(_zeros((L, num_pages, P, H, d), shape.dtype, device) for d in self._dims)
-        pin = device.type == "cuda"
+        E = spec.page_elements
+        self.pages = _zeros((num_pages, E), spec.dtype, device)  # [num_pages, page elements]
         # never read before written, so not zeroed (zeroing gigabytes costs seconds at start-up); the accelerator
         # pool is zeroed: masked-out slots of a page are still multiplied by zero, and garbage could be NaN
-        self.cpu_pages = tuple(
-            torch.empty(L, num_cpu_pages, P, H, d, dtype=shape.dtype, pin_memory=pin) for d in self._dims
+        self.cpu_pages = torch.empty(num_cpu_pages, E, dtype=spec.dtype, pin_memory=device.type == "cuda")
+        groups = spec.groups
+        self._layers = {}  # (group, slot) -> K and V views
+        for g, (shape, size) in enumerate(zip(groups.shapes, groups.sizes)):
+            for slot in range(size):
+                self._layers[g, slot] = self._views(shape, slot * spec.page_size * shape.elements)
+
+    def _views(self, shape: KVShape, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V pages, [num_pages, P, Hkv, Dk|Dv]: columns of the pool, from `start`."""
+        P, H = self.spec.page_size, shape.num_kv_heads
+        k_end = start + P * H * shape.head_dim
+        v_end = k_end + P * H * shape.v_head_dim
+        N = self.pages.shape[0]
+        return (
+            self.pages[:, start:k_end].view(N, P, H, shape.head_dim),
+            self.pages[:, k_end:v_end].view(N, P, H, shape.v_head_dim),
         )
 
-    @property
-    def _dims(self) -> tuple[int, int]:
-        return self.shape.head_dim, self.shape.value_dim
-
-    def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V pages of one layer slot of every page, [num_pages, page_size, num_kv_heads, head_dim (K's or
-        V's)]: the layer's K/V live in its group's pages (KVGroups.layer_slot)."""
-        return self.pages[0][slot], self.pages[1][slot]
+    def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A model layer's KV cache group, and its K and V pages [num_pages, page_size, num_kv_heads, head_dim
+        (K's or V's)]: the layer's K/V live in its group's pages (KVGroups.layer_slot)."""
+        groups = self.spec.groups
+        group = groups.layer_group[layer]
+        return group, *self._layers[group, groups.layer_slot[layer]]
 
     def apply(self, swap_out: list[PageCopy], swap_in: list[PageCopy], copy_on_write: list[PageCopy]) -> None:
         """Carry out a step's page copies, in the only safe order: out, in, copy-on-write."""
         if swap_out:
             src = torch.tensor([c.src for c in swap_out], device=self.device)
             dst = torch.tensor([c.dst for c in swap_out])
-            for pool, cpu in zip(self.pages, self.cpu_pages):
-                cpu[:, dst] = pool[:, src].to("cpu")
+            self.cpu_pages[dst] = self.pages[src].to("cpu")
         if swap_in:
             src = torch.tensor([c.src for c in swap_in])
             dst = torch.tensor([c.dst for c in swap_in], device=self.device)
-            for pool, cpu in zip(self.pages, self.cpu_pages):
-                pool[:, dst] = cpu[:, src].to(self.device, non_blocking=True)
+            self.pages[dst] = self.cpu_pages[src].to(self.device, non_blocking=True)
         if copy_on_write:
             src = torch.tensor([c.src for c in copy_on_write], device=self.device)
             dst = torch.tensor([c.dst for c in copy_on_write], device=self.device)
-            for pool in self.pages:
-                pool[:, dst] = pool[:, src]
+            self.pages[dst] = self.pages[src]

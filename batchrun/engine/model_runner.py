@@ -28,9 +28,9 @@ class ModelRunner:
         self.model = model
         self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
         self.times = times
-        self.services = services  # the backend (make_backend), the KV cache, the per-layer facts, the groups
-        self.page_size = services.kv_cache.shape.page_size
-        self.num_groups = services.groups.num_groups
+        self.services = services  # the backend (make_backend), the KV cache, the per-layer facts
+        self.page_size = services.kv_cache.spec.page_size
+        self.num_groups = services.kv_cache.spec.groups.num_groups
         self.device = device
 
     def prepare(
@@ -67,7 +67,7 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
         layouts = [
-            StepLayout(query_lens, context_lens, tables[g], int_tensor(slots[g], device=dev))
+            StepLayout(query_lens, context_lens, tables[g], int_tensor(slots[g], device=dev), P)
             for g in range(num_groups)
         ]
         states = None

@@ -11,7 +11,7 @@ from ..checks import parse_size
 from ..errors import BadInput
 from ..host import available_ram
 from .config import EngineConfig
-from .kv_cache import KVCacheShape, text_config
+from .kv_cache import KVCacheSpec, text_config
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 
@@ -25,7 +25,7 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
     model loads (rather than a MemoryError, or the OOM killer, minutes later). `model_config` None (not read
     yet): the byte sizes alone, not `engine.num_pages`."""
     bytes_per_page = (
-        KVCacheShape.of_model(model_config, config.page_size, dtype).bytes_per_page if model_config else 0
+        KVCacheSpec.of_model(model_config, config.page_size, dtype).bytes_per_page if model_config else 0
     )
     ram = available_ram()
     if device.type == "cuda":
