@@ -247,20 +247,37 @@ HYBRID: dict[str, tuple[str, dict]] = {
     ),
     "lfm2": ("hybrid: short convolution : attention", dict(layer_types=["conv", "full_attention"])),
     "lfm3": ("hybrid: short convolution : attention", dict(layer_types=["conv", "full_attention"])),
+    "minimax": (
+        "hybrid: lightning attention (its own cache methods) : attention",
+        dict(layer_types=["linear_attention", "full_attention"]),
+    ),
+    "zamba2": (
+        "hybrid: Mamba 2, two shared attention blocks called by alternate layers",
+        dict(
+            num_hidden_layers=4,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            mamba_d_state=16,
+            mamba_headdim=16,
+            n_mamba_heads=8,
+            use_mem_rope=True,
+            head_dim=32,  # its attention reads the hidden state beside the embeddings: 2 x 64 over 4 heads
+            mamba_ngroups=1,
+            chunk_size=16,
+            num_mem_blocks=2,
+        ),
+    ),
+    "jamba": (
+        "hybrid: Mamba : attention, whole prompts (its scan takes no initial state)",
+        dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3, mamba_d_state=16, num_experts=1),
+    ),
 }
 SUPPORTED.update(HYBRID)
+# hybrids whose stateful layers' prompt form does not continue a state: each prompt runs whole, nothing shared
+WHOLE_PROMPTS = {"jamba"}
 
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
     "stablelm": ("does not pass batchrun's step metadata", {}),
-    "jamba": (
-        "does not pass batchrun's step metadata",
-        dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3, mamba_d_state=16, num_experts=1),
-    ),
-    "minimax": (
-        "never call the attention interface nor keep a state",
-        dict(layer_types=["linear_attention", "full_attention"]),
-    ),
     "deepseek_v32": ("sparse attention (DeepseekV32Indexer", {}),
     "glm_moe_dsa": ("sparse attention (GlmMoeDsaIndexer", {}),
     "deepseek_v4": ("sparse attention", {}),

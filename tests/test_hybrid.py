@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import run_engine
-from model_families import HYBRID
+from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
@@ -145,7 +145,7 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
         pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, 10_000, cpu)
 
 
-@pytest.mark.parametrize("family", sorted(HYBRID))
+@pytest.mark.parametrize("family", sorted(set(HYBRID) - WHOLE_PROMPTS))
 def test_prefix_sharing_restores_the_state_at_the_prefix_end(family):
     """Rows sharing a system prompt of 3.5 pages: the first computes it and keeps the state at the end of its
     third page; the others start behind the shared pages from a copy of that state. Every row equals HF
@@ -185,3 +185,26 @@ def test_a_prefix_without_a_kept_state_is_computed():
     second, _ = run_engine(engine, rows[1:], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert second[0][0].output_token_ids == hf_tokens(ref, rows[1:])[0]
     assert engine.block_manager.prefix_cache.hit_tokens == 0 and engine.state_slots.snapshots_taken == 0
+
+
+def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch):
+    """Jamba's Mamba scan takes no initial state (HF `generate` only runs it over a whole prompt): the probe
+    finds that its prompt form does not continue a state, so every prompt is computed whole in one step, past
+    the token budget when it is the step's first, and no prefix state is kept. Equal to HF `generate`; with
+    the probe's verdict lifted, chunked prompts differ."""
+    from batchrun.engine.state_cache import StateProbe
+
+    model, expected = model_and_reference("jamba")
+    rows = prompts(256)
+    got, steps, engine = run(model, "jamba", "torch", max_num_batched_tokens=16)
+    assert not engine.model_attention.states.continues_state and engine.state_slots.num_snapshots == 0
+    lengths = {len(p) for p in rows}
+    for step in steps:
+        for s in step.plan.scheduled:
+            if s.num_new_tokens > 1:
+                assert s.start == 0 and s.num_new_tokens in lengths, "a prompt was cut into chunks"
+    assert any(step.plan.num_batched_tokens > 16 for step in steps)  # a long prompt alone, past the budget
+    assert got == expected
+    monkeypatch.setattr(StateProbe, "continues_state", lambda self: True)
+    chunked, _, _ = run(model, "jamba", "torch", max_num_batched_tokens=16)
+    assert chunked != expected

@@ -23,7 +23,7 @@ module that keeps a state any other way (its own cache class) is refused.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,7 +37,7 @@ from .attention import (
     attend,
     int_tensor,
 )
-from .kv_cache import KVCacheSpec, KVGroups, KVShape
+from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
 from .state_cache import StatefulCall, StateProbe, StateSpec
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
@@ -49,7 +49,7 @@ STATEFUL_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|LinearAttention|Rwkv|RWK
 SPARSE_MODULE = re.compile(r"Indexer|Compressor")
 SPARSE_LAYER_TYPE = re.compile(r"index|compress|sparse")
 # how a module keeps that state through transformers' cache interface
-CACHE_INTERFACE = re.compile(r"\.update_conv_state\(|\.update_recurrent_state\(")
+CACHE_INTERFACE = re.compile(r"\.update_conv_state\(|\.update_recurrent_state\(|\.set_linear_cache\(")
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,18 @@ class QueryScaleFix:
 @dataclass(frozen=True)
 class ModelLayers:
     """Per layer, what the calls do not say: the chunk of chunked-attention layers (Llama 4 marks them only in
-    the config's `layer_types`), and a query-scale fix."""
+    the config's `layer_types`), a query-scale fix, and the layers of shared attention modules."""
 
     chunks: tuple[int | None, ...] = ()
     scale_fixes: tuple[QueryScaleFix | None, ...] = ()
+    # an attention module without a layer index of its own is shared by several layers (Zamba 2's shared
+    # transformer block, called by each of its layers with the layer as an argument the attention never sees):
+    # its k-th call in a forward is a layer of its own, numbered from `first_shared` on in the order first met
+    first_shared: int = 0
+    shared: dict = field(default_factory=dict, compare=False)  # (id(module), k) -> layer
+
+    def shared_layer(self, module: torch.nn.Module, occurrence: int) -> int:
+        return self.shared.setdefault((id(module), occurrence), self.first_shared + len(self.shared))
 
     def chunk(self, layer: int) -> int | None:
         return self.chunks[layer] if layer < len(self.chunks) else None
@@ -113,12 +121,19 @@ class ProbeAttention:
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held, so no address is reused in the probe
+        self.kv: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # held, so no address is reused in the probe
 
     def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> None:
         return None
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+        if layer in self.calls:
+            raise UnsupportedModel(
+                f"the attention of layer {layer} is called twice in one forward (a module shared by several "
+                "layers), and batchrun's pages hold one set of K/V per layer"
+            )
         self.calls[layer] = (q.shape[1], k.shape[1], k.shape[2], v.shape[2], call)
         self.kv[layer] = (k, v)
         pos = torch.arange(q.shape[0], device=q.device)
@@ -169,7 +184,7 @@ def stateful_modules(model) -> list[torch.nn.Module]:
 
 
 def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
-    """Route each stateful module's calls through the step's states (`batchrun_attn.states`): the module's own
+    """Route each stateful module's calls through the running step's states (AttentionMetadata.running): its own
     forward then runs on a cache over the sequences' slots. Idempotent; only this model's instances change."""
     import inspect
 
@@ -189,18 +204,20 @@ def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
 
 def _stateful_forward(self, hidden_states=None, *args, **kwargs):
     """A stateful module's forward under batchrun: its own code, on the step's state slots."""
-    meta = kwargs.pop("batchrun_attn", None)
+    kwargs.pop("batchrun_attn", None)
+    meta = AttentionMetadata.current()
     if meta is None or meta.states is None:
         raise UnsupportedModel(
-            f"{type(self).__name__} (layer {self.layer_idx}): its layer does not pass batchrun's step metadata "
-            "to it (the model's code calls it without the keyword arguments it was given)"
+            f"{type(self).__name__} (layer {self.layer_idx}) was called outside a batchrun step"
         )
     if args:
         raise UnsupportedModel(
             f"{type(self).__name__} is called with positional arguments batchrun cannot split"
         )
-    for name in ("cache", "cache_params", "past_key_values", "attention_mask", "cache_position"):
-        kwargs.pop(name, None)  # the slots are the cache; a sequence's rows have no padding to mask
+    for name in ("cache", "cache_params", "past_key_values", "cache_position"):
+        kwargs.pop(name, None)  # the slots are the cache
+    if "attention_mask" in kwargs:
+        kwargs["attention_mask"] = None  # a sequence's rows have no padding to mask
     if hidden_states is None:
         hidden_states = kwargs.pop("hidden_states")
     return meta.states.run(self, self._batchrun_call, hidden_states, kwargs)
@@ -238,9 +255,9 @@ def rope_types(cfg) -> set[str]:
 
 def check_config(model) -> ModelLayers:
     """The config's verdict, before any forward; the per-layer facts it gives."""
-    cfg = model.config
-    arch = cfg.model_type
-    if getattr(cfg, "is_encoder_decoder", False):
+    cfg = text_config(model.config)
+    arch = model.config.model_type
+    if getattr(model.config, "is_encoder_decoder", False):
         raise refusal(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
     sparse = sorted({type(m).__name__ for m in model.modules() if SPARSE_MODULE.search(type(m).__name__)})
     sparse += sorted({t for t in getattr(cfg, "layer_types", None) or [] if SPARSE_LAYER_TYPE.search(t)})
@@ -269,7 +286,9 @@ def check_config(model) -> ModelLayers:
             fixes[m.layer_idx] = QueryScaleFix(float(m.floor_scale), float(m.attn_scale))
     num_layers = max([len(layer_types), *[i + 1 for i in fixes]])
     scale_fixes = tuple(fixes.get(i) for i in range(num_layers)) if fixes else ()
-    return ModelLayers(chunks, scale_fixes)
+    indices = [m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    first_shared = max([cfg.num_hidden_layers - 1, *indices]) + 1
+    return ModelLayers(chunks, scale_fixes, first_shared)
 
 
 def layer_indices_per_decoder_layer(model) -> list[set[int]]:
@@ -277,7 +296,7 @@ def layer_indices_per_decoder_layer(model) -> list[set[int]]:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
-        return [{i} for i in range(model.config.num_hidden_layers)]
+        return [{i} for i in range(text_config(model.config).num_hidden_layers)]
     found = []
     for i, layer in enumerate(layers):
         inner = {
@@ -298,20 +317,22 @@ def inspect_model(model) -> ModelAttention:
     prepare_stateful_layers(stateful)
     probe, states = ProbeAttention(), StateProbe()
     T = 5
-    vocab = model.config.vocab_size
+    vocab = text_config(model.config).vocab_size
     ids = [(7 * i + 3) % vocab for i in range(T)]
     layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))), T)
     services = AttentionServices(probe, None, None, layers)
     meta = AttentionMetadata(services, [layout], list(range(T)), states=states)
     device = next(model.parameters()).device
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), meta.running():
             model(
                 input_ids=torch.tensor([ids], device=device),
                 position_ids=torch.arange(T, device=device)[None],
                 use_cache=False,
                 batchrun_attn=meta,
             )
+            # calls each stateful layer again, in pieces (StateProbe.continues_state)
+            state_spec = states.spec()
     except UnsupportedModel as e:
         raise refusal(arch, str(e)) from None
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
@@ -321,10 +342,9 @@ def inspect_model(model) -> ModelAttention:
             arch, f"its forward fails under batchrun's attention ({type(e).__name__}: {e})"
         ) from None
     calls = probe.calls
-    state_spec = states.spec()
     decoder_layers = layer_indices_per_decoder_layer(model)
     expected = len(decoder_layers)
-    layer_types = list(getattr(model.config, "layer_types", None) or [])
+    layer_types = list(getattr(text_config(model.config), "layer_types", None) or [])
     feed_forward = {i for i, t in enumerate(layer_types) if t in FEED_FORWARD_LAYER_TYPES}
     # a decoder layer is covered when one of its modules attended or kept a state (LongCat-Flash's layers hold
     # two attention sublayers, indices 2i and 2i + 1), or it is a feed-forward layer alone

@@ -24,9 +24,11 @@ probe (architecture.py) meets it before any row runs.
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 import math
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -378,6 +380,36 @@ class AttentionMetadata:
         self.states = states
         self._plans: dict[tuple[int, MaskKind], Any] = {}
         self._query_scales: dict[Any, torch.Tensor] = {}
+        self._shared_calls: dict[int, int] = {}  # id(shared module) -> its calls so far this step
+
+    def layer_index(self, module: torch.nn.Module) -> int:
+        """The layer an attention call is: the module's `layer_idx`, or for a module shared by several layers
+        (none of its own), its call's place among this forward's calls of it (ModelLayers.shared_layer)."""
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and layer >= 0:
+            return layer
+        if self.services.layers is None:
+            raise UnsupportedModel(f"{type(module).__name__} has no layer index (layer_idx={layer!r})")
+        k = self._shared_calls.get(id(module), 0)
+        self._shared_calls[id(module)] = k + 1
+        return self.services.layers.shared_layer(module, k)
+
+    @contextlib.contextmanager
+    def running(self):
+        """This step's metadata for the stateful modules called inside (architecture._stateful_forward): they
+        read it here, since some models do not pass their keyword arguments on to them (Jamba's decoder layer
+        calls its Mamba mixer with its hidden states and cache alone). The attention layers get it from the
+        keyword arguments transformers passes them."""
+        token = _RUNNING.set(self)
+        try:
+            yield self
+        finally:
+            _RUNNING.reset(token)
+
+    @staticmethod
+    def current() -> AttentionMetadata | None:
+        """The metadata of the step being run (`running`), or None outside one."""
+        return _RUNNING.get()
 
     def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """A layer's KV cache group and its K and V pages."""
@@ -401,10 +433,15 @@ class AttentionMetadata:
         return t
 
 
-def layer_call(module: torch.nn.Module, attention_mask, dropout: float, kwargs: dict, layers) -> LayerCall:
+_RUNNING: ContextVar[AttentionMetadata | None] = ContextVar("batchrun_step", default=None)
+
+
+def layer_call(
+    module: torch.nn.Module, layer: int, attention_mask, dropout: float, kwargs: dict, layers
+) -> LayerCall:
     """The layer's call checked and read: every argument is honoured or known not to matter, else
     UnsupportedModel naming it."""
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    where = f"{type(module).__name__} (layer {layer})"
     if attention_mask is not None:
         raise UnsupportedModel(
             f"{where} passes an attention mask of its own; batchrun builds each sequence's mask itself and "
@@ -426,7 +463,7 @@ def layer_call(module: torch.nn.Module, attention_mask, dropout: float, kwargs: 
             "implement; it is refused rather than ignored"
         )
     window = kwargs.get("sliding_window")
-    chunk = layers.chunk(module.layer_idx) if layers is not None else None
+    chunk = layers.chunk(layer) if layers is not None else None
     if window is not None and chunk is not None:
         raise UnsupportedModel(f"{where} asks for both a sliding window and chunked attention")
     sinks = kwargs.get("s_aux")
@@ -451,17 +488,18 @@ def paged_attention_forward(
             "calls the attention function without the keyword arguments it was given)"
         )
     services = meta.services
-    call = layer_call(module, attention_mask, dropout, kwargs, services.layers)
+    layer = meta.layer_index(module)
+    call = layer_call(module, layer, attention_mask, dropout, kwargs, services.layers)
     assert query.shape[0] == 1, "batchrun packs every sequence into one row"
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, Dk]
     k = key[0].transpose(0, 1)  # [T, Hkv, Dk]
     v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
-    fix = services.layers.query_scale_fix(module.layer_idx) if services.layers is not None else None
+    fix = services.layers.query_scale_fix(layer) if services.layers is not None else None
     if fix is not None:
         q = q * meta.query_scale_fix(fix, q)
     t0 = time.perf_counter()
-    out = services.backend.forward(meta, module.layer_idx, call, q, k, v, scale)
+    out = services.backend.forward(meta, layer, call, q, k, v, scale)
     if services.times is not None:
         services.times.add("attention", time.perf_counter() - t0)
     return out[None], None

@@ -21,6 +21,7 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
+from .multimodal import EncoderCache, ImageInputs, images_unsupported_reason
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -96,12 +97,15 @@ class Engine:
         self.kv_spec = self.model_attention.kv_spec(config.page_size, dtype)
         self.kv_groups = self.kv_spec.groups
         state_spec = self.model_attention.states  # a hybrid model's per-sequence states; None: none
+        # whether a prompt may be computed in chunks, each continuing the state the last left (StateSpec)
+        chunks = state_spec is None or state_spec.continues_state
         sizes = pool_sizes(
             config,
             self.kv_spec.bytes_per_page,
             self.kv_groups.num_groups,
             state_spec.bytes_per_slot if state_spec else 0,
             device,
+            keeps_prefix_states=chunks,
         )
         self.num_pages = sizes.num_pages
         self.block_manager = BlockManager(
@@ -117,7 +121,11 @@ class Engine:
             else NoStateSlots()
         )
         self.scheduler = Scheduler(
-            config, self.block_manager, max(1, self.num_pages // 100), states=self.state_slots
+            config,
+            self.block_manager,
+            max(1, self.num_pages // 100),
+            states=self.state_slots,
+            whole_prompts=not chunks,
         )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
@@ -133,10 +141,13 @@ class Engine:
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
         services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
-        self.runner = ModelRunner(model, services, device, self.times, self.state_cache)
+        # a vision-language model's image encoder outputs, while prompts with images are prefilled
+        self.images_refusal = images_unsupported_reason(model)
+        self.encoder = EncoderCache(model, device) if self.images_refusal is None else None
+        self.runner = ModelRunner(model, services, device, self.times, self.state_cache, self.encoder)
         self.outputs = OutputProcessor(
             tokenizer,
-            model.config.vocab_size,
+            model.config.get_text_config().vocab_size,
             self.eos_token_ids,
             self.max_model_len,
             self.scheduler,
@@ -164,7 +175,7 @@ class Engine:
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
         pages = self.block_manager.layout.pages_to_run(
-            num_prompt_tokens, total, self.config.max_num_batched_tokens
+            num_prompt_tokens, total, self.scheduler.max_chunk or num_prompt_tokens
         )
         if pages > self.num_pages:
             return (
@@ -180,10 +191,16 @@ class Engine:
         params: SamplingParams,
         request: Any = None,
         seeds: list[int] | None = None,
+        images: ImageInputs | None = None,
     ) -> Sequence:
         """Queue a prompt; with params.n > 1 the other samples are forked once the prompt is prefilled.
-        `seeds[i]` seeds sample i's generator (sampled rows only)."""
+        `seeds[i]` seeds sample i's generator (sampled rows only). `images`: the prompt's images, as the model's
+        processor made them (its image tokens are in the prompt); ValueError where this model takes none."""
         seq = Sequence(next(self.outputs.seq_ids), list(prompt_token_ids), params, request=request)
+        if images is not None and images.num_images:
+            if self.images_refusal:
+                raise ValueError(f"this model takes no images here: {self.images_refusal}")
+            seq.images, seq.image_key_prompt = images, images.cache_key_tokens(seq.prompt_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs:

@@ -55,33 +55,47 @@ def _load_refusal(architecture: str, e: Exception) -> UnsupportedModel:
     return refusal(architecture, f"it does not load with batchrun's attention ({type(e).__name__}: {text})")
 
 
+def model_class(config):
+    """The `transformers` auto class of a config: a vision-language model (a `vision_config`) is an image-text
+    model (its language model, its image encoder and its own merge of the two); any other, a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
+def attention_implementation(config):
+    """batchrun's attention for the language model; a vision-language model's image encoder keeps SDPA (it runs
+    whole images on their own, no pages)."""
+    if not hasattr(config, "vision_config"):
+        return ATTENTION_NAME
+    chosen = {name: "sdpa" for name in getattr(config, "sub_configs", {})}
+    chosen.update({"": "sdpa", "text_config": ATTENTION_NAME})
+    return chosen
+
+
 def load_paged_model(model_dir, dtype: torch.dtype, config=None):
     """A model from a local directory with batchrun's attention; a model class that refuses a custom attention
     function is UnsupportedModel naming the architecture."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     register()
     try:
-        extra = {"config": config} if config is not None else {}
-        return AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, **extra
+        config = config if config is not None else AutoConfig.from_pretrained(model_dir)
+        return model_class(config).from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=attention_implementation(config), config=config
         )
     except Exception as e:  # noqa: BLE001
-        if ATTENTION_NAME not in str(e):
+        if ATTENTION_NAME not in str(e) or config is None:
             raise
-        if config is None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model_dir)
         raise _load_refusal(config.model_type, e) from None
 
 
 def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
     """A random-weight model from a config, with batchrun's attention (the tests' architecture matrix)."""
-    from transformers import AutoModelForCausalLM
-
     register()
     try:
-        return AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype)
+        return model_class(config).from_config(
+            config, attn_implementation=attention_implementation(config), dtype=dtype
+        )
     except Exception as e:  # noqa: BLE001 - the model class refuses a custom attention function
         raise _load_refusal(config.model_type, e) from None

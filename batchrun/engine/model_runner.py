@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
+from .multimodal import EncoderCache
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
 from .timing import PhaseTimes
@@ -24,8 +25,10 @@ class ModelRunner:
         device: torch.device,
         times: PhaseTimes,
         state_cache: StateCache | None = None,
+        encoder: EncoderCache | None = None,
     ):
         self.model = model
+        self.encoder = encoder  # a vision-language model's image features (multimodal.py); None: text only
         self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
         self.times = times
         self.services = services  # the backend (make_backend), the KV cache, the per-layer facts
@@ -85,16 +88,22 @@ class ModelRunner:
         positions (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
         with self.times("prepare"):
             ids, pos, meta, logits_index = self.prepare(scheduled)
-        with self.times("forward"):
-            if logits_index.numel() == 0:
+        images = {}
+        if self.encoder is not None:
+            with self.times("encode"):
+                chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
+                images = self.encoder.step_inputs(chunks)
+        with self.times("forward"), meta.running():
+            if logits_index.numel() == 0 and not images:
                 # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
                 self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
-                return torch.empty(0, self.model.config.vocab_size, device=self.device)
+                return torch.empty(0, self.model.config.get_text_config().vocab_size, device=self.device)
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,
                 use_cache=False,
                 logits_to_keep=logits_index,
                 batchrun_attn=meta,
+                **images,  # the model merges the image tokens' features itself
             )
             return out.logits[0]

@@ -41,7 +41,7 @@ class PrefixCache:
     def page_hashes(self, seq: Sequence) -> list[bytes]:
         """The chain hash of each full page of seq's tokens but the one holding its last token (which is never
         matched: its logits are needed), kept on the sequence while its tokens stay as they are."""
-        tokens, P = seq.token_ids, self.layout.page_size
+        tokens, P = seq.cache_key_tokens, self.layout.page_size
         n = (len(tokens) - 1) // P
         cached = seq.page_hash_chain  # tokens are only ever appended: the pages hashed before stay valid
         for i in range(len(cached), n):
@@ -55,7 +55,7 @@ class PrefixCache:
         be used (a hybrid model needs its layers' state at the prefix's end too)."""
         if not self.enabled or seq.prompt_logprobs is not None:
             return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
-        tokens, P, G = seq.token_ids, self.layout.page_size, self.layout.num_groups
+        tokens, P, G = seq.cache_key_tokens, self.layout.page_size, self.layout.num_groups
         hashes = self.page_hashes(seq)
         chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range(len(hashes))]
         # per group, its cached pages and the last block before each k that is not cached (-1: none); then the
@@ -90,7 +90,7 @@ class PrefixCache:
         full = min(num_tokens // P, len(seq.block_tables[0]))
         if len(seq.block_hashes) >= full:
             return  # the common case, every step of every decode: nothing newly full
-        tokens, start = seq.token_ids, len(seq.block_hashes)
+        tokens, start = seq.cache_key_tokens, len(seq.block_hashes)
         for i in range(start, full):
             chunk = tokens[i * P : (i + 1) * P]
             seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk))
@@ -101,7 +101,7 @@ class PrefixCache:
         the swapped-in pages are private copies, indexed only where the hash is not taken)."""
         if not self.enabled:
             return
-        tokens, P = seq.token_ids, self.layout.page_size
+        tokens, P = seq.cache_key_tokens, self.layout.page_size
         for i in range(start, len(seq.block_hashes)):
             for g, table in enumerate(seq.block_tables):
                 if i < len(table) and table[i] != NULL_PAGE:

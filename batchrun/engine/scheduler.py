@@ -81,12 +81,18 @@ class Scheduler:
         block_manager: BlockManager,
         watermark_pages: int = 0,
         states: StateSlots | NoStateSlots | None = None,
+        whole_prompts: bool = False,
     ):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
         # a hybrid model's state slots: a running sequence holds one beside its pages
         self.states = states if states is not None else NoStateSlots()
         self._pending_forks: list[StateCopy] = []  # forks since the last plan: their states are copied first
+        # a hybrid whose stateful layers cannot continue a state over several tokens (StateSpec.continues_state)
+        # computes each prompt (or a preempted sequence's recompute) whole, in one step: past the token budget
+        # when it is the step's first, else in a later step
+        self.whole_prompts = whole_prompts
+        self.max_chunk = None if whole_prompts else config.max_num_batched_tokens  # of a prompt, in tokens
         self.prefix_cache = block_manager.prefix_cache
         # free pages admission leaves untouched, so decodes do not preempt at once
         self.watermark_pages = watermark_pages
@@ -135,11 +141,21 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
+    def _tokens(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """The tokens `seq` computes this step within `budget`: 1 for a decode, a chunk of a long prompt (0:
+        none this step, a whole prompt that does not fit a step already begun)."""
+        n = seq.num_uncomputed_tokens
+        if self.whole_prompts:
+            return n if n <= budget or not out.scheduled else 0
+        return min(n, budget)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)  # 1 for a decode; a chunk of a long prompt
+            n = self._tokens(seq, budget, out)
+            if not n:
+                break
             if seq.state_snapshot_blocks:  # a hybrid's prefill stops once where its prefix's state is kept
                 n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             self.bm.trim(seq)  # pages behind a window go back before anything new is taken
@@ -187,7 +203,9 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._tokens(seq, budget, out)
+            if not n:
+                break
             if seq.state_snapshot_blocks:
                 n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             # its pages come back, plus what its next tokens need
@@ -208,11 +226,13 @@ class Scheduler:
             seats = 1 + seq.num_siblings_to_fork
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
+            if not self._tokens(seq, budget, out):
+                break  # a prompt to compute whole that does not fit this step
             # a hybrid matches only prefixes whose state is kept (a snapshot); the page hashes are kept on seq
             match = self.prefix_cache.match(seq, self.states.usable)
             if self.states.snapshot_coming(match.prompt_hashes, match.num_blocks):
                 break  # the state of a longer prefix of it is being kept this step: computed once, not twice
-            need = self.bm.num_new_pages_for_admission(seq, match, self.config.max_num_batched_tokens)
+            need = self.bm.num_new_pages_for_admission(seq, match, self.max_chunk)
             reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
                 break
@@ -226,7 +246,7 @@ class Scheduler:
             limit = (
                 self.states.limit(seq, start, budget, self.bm.page_size)
                 if seq.state_snapshot_blocks
-                else budget
+                else self._tokens(seq, budget, out)
             )
             n = self.bm.allocate_sequence(seq, limit, match)
             _add(out.state_forks, self.states.restore(seq, match.hashes, match.num_blocks))

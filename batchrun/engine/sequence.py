@@ -48,6 +48,10 @@ class Sequence:
     # with params.prompt_logprobs: log p(prompt token i | tokens before it); None for the first token
     prompt_logprobs: list[float | None] | None = None
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
+    images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
+    image_key_prompt: list[int] | None = (
+        None  # the prompt as the prefix cache keys it (images by their bytes)
+    )
 
     @property
     def block_table(self) -> list[int]:
@@ -65,6 +69,14 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_key_tokens(self) -> list[int]:
+        """The tokens as the prefix cache keys them: token_ids, but each image token keyed by the images
+        (multimodal.ImageInputs.cache_key_tokens)."""
+        if self.image_key_prompt is None:
+            return self.token_ids
+        return self.image_key_prompt + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -76,7 +76,12 @@ MAX_SNAPSHOTS = 16  # shared prefixes whose state a hybrid keeps at once: a job 
 
 
 def pool_sizes(
-    config: EngineConfig, bytes_per_page: int, num_groups: int, bytes_per_slot: int, device: torch.device
+    config: EngineConfig,
+    bytes_per_page: int,
+    num_groups: int,
+    bytes_per_slot: int,
+    device: torch.device,
+    keeps_prefix_states: bool = True,
 ) -> PoolSizes:
     """Pages, and for a hybrid model (`bytes_per_slot` > 0) state slots, from the KV budget and the swap space.
 
@@ -92,7 +97,8 @@ def pool_sizes(
     per_seq = bytes_per_slot + num_groups * bytes_per_page
     cpu_slots = min(config.max_num_seqs, swap // per_seq)
     cpu_pages = (swap - cpu_slots * bytes_per_slot) // bytes_per_page
-    snapshots = lambda slots: min(MAX_SNAPSHOTS, max(1, slots // 4)) if config.prefix_sharing else 0
+    keeps = config.prefix_sharing and keeps_prefix_states  # False: the layers cannot start from a kept state
+    snapshots = lambda slots: min(MAX_SNAPSHOTS, max(1, slots // 4)) if keeps else 0
     if config.num_pages is not None:
         slots = config.max_num_seqs
         return PoolSizes(config.num_pages, cpu_pages, slots, cpu_slots, snapshots(slots))

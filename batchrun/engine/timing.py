@@ -1,7 +1,7 @@
 """Where a step's time goes: host seconds per phase of the step loop, summed over a run.
 
 schedule (the scheduler's plan and the page copies it orders), prepare (the step's tensors and attention
-metadata), forward (the model; `attention` is the part of it inside the attention layers), sample (logits to
+metadata), encode (a vision-language model's image encoder, for the images a step's prompts need), forward (the model; `attention` is the part of it inside the attention layers), sample (logits to
 tokens: grammar masks, sampling, logprobs), finish (appending tokens, stop checks, detokenizing finished
 rows), stats (the statistics row), write (handing output rows to the part files).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "stats", "write")
+PHASES = ("schedule", "prepare", "encode", "forward", "attention", "sample", "finish", "stats", "write")
 
 
 class PhaseTimes:

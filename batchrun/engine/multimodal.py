@@ -1,0 +1,198 @@
+"""Images in prompts: what a sequence carries, and the vision encoder's outputs waiting to enter prefill.
+
+A vision-language model's processor (`AutoProcessor`) expands each image into the model's placeholder tokens in
+the prompt text, before tokenizing, and turns the image into pixel values (`ImageInputs`). batchrun computes
+each image's features once, with the model's own encoder (`get_image_features`, batched over the images a step
+needs, each distinct image once), keeps them while the sequence's prompt is prefilled (`EncoderCache`: one
+manager for this resource, its bytes counted), and hands the rows of the image tokens a step computes to the
+model's own forward as `mm_encoder_outputs`: the model merges them into its embeddings itself (its placeholder
+mask, its scatter), as under `generate`. Nothing of the merge is written here.
+
+An image's tokens may be split across prefill chunks: the models run here attend causally over them (a model
+whose image tokens need more, 3-D positions or attention among one image's tokens, is refused at load:
+`images_unsupported_reason`). The image tokens' K/V live in the pages like any other tokens', so they are
+swapped, shared and counted like them; for prefix sharing, each image token is keyed by the bytes of the
+prompt's images (`ImageInputs.cache_key_tokens`), so two different images never share a page.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ImageInputs:
+    """A prompt's images, as the processor made them: one entry per image, in prompt order."""
+
+    pixel_values: list[torch.Tensor]  # per image: the processor's pixel values of it (its first axis dropped)
+    extra: list[
+        dict[str, torch.Tensor]
+    ]  # per image: the processor's other per-image tensors (image_sizes, ...)
+    digest: bytes  # SHA-256 over every image's pixel values, in order
+    positions: list[int] = field(default_factory=list)  # the prompt positions of image tokens, ascending
+
+    @classmethod
+    def from_processor(cls, outputs: dict, image_token_id: int, prompt: list[int]) -> ImageInputs:
+        """Split a processor's batch of one prompt's images (tensors with one row per image) per image."""
+        pixel_values = outputs["pixel_values"]
+        num_images = pixel_values.shape[0]
+        extra = {
+            k: v
+            for k, v in outputs.items()
+            if k not in ("pixel_values", "input_ids", "attention_mask", "token_type_ids")
+            and isinstance(v, torch.Tensor)
+        }
+        for k, v in extra.items():
+            if v.shape[0] != num_images:
+                raise ValueError(f"the processor's `{k}` has no row per image; batchrun cannot split it")
+        digest = hashlib.sha256()
+        for i in range(num_images):
+            digest.update(pixel_values[i].contiguous().view(torch.uint8).numpy().tobytes())
+        return cls(
+            pixel_values=[pixel_values[i] for i in range(num_images)],
+            extra=[{k: v[i] for k, v in extra.items()} for i in range(num_images)],
+            digest=digest.digest(),
+            positions=[p for p, t in enumerate(prompt) if t == image_token_id],
+        )
+
+    @property
+    def num_images(self) -> int:
+        return len(self.pixel_values)
+
+    def cache_key_tokens(self, prompt: list[int]) -> list[int]:
+        """The prompt as the prefix cache keys it: each image token replaced by a negative id drawn from the
+        images' bytes (never a token id), so pages of image tokens are shared only between prompts whose images
+        are the same, in the same order."""
+        key = -1 - (int.from_bytes(self.digest[:8], "big") >> 1)
+        keyed = list(prompt)
+        for p in self.positions:
+            keyed[p] = key
+        return keyed
+
+    def rows(self, start: int, end: int) -> range:
+        """The rows of the prompt's image features (in token order) that positions start..end-1 take."""
+        return range(bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end))
+
+
+def images_unsupported_reason(model) -> str | None:
+    """Why batchrun cannot feed this model images exactly, or None. It passes the images' features to the
+    model's own forward (`mm_encoder_outputs`) over a packed row of causal attention with 1-D positions; a model
+    whose image tokens need 3-D positions (Qwen-VL's mrope), attention among one image's tokens (Gemma 3 and 4's
+    bidirectional image attention, given by token types), or vision features added inside the decoder (Qwen3-VL's
+    deepstack) computes something else there."""
+    if not hasattr(model, "get_image_features"):
+        return "it has no image encoder (`get_image_features`)"
+    params = inspect.signature(model.forward).parameters
+    if "mm_encoder_outputs" not in params:
+        return "its forward takes no precomputed image features (`mm_encoder_outputs`)"
+    if hasattr(model, "get_rope_index") or hasattr(getattr(model, "model", None), "get_rope_index"):
+        return "its image tokens take 3-D rotary positions (mrope), which batchrun does not compute yet"
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        if name in params:
+            return f"its image tokens attend to each other by `{name}` (bidirectional), which batchrun does not yet"
+    cfg = model.config
+    if getattr(cfg, "use_bidirectional_attention", None) or getattr(
+        getattr(cfg, "text_config", None), "use_bidirectional_attention", None
+    ):
+        return "its image tokens attend to each other bidirectionally, which batchrun does not yet"
+    vision = getattr(cfg, "vision_config", None)
+    if getattr(vision, "deepstack_visual_indexes", None):
+        return "it adds vision features inside its decoder layers (deepstack), which batchrun does not yet"
+    return None
+
+
+def _feature_rows(output: Any, hidden: int) -> list[torch.Tensor]:
+    """Per image, its features [tokens, hidden], from what `get_image_features` returned."""
+    pooled = output.pooler_output if hasattr(output, "pooler_output") else output
+    if isinstance(pooled, torch.Tensor) and pooled.dim() == 2:
+        pooled = [pooled]
+    return [p.reshape(-1, hidden) for p in pooled]
+
+
+class EncoderCache:
+    """The vision encoder's outputs of the sequences being prefilled: per sequence, its images' features in
+    token order, from when a step first needs them until its prompt's last image token is computed. Images of a
+    step are encoded together, each distinct one once; the bytes held are counted (`num_bytes`), and the
+    statistics read images encoded, encoder seconds and image tokens."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        self.hidden = model.config.get_text_config().hidden_size
+        self.held: dict[int, torch.Tensor] = {}  # seq_id -> [image tokens, hidden]
+        self.images_encoded = 0
+        self.encoder_seconds = 0.0
+        self.image_tokens = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.nbytes for t in self.held.values())
+
+    def encode(self, sequences: list) -> None:
+        """Features for each sequence's images that are not held yet: one encoder call per image shape,
+        each distinct image (by its pixel values' digest) once."""
+        wanted = [s for s in sequences if s.seq_id not in self.held]
+        if not wanted:
+            return
+        t0 = time.perf_counter()
+        unique: dict[bytes, tuple[torch.Tensor, dict]] = {}
+        per_seq: list[list[bytes]] = []
+        for s in wanted:
+            keys = []
+            for pixels, extra in zip(s.images.pixel_values, s.images.extra):
+                key = hashlib.sha256(pixels.contiguous().view(torch.uint8).numpy().tobytes()).digest()
+                unique.setdefault(key, (pixels, extra))
+                keys.append(key)
+            per_seq.append(keys)
+        features: dict[bytes, torch.Tensor] = {}
+        by_shape: dict[tuple, list[bytes]] = {}
+        for key, (pixels, _) in unique.items():
+            by_shape.setdefault(tuple(pixels.shape), []).append(key)
+        dtype = next(self.model.parameters()).dtype
+        for keys in by_shape.values():
+            pixels = torch.stack([unique[k][0] for k in keys]).to(self.device, dtype)
+            extra = {
+                name: torch.stack([unique[k][1][name] for k in keys]).to(self.device)
+                for name in unique[keys[0]][1]
+            }
+            with torch.inference_mode():
+                out = self.model.get_image_features(pixel_values=pixels, **extra, return_dict=True)
+            for key, rows in zip(keys, _feature_rows(out, self.hidden), strict=True):
+                features[key] = rows
+        for s, keys in zip(wanted, per_seq):
+            rows = torch.cat([features[k] for k in keys])
+            if rows.shape[0] != len(s.images.positions):
+                raise ValueError(
+                    f"the processor placed {len(s.images.positions)} image tokens but the encoder gave "
+                    f"{rows.shape[0]} feature rows"
+                )
+            self.held[s.seq_id] = rows
+        self.images_encoded += len(unique)
+        self.image_tokens += sum(len(s.images.positions) for s in wanted)
+        self.encoder_seconds += time.perf_counter() - t0
+
+    def step_inputs(self, chunks: list[tuple[Any, int, int]]) -> dict:
+        """The model's `mm_encoder_outputs` keyword for a step: the feature rows of the image tokens each
+        (sequence, start, end) computes, in packed order; {} when the step computes no image token."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        needs = [(s, s.images.rows(a, b)) for s, a, b in chunks if s.images is not None]
+        needs = [(s, r) for s, r in needs if len(r)]
+        if not needs:
+            return {}
+        self.encode([s for s, _ in needs])
+        rows = [self.held[s.seq_id][r.start : r.stop] for s, r in needs]
+        for s, _, b in chunks:  # a prompt past its last image token needs its features no more
+            if s.images is not None and s.seq_id in self.held and b > s.images.positions[-1]:
+                del self.held[s.seq_id]
+        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=(torch.cat(rows),))}}
+
+    def release(self, seq) -> None:
+        self.held.pop(seq.seq_id, None)
