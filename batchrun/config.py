@@ -95,6 +95,15 @@ class InputSpec:
     # many), or refuse the run (exit 2) and keep every part as it is
     on_change: str = field(default="recompute", metadata={"check": one_of("recompute", "refuse")})
 
+    @property
+    def base_dir(self) -> Path | None:
+        """The folder an image path in a row is relative to: the local input file's (None for a dataset or a
+        URL)."""
+        source = self.parquet or self.openai_batch
+        if not source or "://" in source:
+            return None
+        return Path(source).parent
+
 
 @dataclass
 class OutputSpec:

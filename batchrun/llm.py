@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
@@ -25,7 +26,15 @@ from .host import Placement, place
 from .loop import drive
 from .rows import check_conversation, row_seed
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
+
+
+class Prompt(NamedTuple):
+    """A prompt ready for the engine: its token ids and, for a vision-language model, its images as the model's
+    processor made them (engine.multimodal.ImageInputs; None: text alone)."""
+
+    token_ids: list[int]
+    images: Any = None
 
 
 @dataclass
@@ -95,6 +104,8 @@ class LLM:
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
         self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device, config)
+        # a vision-language model's processor (image tokens, pixel values); None for a text model
+        self.processor = loading.load_processor(self.model_dir, config)
         if self.device.type == "cpu":
             from .engine import cpu_allocator, cpu_linear
 
@@ -120,18 +131,56 @@ class LLM:
         """Raw text, as the tokenizer encodes it (its special tokens, such as a BOS, included)."""
         return self.tokenizer(text)["input_ids"]
 
-    def encode_chat(self, messages: Conversation) -> list[int]:
-        """A conversation rendered with the tokenizer's chat template, ready for the assistant's turn.
-        ValueError when the conversation is malformed or the template fails."""
-        return self.render_chat(check_conversation(messages))
+    def encode_chat(self, messages: Conversation, base_dir: Path | None = None) -> Prompt:
+        """A conversation rendered with the chat template, ready for the assistant's turn; its images read
+        (paths relative to `base_dir`). ValueError when the conversation is malformed, an image cannot be read
+        or the template fails."""
+        return self.render_chat(check_conversation(messages, images=self.processor is not None), base_dir)
 
-    def render_chat(self, turns: Conversation) -> list[int]:
-        """Checked turns (check_conversation) through the chat template; ValueError when the template fails."""
+    def render_chat(self, turns: Conversation, base_dir: Path | None = None) -> Prompt:
+        """Checked turns (check_conversation) through the chat template; ValueError when the template fails.
+        Turns with image parts go through the model's processor, which places the image tokens as text before
+        tokenizing (as the model's own preprocessing does)."""
+        if any(isinstance(t["content"], list) for t in turns):  # check_conversation kept image parts
+            return self._render_with_images(turns, base_dir)
         try:
             text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         except Exception as e:
             raise ValueError(f"chat template failed: {e}") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return Prompt(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _render_with_images(self, turns: Conversation, base_dir: Path | None) -> Prompt:
+        from .engine.multimodal import ImageInputs
+        from .images import load_image
+
+        if self.engine.images_refusal:
+            raise ValueError(f"this model's images cannot run on batchrun: {self.engine.images_refusal}")
+
+        pictures, rendered = [], []
+        for i, turn in enumerate(turns, 1):
+            content = turn["content"]
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content, 1):
+                    if part["type"] == "image":
+                        try:
+                            pictures.append(load_image(part["image"], base_dir))
+                        except ValueError as e:
+                            raise ValueError(f"conversation turn {i}, content part {j}: {e}") from None
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append(part)
+                content = parts
+            rendered.append({"role": turn["role"], "content": content})
+        processor = self.processor
+        try:
+            text = processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+            outputs = processor(text=text, images=pictures, return_tensors="pt")
+        except Exception as e:  # noqa: BLE001 - the model's own template and processor
+            raise ValueError(f"the model's processor failed on this conversation: {e}") from None
+        ids = outputs["input_ids"][0].tolist()
+        token_id = self.engine.image_token_id
+        return Prompt(ids, ImageInputs.from_processor(outputs, token_id, ids))
 
     # ---- whole batches ------------------------------------------------------------------------------------------
     def generate(
@@ -143,7 +192,7 @@ class LLM:
         """Complete raw prompts (text, or token ids), no chat template; outputs in input order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        ids = [list(p) if not isinstance(p, str) else self.encode(p) for p in prompts]
+        ids = [Prompt(list(p) if not isinstance(p, str) else self.encode(p)) for p in prompts]
         return self._run(list(prompts), ids, sampling_params, use_tqdm)
 
     def chat(
@@ -152,7 +201,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Answer conversations (lists of {role, content}) through the chat template; outputs in input order."""
+        """Answer conversations (lists of {role, content}) through the chat template; outputs in input order.
+        A content may be OpenAI's content parts; with a vision-language model, image parts too ({type: image_url,
+        image_url: {url}} with a data: URL, a path or an fsspec URL, or {type: image, image: a PIL image})."""
         if isinstance(conversations, dict):
             raise ValueError(
                 "conversations: one turn {role, content} was given; a conversation is a list of turns: "
@@ -163,9 +214,7 @@ class LLM:
         ids = [self.encode_chat(c) for c in conversations]
         return self._run(list(conversations), ids, sampling_params, use_tqdm)
 
-    def _run(
-        self, prompts: list, ids: list[list[int]], sampling_params, use_tqdm: bool
-    ) -> list[RequestOutput]:
+    def _run(self, prompts: list, ids: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         params = _params_per_prompt(sampling_params, len(prompts))
@@ -177,10 +226,8 @@ class LLM:
                 engine.grammars.compile(sampling_params.response_format)
             except ValueError as e:
                 raise ValueError(f"sampling_params.response_format: {e}") from None
-        outputs = [
-            RequestOutput(i, prompt, token_ids) for i, (prompt, token_ids) in enumerate(zip(prompts, ids))
-        ]
-        worker = _PromptWorker(self, outputs, params)
+        outputs = [RequestOutput(i, prompt, p.token_ids) for i, (prompt, p) in enumerate(zip(prompts, ids))]
+        worker = _PromptWorker(self, outputs, params, [p.images for p in ids])
         items = iter(enumerate(params))
         bar = tqdm(total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun")
         try:
@@ -228,10 +275,11 @@ class _PromptWorker:
 
     wants_rows = True
 
-    def __init__(self, llm: LLM, outputs: list[RequestOutput], params: list[SamplingParams]):
+    def __init__(self, llm: LLM, outputs: list[RequestOutput], params: list[SamplingParams], images: list):
         self.llm = llm
         self.engine = llm.engine
         self.outputs = outputs
+        self.images = images  # per prompt: its ImageInputs, or None
         self.samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params]
 
     @property
@@ -247,7 +295,7 @@ class _PromptWorker:
             output.outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]
             return output
         seeds = [row_seed(p.seed, i, s) for s in range(p.n)]
-        self.engine.add(output.prompt_token_ids, p, request=i, seeds=seeds)
+        self.engine.add(output.prompt_token_ids, p, request=i, seeds=seeds, images=self.images[i])
         return None
 
     def step(self) -> list[RequestOutput]:

@@ -102,29 +102,47 @@ def clashing_columns(columns, id_column: str | None) -> list[str]:
 ROLES = ("system", "user", "assistant")
 
 
-def _text_of_parts(parts, turn: int, role: str) -> str:
-    """OpenAI's content parts of a text model's turn, as one string: the text parts joined by newlines (as vLLM
-    does). Fields a Parquet struct gives every part (`image_url: null` beside a text part) are ignored when null;
-    an image part is this row's error: batchrun runs text models."""
-    texts = []
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
+def _parts(parts, turn: int, role: str, images: bool) -> str | list[dict]:
+    """OpenAI's content parts of a turn. For a text model, one string: the text parts joined by newlines (as
+    vLLM does), and an image part is this row's error. For a model that takes images (`images`), the parts in
+    the chat template's form: {type: text, text} and {type: image, image: its source (images.load_image)}.
+    Fields a Parquet struct gives every part (`image_url: null` beside a text part) are ignored when null."""
+    texts, normalized = [], []
     for j, part in enumerate(parts, 1):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
-        elif kind in ("image_url", "image", "input_image"):
-            raise ValueError(
-                f"conversation turn {turn} ({role}), content part {j}: an image; batchrun runs text models "
-                "and takes no images yet"
-            )
+            normalized.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PART_TYPES:
+            if not images:
+                raise ValueError(
+                    f"conversation turn {turn} ({role}), content part {j}: an image, and this model takes "
+                    "no images (a text model)"
+                )
+            source = part.get(kind)
+            if isinstance(source, dict) and "url" in source:  # {"image_url": {"url": ...}}
+                source = source["url"]
+            if source is None:
+                raise ValueError(
+                    f"conversation turn {turn} ({role}), content part {j}: an image part without one"
+                )
+            normalized.append({"type": "image", "image": source})
         else:
             raise ValueError(
                 f"conversation turn {turn} ({role}), content part {j}: expected {{type: text, text: ...}}"
+                + (" or {type: image_url, image_url: {url: ...}}" if images else "")
             )
+    if images and any(p["type"] == "image" for p in normalized):
+        return normalized
     return "\n".join(texts)
 
 
-def check_conversation(messages: Any) -> list[dict[str, str]]:
-    """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one."""
+def check_conversation(messages: Any, images: bool = False) -> list[dict[str, Any]]:
+    """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one.
+    `images`: the model takes images, so a turn with image parts keeps them (as a list of parts)."""
     if not isinstance(messages, list | tuple):
         raise ValueError(f"conversation is not a list of turns (got {type(messages).__name__})")
     turns = []
@@ -137,8 +155,8 @@ def check_conversation(messages: Any) -> list[dict[str, str]]:
         if role not in ROLES:
             raise ValueError(f"conversation turn {i} has unknown role {role!r} (expected {', '.join(ROLES)})")
         if isinstance(content, list | tuple):  # OpenAI's content parts
-            content = _text_of_parts(content, i, role)
-        if not isinstance(content, str):
+            content = _parts(content, i, role, images)
+        if not isinstance(content, str | list):
             raise ValueError(
                 f"conversation turn {i} ({role}) has no content (a string, or a list of content parts)"
             )

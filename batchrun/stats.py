@@ -104,6 +104,9 @@ SUMMARY_KEYS = {
     "state_slots_total": ("sum", "max"),
     "peak_state_slots_used": ("sum", "max"),
     "bytes_per_state_slot": ("first", "first"),
+    "rows_with_images": ("sum", "sum"),
+    "images_encoded": ("sum", "sum"),
+    "image_tokens": ("sum", "sum"),
     "structured_rows": ("sum", "sum"),
     "structured_complete": ("sum", "sum"),
     "grammar_compile_s": ("sum", "sum"),
@@ -236,6 +239,7 @@ class StatsCollector:
         self.prompt_tokens = 0  # prompt tokens of the rows finished
         self.prompt_tokens_computed = 0  # prefix-cache hits excluded, recomputation included
         self.generated_tokens = 0
+        self.rows_with_images = 0  # input rows whose prompt held images
         self.structured_rows = 0  # output rows with a response format, and those whose grammar completed
         self.structured_complete = 0
 
@@ -247,6 +251,7 @@ class StatsCollector:
         self.generated_tokens += step.num_generated
         self.prompt_tokens_computed += step.num_prompt_tokens
         self.prompt_tokens += step.num_finished_prompt_tokens
+        self.rows_with_images += step.num_finished_image_rows
         structured, complete = step.structured_finished
         self.structured_rows += structured
         self.structured_complete += complete
@@ -346,6 +351,8 @@ class StatsCollector:
             "state_slots_total": m.state_slots_total,
             "peak_state_slots_used": a.peak_state_slots_used,
             "bytes_per_state_slot": self.engine.bytes_per_state_slot,
+            "rows_with_images": self.rows_with_images,
+            **self.engine.image_counts(),
             "structured_rows": self.structured_rows,
             "structured_complete": self.structured_complete,
             "grammar_compile_s": compile_s,

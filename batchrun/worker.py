@@ -15,7 +15,7 @@ from .config import JobSpec, coerce_field
 from .engine import SamplingParams
 from .errors import BadInput
 from .host import Placement
-from .llm import LLM
+from .llm import LLM, Prompt
 from .rows import InputRow, OutputRow, check_conversation, row_seed
 from .stats import StatsCollector
 
@@ -62,16 +62,17 @@ class RowWorker:
         """Queue a row; returns its error rows at once when it cannot be served."""
         try:
             params = self._params(row)
-            ids = self._tokenize(row)
+            prompt = self._tokenize(row)
         except ValueError as e:
             return self._error_rows(row, str(e), [])
+        ids = prompt.token_ids
         reason = self.engine.admission_error(len(ids), params)
         if reason:
             return self._error_rows(row, reason, ids)
         state = RowState(row, ids, [None] * params.n)
         self.in_flight[row.index] = state
         seeds = [row_seed(params.seed, row.id, i) for i in range(params.n)]
-        self.engine.add(ids, params, request=state, seeds=seeds)
+        self.engine.add(ids, params, request=state, seeds=seeds, images=prompt.images)
         return None
 
     def step(self) -> list[list[OutputRow]]:
@@ -123,8 +124,8 @@ class RowWorker:
         except ValueError as e:
             raise ValueError(f"this row's sampling: {e}") from None
 
-    def _tokenize(self, row: InputRow) -> list[int]:
-        """Token ids of the row's prompt; ValueError with the reason for a row that cannot be served.
+    def _tokenize(self, row: InputRow) -> Prompt:
+        """The row's prompt as token ids (and images); ValueError with the reason for a row that cannot be served.
         A conversation goes through the chat template (model.system_prompt first when it has no system turn);
         a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt."""
         if row.error:
@@ -135,17 +136,17 @@ class RowWorker:
         if prompt is None:
             raise ValueError("prompt is null")
         if isinstance(prompt, list | tuple):
-            messages = check_conversation(prompt)
+            messages = check_conversation(prompt, images=self.llm.processor is not None)
             if not any(t["role"] == "system" for t in messages):
                 messages = system + messages
-            return self.llm.render_chat(messages)
+            return self.llm.render_chat(messages, self.spec.input.base_dir)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt is neither a string nor a conversation (got {type(prompt).__name__})")
         if not prompt.strip():
             raise ValueError("prompt is empty")
         endpoint = row.request.get("endpoint") if row.request else None
         if endpoint == "completion" or (endpoint is None and not m.chat_template):
-            return self.llm.encode(prompt)
+            return Prompt(self.llm.encode(prompt))
         return self.llm.render_chat([*system, {"role": "user", "content": prompt}])
 
     def _error_rows(self, row: InputRow, reason: str, prompt_ids: list[int]) -> list[OutputRow]:

@@ -21,7 +21,7 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
-from .multimodal import EncoderCache, ImageInputs, images_unsupported_reason
+from .multimodal import EncoderCache, ImageInputs, image_token_id, images_unsupported_reason
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -62,6 +62,11 @@ class StepResult:
     def num_finished_prompt_tokens(self) -> int:
         """Prompt tokens of the rows finished this step (each row's first sample: forks share the prompt)."""
         return sum(s.num_prompt_tokens for s in self.finished if s.sample_index == 0)
+
+    @property
+    def num_finished_image_rows(self) -> int:
+        """Rows finished this step whose prompt held images (each row's first sample)."""
+        return sum(1 for s in self.finished if s.sample_index == 0 and s.images is not None)
 
     @property
     def structured_finished(self) -> tuple[int, int]:
@@ -143,6 +148,7 @@ class Engine:
         services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
         # a vision-language model's image encoder outputs, while prompts with images are prefilled
         self.images_refusal = images_unsupported_reason(model)
+        self.image_token_id = image_token_id(model.config)
         self.encoder = EncoderCache(model, device) if self.images_refusal is None else None
         self.runner = ModelRunner(model, services, device, self.times, self.state_cache, self.encoder)
         self.outputs = OutputProcessor(
@@ -275,6 +281,15 @@ class Engine:
     def bytes_per_state_slot(self) -> int:
         """A hybrid model's state bytes per sequence (0: no stateful layers)."""
         return self.state_cache.spec.bytes_per_slot if self.state_cache is not None else 0
+
+    def image_counts(self) -> dict[str, int]:
+        """Images encoded (each distinct image of a step once) and image tokens computed, for the summary (the
+        encoder's seconds are the `encode` phase); zeros for a text model."""
+        encoder = self.encoder
+        return {
+            "images_encoded": encoder.images_encoded if encoder else 0,
+            "image_tokens": encoder.image_tokens if encoder else 0,
+        }
 
     def running_sequences(self) -> list[Sequence]:
         """Sequences holding accelerator pages, in admission order (do not modify the list)."""

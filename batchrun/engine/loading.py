@@ -33,6 +33,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
     return tokenizer, model
 
 
+def load_processor(model_dir: Path, config):
+    """A vision-language model's processor (`AutoProcessor`: its image processor and the placement of image
+    tokens), or None for a text model. Image processors are loaded for their PIL paths where torchvision is
+    missing (the CPU torch wheel has no matching torchvision on the registry)."""
+    if not hasattr(config, "vision_config"):
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001
+        if not_the_models_fault(e):
+            raise
+        raise BadInput(f"model.path: cannot load the processor of the model in {model_dir}: {e}") from None
+
+
 def eos_token_ids(tokenizer, model) -> set[int]:
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)

@@ -81,12 +81,23 @@ class ImageInputs:
         return range(bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end))
 
 
+def image_token_id(config) -> int | None:
+    """The placeholder token of a vision-language model's images (None: a text model)."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def images_unsupported_reason(model) -> str | None:
     """Why batchrun cannot feed this model images exactly, or None. It passes the images' features to the
     model's own forward (`mm_encoder_outputs`) over a packed row of causal attention with 1-D positions; a model
     whose image tokens need 3-D positions (Qwen-VL's mrope), attention among one image's tokens (Gemma 3 and 4's
     bidirectional image attention, given by token types), or vision features added inside the decoder (Qwen3-VL's
     deepstack) computes something else there."""
+    if image_token_id(model.config) is None or not hasattr(model.config, "vision_config"):
+        return "it is a text model"
     if not hasattr(model, "get_image_features"):
         return "it has no image encoder (`get_image_features`)"
     params = inspect.signature(model.forward).parameters

@@ -1,0 +1,288 @@
+"""Images in prompts (engine/multimodal.py, images.py): a tiny random-weight LLaVA (a CLIP vision tower, a Llama
+language model, the embedded model's tokenizer with an image token) saved as a model directory with its
+processor, against HF `generate` (processor + model, one conversation at a time, greedy fp32)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from helpers import read_outputs, run_cli, write_job
+
+from batchrun import LLM, SamplingParams
+
+NEW_TOKENS = 12
+# a chat template that places an image part's token (the embedded model's template takes strings alone)
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image>{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory, model_dir):
+    """A tiny LLaVA model directory: weights, config, tokenizer and processor (PIL image processor)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+    from transformers.models.llava.processing_llava import LlavaProcessor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    cfg = AutoConfig.for_model(
+        "llava", text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>")
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    target = tmp_path_factory.mktemp("llava")
+    model.save_pretrained(target)
+    images = LlavaImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        chat_template=TEMPLATE,
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    ).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def reference(llava_dir):
+    """HF's processor and model (eager attention) of the directory."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir, attn_implementation="eager").eval()
+    return AutoProcessor.from_pretrained(llava_dir), model
+
+
+def picture(seed: int, height: int = 40, width: int = 50):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
+
+
+def data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def hf_generate(reference, content: list, images: list) -> list[int]:
+    processor, model = reference
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    enc = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, enc["input_ids"].shape[1] :].tolist()
+
+
+def conversations(tmp_path):
+    """One image (a PIL image), two images (a data: URL and a path), no image, and the first image again."""
+    a, b, c = picture(0), picture(1, 47), picture(2, 54, 30)
+    c.save(tmp_path / "c.png")
+    ours = [
+        [{"type": "image", "image": a}, {"type": "text", "text": "Describe this."}],
+        [
+            {"type": "text", "text": "Compare"},
+            {"type": "image_url", "image_url": {"url": data_url(b)}},
+            {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {"url": str(tmp_path / "c.png")}},
+        ],
+        [{"type": "text", "text": "No image here, just text."}],
+        [{"type": "image", "image": a}, {"type": "text", "text": "Describe it at length, please."}],
+    ]
+    theirs = [
+        ([{"type": "image"}, {"type": "text", "text": "Describe this."}], [a]),
+        (
+            [
+                {"type": "text", "text": "Compare"},
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image"},
+            ],
+            [b, c],
+        ),
+        ([{"type": "text", "text": "No image here, just text."}], []),
+        ([{"type": "image"}, {"type": "text", "text": "Describe it at length, please."}], [a]),
+    ]
+    return [[{"role": "user", "content": parts}] for parts in ours], theirs
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        dict(),  # every prompt whole
+        dict(max_num_batched_tokens=16),  # prompts in chunks that cut through the images' 16 tokens
+        dict(max_num_batched_tokens=16, num_pages=6, preemption="recompute"),  # and preempted
+    ],
+    ids=["whole", "chunked", "preempted"],
+)
+def test_image_prompts_equal_hf_generate(llava_dir, reference, tmp_path, engine):
+    convs, theirs = conversations(tmp_path)
+    expected = [hf_generate(reference, content, images) for content, images in theirs]
+    llm = LLM(model=str(llava_dir), dtype="float32", device="cpu", **{"num_pages": 256, **engine})
+    outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    encoder = llm.engine.encoder
+    assert encoder.image_tokens == 16 * 4 and not encoder.held  # features dropped once their tokens are in
+    if "num_pages" in engine:
+        assert any(o.outputs[0].num_preemptions for o in outs)
+
+
+def test_the_comparison_sees_a_missing_image(llava_dir, reference, tmp_path, monkeypatch):
+    """The test can fail: with the image features zeroed (no merge), the image rows differ from HF."""
+    from batchrun.engine import multimodal
+
+    convs, theirs = conversations(tmp_path)
+    expected = hf_generate(reference, *theirs[0])
+    real = multimodal._feature_rows
+    monkeypatch.setattr(
+        multimodal, "_feature_rows", lambda out, h: [torch.zeros_like(r) for r in real(out, h)]
+    )
+    llm = LLM(model=str(llava_dir), dtype="float32", device="cpu", num_pages=64)
+    out = llm.chat(convs[0], SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert out[0].outputs[0].token_ids != expected
+
+
+def test_prefix_sharing_keys_image_pages_by_the_image(llava_dir, reference):
+    """Rows with one system prompt and an image: a row with the same image reuses its image's pages, a row with
+    another image (the same placeholder tokens) shares only the text before it; each equals HF."""
+    a, b = picture(5), picture(6)
+    system = "You describe pictures for a catalogue. " * 4
+    rows = [(a, "Colours?"), (a, "Shapes?"), (b, "Colours?")]
+    llm = LLM(model=str(llava_dir), dtype="float32", device="cpu", num_pages=128, max_num_seqs=1)
+    cache = llm.engine.block_manager.prefix_cache
+    hits = []
+    for image, question in rows:
+        before = cache.hit_tokens
+        conv = [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": image}, {"type": "text", "text": question}],
+            },
+        ]
+        out = llm.chat(conv, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+        hits.append(cache.hit_tokens - before)
+        processor, model = reference
+        text = processor.apply_chat_template(
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+            ],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        enc = processor(text=text, images=[image], return_tensors="pt")
+        with torch.inference_mode():
+            ref = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert out[0].outputs[0].token_ids == ref[0, enc["input_ids"].shape[1] :].tolist()
+        first_image = enc["input_ids"][0].tolist().index(llm.engine.image_token_id)
+    assert hits[0] == 0
+    assert hits[1] > first_image  # past the image's first token: its pages were shared
+    assert 0 < hits[2] <= first_image  # the text before it only
+
+
+def test_a_job_with_image_parts_and_a_bad_image_row(llava_dir, reference, tmp_path):
+    """A Parquet job of conversations with image_url parts (a path relative to the input, a data: URL): rows
+    equal HF; a missing image is that row's error naming the turn and part, and the job goes on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    a = picture(7)
+    a.save(tmp_path / "a.png")
+
+    def conv(url):
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "text": None, "image_url": {"url": url}},
+                    {"type": "text", "text": "Describe.", "image_url": None},
+                ],
+            }
+        ]
+
+    pq.write_table(
+        pa.table({"id": ["p", "d", "x"], "prompt": [conv("a.png"), conv(data_url(a)), conv("missing.png")]}),
+        tmp_path / "in.parquet",
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
+name: caption
+model: {{path: {llava_dir}, dtype: float32}}
+input: {{parquet: {tmp_path / "in.parquet"}, id_column: id}}
+output: {{path: {tmp_path / "out"}, token_ids: true}}
+engine: {{device: cpu, num_pages: 64}}
+sampling: {{max_new_tokens: {NEW_TOKENS}}}
+""",
+    )
+    r = run_cli("submit", str(job))
+    assert r.returncode == 0, r.stderr
+    got = read_outputs(tmp_path / "out")
+    expected = hf_generate(reference, [{"type": "image"}, {"type": "text", "text": "Describe."}], [a])
+    for key in ("p", "d"):
+        assert got[(key, 0)]["error"] is None and got[(key, 0)]["completion_token_ids"] == expected
+    assert got[("x", 0)]["finish_reason"] == "error"
+    assert "turn 1, content part 1" in got[("x", 0)]["error"] and "missing.png" in got[("x", 0)]["error"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_images_the_engine_cannot_compute_are_refused(family):
+    """A model whose image tokens need 3-D positions (Qwen-VL) or attend to each other (Gemma 3) takes no
+    images: the reason says which."""
+    from transformers import AutoConfig
+
+    from batchrun.engine.loading import paged_model_from_config
+    from batchrun.engine.multimodal import images_unsupported_reason
+
+    cfg = AutoConfig.for_model(family)
+    text = cfg.get_text_config()
+    for key, value in dict(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=300,
+    ).items():  # fmt: skip
+        setattr(text, key, value)
+    vision = cfg.vision_config
+    for key, value in dict(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, depth=1, num_attention_heads=2, num_heads=2,
+        out_hidden_size=64, embed_dim=32, image_size=32,
+    ).items():  # fmt: skip
+        if hasattr(vision, key):
+            setattr(vision, key, value)
+    model = paged_model_from_config(copy.deepcopy(cfg))
+    reason = images_unsupported_reason(model)
+    assert reason and ("3-D" in reason if family == "qwen2_5_vl" else "each other" in reason), reason
