@@ -286,3 +286,97 @@ def test_images_the_engine_cannot_compute_are_refused(family):
     model = paged_model_from_config(copy.deepcopy(cfg))
     reason = images_unsupported_reason(model)
     assert reason and ("3-D" in reason if family == "qwen2_5_vl" else "each other" in reason), reason
+
+
+@pytest.fixture(scope="module")
+def idefics3_dir(tmp_path_factory, model_dir):
+    """A tiny Idefics3 (SmolVLM's and Granite Docling's architecture): images split into tiles plus a global
+    view, a pixel-shuffle connector; its processor gives one prompt's images as one tensor of tiles."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    extra = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+    tok.add_special_tokens({"additional_special_tokens": extra})
+    text = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=len(tok),
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+    )
+    vision = dict(
+        model_type="idefics3_vision",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    cfg = AutoConfig.for_model(
+        "idefics3",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    torch.manual_seed(0)
+    target = tmp_path_factory.mktemp("idefics3")
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
+    )
+    Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=TEMPLATE
+    ).save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_idefics3_tiled_images_equal_hf_generate(idefics3_dir, chunk):
+    """Two images (4 tiles and a global view each), one image, text alone; whole prompts and prompts in chunks
+    of 24 tokens that cut through the tiles' tokens: equal to HF `generate`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(idefics3_dir)
+    model = AutoModelForImageTextToText.from_pretrained(idefics3_dir, attn_implementation="eager").eval()
+    a, b = picture(10), picture(11, 60, 30)
+    cases = [
+        (
+            [
+                {"type": "text", "text": "Look"},
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image"},
+            ],
+            [a, b],
+        ),
+        ([{"type": "image"}, {"type": "text", "text": "What is it?"}], [b]),
+        ([{"type": "text", "text": "Text alone."}], []),
+    ]
+    expected = []
+    for content, images in cases:
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        enc = processor(text=text, images=[images] if images else None, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(out[0, enc["input_ids"].shape[1] :].tolist())
+    llm = LLM(
+        model=str(idefics3_dir), dtype="float32", device="cpu", num_pages=128, max_num_batched_tokens=chunk
+    )
+    convs = []
+    for content, images in cases:
+        pictures = iter(images)
+        parts = [{"type": "image", "image": next(pictures)} if p["type"] == "image" else p for p in content]
+        convs.append([{"role": "user", "content": parts}])
+    outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

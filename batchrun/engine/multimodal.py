@@ -29,7 +29,9 @@ import torch
 
 @dataclass
 class ImageInputs:
-    """A prompt's images, as the processor made them: one entry per image, in prompt order."""
+    """A prompt's images, as the processor made them: one entry per row of its `pixel_values`, in prompt order:
+    an image (LLaVA), or all of the prompt's images as one tensor of tiles (Idefics3's processor batches by
+    prompt)."""
 
     pixel_values: list[torch.Tensor]  # per image: the processor's pixel values of it (its first axis dropped)
     extra: list[
