@@ -86,6 +86,9 @@ class InputSpec:
     dataset: DatasetSpec | None = None
     openai_batch: str | None = None  # an OpenAI Batch API input file (JSONL), or a glob of them
     prompt_column: str = "prompt"  # strings, or conversations (lists of {role, content})
+    # a column of images (an HF Image feature, bytes, or paths and URLs) put before the row's text prompt, for a
+    # vision-language model
+    image_column: str | None = None
     id_column: str | None = None
     passthrough: list[str] = field(default_factory=list)
     limit: int | None = field(default=None, metadata={"check": at_least(0)})

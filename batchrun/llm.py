@@ -143,8 +143,9 @@ class LLM:
         tokenizing (as the model's own preprocessing does)."""
         if any(isinstance(t["content"], list) for t in turns):  # check_conversation kept image parts
             return self._render_with_images(turns, base_dir)
+        template = self.processor or self.tokenizer  # a vision-language model's template is its processor's
         try:
-            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+            text = template.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         except Exception as e:
             raise ValueError(f"chat template failed: {e}") from None
         return Prompt(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -53,6 +53,8 @@ class InputSource:
         wanted = [("input.prompt_column", self.spec.prompt_column)]
         if self.spec.id_column:
             wanted.append(("input.id_column", self.spec.id_column))
+        if self.spec.image_column:
+            wanted.append(("input.image_column", self.spec.image_column))
         wanted += [(f"input.passthrough[{i}]", c) for i, c in enumerate(self.spec.passthrough)]
         wanted += [(f"input.sampling_columns.{k}", c) for k, c in self.spec.sampling_columns.items()]
         for key, col in wanted:
@@ -99,7 +101,8 @@ class InputSource:
         """Rows of this shard among the first `limit` rows of the input, in input order."""
         spec = self.spec
         columns = [spec.prompt_column] + ([spec.id_column] if spec.id_column else [])
-        columns += [c for c in [*spec.passthrough, *spec.sampling_columns.values()] if c not in columns]
+        extra = [*spec.passthrough, *spec.sampling_columns.values(), *filter(None, [spec.image_column])]
+        columns += [c for c in extra if c not in columns]
         index = 0
         for batch in self._batches(columns):
             data = batch.to_pydict() if isinstance(batch, pa.RecordBatch) else batch
@@ -212,6 +215,8 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
     """Row `j` of a batch of columns (`data`, as pyarrow's to_pydict gives them) as an InputRow: its prompt, id,
     passthrough and sampling cells as the job's input section names them; `index`: its place in the input."""
     prompt = data[spec.prompt_column][j]
+    if spec.image_column:
+        prompt = with_image(prompt, data[spec.image_column][j])
     passthrough = {c: data[c][j] for c in spec.passthrough}
     sampling = {k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None}
     return InputRow(
@@ -222,6 +227,28 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
         sampling=sampling,
         input_hash=content_hash(prompt, sampling, passthrough),
     )
+
+
+def with_image(prompt: Any, image: Any) -> Any:
+    """A row's prompt with its image column's cell put before its text (`input.image_column`): a string
+    becomes a user turn of an image part and a text part; a conversation gets the image part first in its first
+    user turn. A null image leaves the prompt as it is; a prompt of another kind too (its row's error says
+    why)."""
+    if image is None:
+        return prompt
+    part = {"type": "image", "image": image}
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": [part, {"type": "text", "text": prompt}]}]
+    if isinstance(prompt, list) and all(isinstance(t, dict) for t in prompt):
+        turns = [dict(t) for t in prompt]
+        for turn in turns:
+            if turn.get("role") == "user":
+                content = turn.get("content")
+                text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+                turn["content"] = [part, *text]
+                break
+        return turns
+    return prompt
 
 
 def _holds_prompts(kind: pa.DataType) -> bool:

@@ -380,3 +380,43 @@ def test_idefics3_tiled_images_equal_hf_generate(idefics3_dir, chunk):
         convs.append([{"role": "user", "content": parts}])
     outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_an_image_column_goes_before_the_prompt(llava_dir, reference, tmp_path):
+    """`input.image_column`: a column of image bytes (an HF Image feature's {bytes, path} too) before each row's
+    text prompt; a null image leaves a text prompt. Equal to HF `generate` on the same conversation."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    a, b = picture(20), picture(21, 30, 60)
+    png = lambda im: base64.b64decode(data_url(im).split(",", 1)[1])  # noqa: E731
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b", "none"],
+                "prompt": ["Caption it.", "What colour?", "No picture."],
+                "image": [{"bytes": png(a), "path": None}, {"bytes": png(b), "path": None}, None],
+            }
+        ),
+        tmp_path / "in.parquet",
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
+name: caption-column
+model: {{path: {llava_dir}, dtype: float32}}
+input: {{parquet: {tmp_path / "in.parquet"}, id_column: id, image_column: image}}
+output: {{path: {tmp_path / "out"}, token_ids: true}}
+engine: {{device: cpu, num_pages: 64}}
+sampling: {{max_new_tokens: {NEW_TOKENS}}}
+""",
+    )
+    r = run_cli("submit", str(job))
+    assert r.returncode == 0, r.stderr
+    got = read_outputs(tmp_path / "out")
+    for key, image, text in (("a", a, "Caption it."), ("b", b, "What colour?")):
+        expected = hf_generate(reference, [{"type": "image"}, {"type": "text", "text": text}], [image])
+        assert got[(key, 0)]["completion_token_ids"] == expected, key
+    assert got[("none", 0)]["completion_token_ids"] == hf_generate(
+        reference, [{"type": "text", "text": "No picture."}], []
+    )
