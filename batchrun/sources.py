@@ -244,7 +244,9 @@ def with_image(prompt: Any, image: Any) -> Any:
         for turn in turns:
             if turn.get("role") == "user":
                 content = turn.get("content")
-                text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+                text = (
+                    [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+                )
                 turn["content"] = [part, *text]
                 break
         return turns
