@@ -104,6 +104,14 @@ def format_summary(s: dict) -> str:
                 f"peak in use {s.get('peak_state_slots_used', 0)}",
             )
         )
+    if s.get("rows_with_images"):
+        lines.append(
+            (
+                "images",
+                f"{s['rows_with_images']} rows with images; {s.get('images_encoded', 0)} encoded "
+                f"({s.get('image_tokens', 0)} image tokens) in {s.get('time_encode_s', 0):.2f} s",
+            )
+        )
     if s.get("window_freed_peak"):
         lines.append(
             (

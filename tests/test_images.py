@@ -7,6 +7,9 @@ from __future__ import annotations
 import base64
 import copy
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,63 +19,23 @@ from helpers import read_outputs, run_cli, write_job
 from batchrun import LLM, SamplingParams
 
 NEW_TOKENS = 12
-# a chat template that places an image part's token (the embedded model's template takes strings alone)
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
-    "{% for p in m.content %}{% if p.type == 'image' %}<image>{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% endif %}"
-)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory, model_dir):
-    """A tiny LLaVA model directory: weights, config, tokenizer and processor (PIL image processor)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
-    from transformers.models.llava.processing_llava import LlavaProcessor
+def caption_data(tmp_path_factory):
+    """jobs/make_caption_data.py's output: a few images, their caption requests and a tiny LLaVA model
+    directory (weights, config, tokenizer and processor with a PIL image processor)."""
+    out = tmp_path_factory.mktemp("caption")
+    script = ROOT / "jobs" / "make_caption_data.py"
+    r = subprocess.run([sys.executable, str(script), "--out", str(out), "--images", "6"], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    return out
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    text = dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=len(tok),
-        max_position_embeddings=512,
-        initializer_range=0.3,
-    )
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
-    cfg = AutoConfig.for_model(
-        "llava", text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>")
-    )
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(cfg)
-    target = tmp_path_factory.mktemp("llava")
-    model.save_pretrained(target)
-    images = LlavaImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    LlavaProcessor(
-        image_processor=images,
-        tokenizer=tok,
-        patch_size=8,
-        vision_feature_select_strategy="default",
-        chat_template=TEMPLATE,
-        image_token="<image>",
-        num_additional_image_tokens=1,
-    ).save_pretrained(target)
-    return target
+
+@pytest.fixture(scope="module")
+def llava_dir(caption_data):
+    return caption_data / "model"
 
 
 @pytest.fixture(scope="module")
@@ -289,10 +252,10 @@ def test_images_the_engine_cannot_compute_are_refused(family):
 
 
 @pytest.fixture(scope="module")
-def idefics3_dir(tmp_path_factory, model_dir):
+def idefics3_dir(tmp_path_factory, model_dir, llava_dir):
     """A tiny Idefics3 (SmolVLM's and Granite Docling's architecture): images split into tiles plus a global
     view, a pixel-shuffle connector; its processor gives one prompt's images as one tensor of tiles."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
     from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
 
@@ -333,8 +296,9 @@ def idefics3_dir(tmp_path_factory, model_dir):
     images = Idefics3ImageProcessorPil(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
     )
+    template = AutoProcessor.from_pretrained(llava_dir).chat_template  # places image parts as <image>
     Idefics3Processor(
-        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=TEMPLATE
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=template
     ).save_pretrained(target)
     return target
 
