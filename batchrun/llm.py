@@ -103,9 +103,10 @@ class LLM:
             check_memory_budget(engine, config, self.dtype, self.device)
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
-        self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device, config)
-        # a vision-language model's processor (image tokens, pixel values); None for a text model
+        # a vision-language model's processor (image tokens, pixel values, its tokenizer); None for a text model
         self.processor = loading.load_processor(self.model_dir, config)
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device, config, tokenizer)
         if self.device.type == "cpu":
             from .engine import cpu_allocator, cpu_linear
 

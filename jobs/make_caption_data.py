@@ -55,8 +55,15 @@ def make_images(out: Path, count: int) -> list[dict]:
     return rows
 
 
-def make_model(target: Path, tokenizer_from: Path) -> Path:
-    """A tiny random-weight LLaVA with its processor, saved in `target`."""
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=8)
+
+
+def make_model(
+    target: Path, tokenizer_from: Path, text_shape=TINY_TEXT, vision_shape=TINY_VISION, image_size: int = 32
+) -> Path:
+    """A random-weight LLaVA with its processor, saved in `target` (tiny unless the shapes say otherwise; its
+    images are resized and cropped to `image_size`)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
@@ -65,36 +72,26 @@ def make_model(target: Path, tokenizer_from: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     text = dict(
+        text_shape,
         model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         vocab_size=len(tok),
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         initializer_range=0.3,
     )
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
+    vision = dict(vision_shape, model_type="clip_vision_model", image_size=image_size)
     cfg = AutoConfig.for_model(
         "llava", text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>")
     )
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
-    images = LlavaImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    images = LlavaImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
     LlavaProcessor(
         image_processor=images,
         tokenizer=tok,
-        patch_size=8,
+        patch_size=vision_shape["patch_size"],
         vision_feature_select_strategy="default",
         chat_template=TEMPLATE,
         image_token="<image>",

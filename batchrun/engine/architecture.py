@@ -22,6 +22,7 @@ module that keeps a state any other way (its own cache class) is refused.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -148,10 +149,16 @@ def refusal(architecture: str, reason: str) -> UnsupportedModel:
 
 def uses_cache_interface(module: torch.nn.Module) -> bool:
     """The module's class keeps its state through transformers' cache interface (its source calls it)."""
+    return _class_uses_cache_interface(type(module))
+
+
+@functools.cache
+def _class_uses_cache_interface(cls: type) -> bool:
+    """Once per class: reading a class's source parses its whole file (a second a model, uncached)."""
     import inspect
 
     try:
-        return bool(CACHE_INTERFACE.search(inspect.getsource(type(module))))
+        return bool(CACHE_INTERFACE.search(inspect.getsource(cls)))
     except (OSError, TypeError):
         return False
 

@@ -13,15 +13,16 @@ from .architecture import UnsupportedModel, not_the_models_fault, refusal
 from .attention import ATTENTION_NAME, register
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None):
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):
     """Tokenizer and model from a local directory, with batchrun's paged attention as attention function.
-    `config`: the model's config, when the caller has read it already."""
+    `config`: the model's config, when the caller has read it already; `tokenizer`: the tokenizer, when the
+    caller has it already (a vision-language model's processor holds one)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # batchrun shows its own progress
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
         model = load_paged_model(model_dir, dtype, config)
     except BadInput:
         raise
