@@ -102,7 +102,7 @@ def clashing_columns(columns, id_column: str | None) -> list[str]:
 ROLES = ("system", "user", "assistant")
 
 
-IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_pil")  # image_pil: vLLM's, a PIL image
 
 
 def _parts(parts, turn: int, role: str, images: bool) -> str | list[dict]:

@@ -384,3 +384,57 @@ sampling: {{max_new_tokens: {NEW_TOKENS}}}
     assert got[("none", 0)]["completion_token_ids"] == hf_generate(
         reference, [{"type": "text", "text": "No picture."}], []
     )
+
+
+def test_an_openai_batch_file_with_image_parts(llava_dir, reference, tmp_path):
+    """OpenAI Batch API lines with image_url parts (a data: URL, a path relative to the file): each answer
+    equals HF `generate`; a line whose image is not an image is an error line, and the others go on. vLLM's
+    {type: image_pil} form of a part is taken from Python."""
+    import json
+
+    a, b = picture(30), picture(31, 50, 40)
+    b.save(tmp_path / "b.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+
+    def line(cid, url):
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
+        body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": NEW_TOKENS}
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    (tmp_path / "batch.jsonl").write_text(
+        "\n".join([line("a", data_url(a)), line("b", "b.png"), line("bad", "bad.png")]) + "\n"
+    )
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
+name: caption-batch
+model: {{path: {llava_dir}, dtype: float32}}
+input: {{openai_batch: {tmp_path / "batch.jsonl"}}}
+output: {{path: {tmp_path / "out"}}}
+engine: {{device: cpu, num_pages: 64}}
+""",
+    )
+    r = run_cli("submit", str(job))
+    assert r.returncode == 0, r.stderr
+    lines = {}
+    for part in sorted((tmp_path / "out").glob("part-*.jsonl")):
+        for text in part.read_text().splitlines():
+            entry = json.loads(text)
+            lines[entry["custom_id"]] = entry
+    processor, _ = reference
+    for cid, image in (("a", a), ("b", b)):
+        expected = hf_generate(reference, [{"type": "image"}, {"type": "text", "text": "Describe."}], [image])
+        answer = lines[cid]["response"]["body"]["choices"][0]["message"]["content"]
+        assert answer == processor.tokenizer.decode(expected, skip_special_tokens=True), cid
+    assert lines["bad"]["response"] is None and "content part 1" in lines["bad"]["error"]["message"]
+    llm = LLM(model=str(llava_dir), dtype="float32", device="cpu", num_pages=64)
+    conv = [
+        {
+            "role": "user",
+            "content": [{"type": "image_pil", "image_pil": a}, {"type": "text", "text": "Describe."}],
+        }
+    ]
+    out = llm.chat(conv, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_generate(
+        reference, [{"type": "image"}, {"type": "text", "text": "Describe."}], [a]
+    )

@@ -225,8 +225,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def abort_all(self) -> None:
-        """Drop every queued, running and swapped request and free its pages."""
+        """Drop every queued, running and swapped request and free its pages (and image features)."""
         self.scheduler.abort_all()
+        if self.encoder is not None:
+            self.encoder.clear()
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> StepResult:

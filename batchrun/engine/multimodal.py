@@ -207,5 +207,6 @@ class EncoderCache:
                 del self.held[s.seq_id]
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=(torch.cat(rows),))}}
 
-    def release(self, seq) -> None:
-        self.held.pop(seq.seq_id, None)
+    def clear(self) -> None:
+        """Drop every held output (the engine's requests were aborted)."""
+        self.held.clear()
