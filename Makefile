@@ -45,6 +45,8 @@ lint: install
 bench: install
 	$(BIN)/python -m bench.vs_hf
 	$(BIN)/python -m bench.vs_vllm
+	$(BIN)/python -m bench.hybrid
+	$(BIN)/python -m bench.images
 
 # on a GPU machine, bare or not: needs out/gpu-assets (bash bench/gpu_assets.sh, where pip reaches its index)
 gpu-check:
