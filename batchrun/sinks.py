@@ -33,6 +33,7 @@ INPUT_HASHES_KEY = b"batchrun.input_hashes"  # a Parquet part's rows' input hash
 _LATER_KEYS = {
     ("input", "openai_batch"): None,
     ("input", "sampling_columns"): {},
+    ("input", "image_column"): None,
     ("sampling", "logprobs"): None,
     ("sampling", "prompt_logprobs"): False,
     ("sampling", "response_format"): None,

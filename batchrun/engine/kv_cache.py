@@ -122,8 +122,10 @@ class KVCacheSpec:
         model's in `text_config`: that one is read."""
         cfg = text_config(model_config)
         types = list(getattr(cfg, "layer_types", None) or [])
-        if not set(types) & set(ATTENTION_LAYER_TYPES):  # no types, or none that says attention (Falcon-H1's
-            types = []  # "hybrid" layers attend beside their Mamba mixer): every layer attends
+        if not set(types) & set(ATTENTION_LAYER_TYPES):
+            # no type that says attention: the "hybrid" layers attend (Falcon-H1's beside their Mamba mixer in
+            # every layer, Zamba 2's through a shared block), else every layer does
+            types = ["full_attention" if t == "hybrid" else "none" for t in types] if "hybrid" in types else []
         per_layer = getattr(cfg, "per_layer_config", None) or []
         layers = []
         for i in range(cfg.num_hidden_layers):

@@ -1,0 +1,37 @@
+"""The architecture matrix on the Triton kernels (interpreted on the CPU here; they take head dims from 32):
+a few families in the default run (a window, soft-capping, sinks, chunks, KV cache groups of different shapes,
+a hybrid's stateful layers), every hybrid behind `pytest -m triton_matrix`. A file of its own, so that
+`make test`'s two workers (one file each at a time) share the matrix."""
+
+from __future__ import annotations
+
+import pytest
+from model_families import HYBRID
+from test_families import model_and_reference, run
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma4_text", "gpt_oss", "llama4_text", "qwen3_5_text"])
+def test_family_on_triton_equals_hf_generate(family):
+    """The Triton kernels (interpreted on the CPU here; they take head dims from 32) with a window, soft-capping,
+    sinks and chunks, beside a hybrid's stateful layers, and on KV cache groups of different shapes."""
+    model, expected = model_and_reference(family, head_dim=32)
+    got, _, engine = run(model, family, "triton")
+    assert engine.attention.name == "triton"
+    assert got == expected
+
+
+@pytest.mark.triton_matrix
+@pytest.mark.parametrize("family", sorted(HYBRID))
+def test_every_hybrid_on_triton_equals_hf_generate(family):
+    """The whole hybrid matrix on the Triton kernels (interpreted: minutes, so outside the default run). MLA
+    hybrids (keys wider than values) are refused for Triton at load, naming `gather`."""
+    from batchrun.errors import BadInput
+
+    model, expected = model_and_reference(family, head_dim=32)
+    try:
+        got, _, engine = run(model, family, "triton")
+    except BadInput as e:
+        assert "use attention: gather" in str(e) and getattr(model.config, "kv_lora_rank", None), e
+        return
+    assert engine.attention.name == "triton"
+    assert got == expected
