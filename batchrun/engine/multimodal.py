@@ -54,6 +54,11 @@ class ImageInputs:
         for k, v in extra.items():
             if v.shape[0] != num_images:
                 raise ValueError(f"the processor's `{k}` has no row per image; batchrun cannot split it")
+        positions = [p for p, t in enumerate(prompt) if t == image_token_id]
+        if not positions:
+            raise ValueError(
+                f"the model's processor placed no image token (id {image_token_id}) for this prompt's images"
+            )
         digest = hashlib.sha256()
         for i in range(num_images):
             digest.update(pixel_values[i].contiguous().view(torch.uint8).numpy().tobytes())
@@ -61,7 +66,7 @@ class ImageInputs:
             pixel_values=[pixel_values[i] for i in range(num_images)],
             extra=[{k: v[i] for k, v in extra.items()} for i in range(num_images)],
             digest=digest.digest(),
-            positions=[p for p, t in enumerate(prompt) if t == image_token_id],
+            positions=positions,
         )
 
     @property
