@@ -106,7 +106,9 @@ class LLM:
         # a vision-language model's processor (image tokens, pixel values, its tokenizer); None for a text model
         self.processor = loading.load_processor(self.model_dir, config)
         tokenizer = getattr(self.processor, "tokenizer", None)
-        self.tokenizer, hf_model = loading.load_model(self.model_dir, self.dtype, self.device, config, tokenizer)
+        self.tokenizer, hf_model = loading.load_model(
+            self.model_dir, self.dtype, self.device, config, tokenizer
+        )
         if self.device.type == "cpu":
             from .engine import cpu_allocator, cpu_linear
 

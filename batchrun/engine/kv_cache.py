@@ -125,7 +125,9 @@ class KVCacheSpec:
         if not set(types) & set(ATTENTION_LAYER_TYPES):
             # no type that says attention: the "hybrid" layers attend (Falcon-H1's beside their Mamba mixer in
             # every layer, Zamba 2's through a shared block), else every layer does
-            types = ["full_attention" if t == "hybrid" else "none" for t in types] if "hybrid" in types else []
+            types = (
+                ["full_attention" if t == "hybrid" else "none" for t in types] if "hybrid" in types else []
+            )
         per_layer = getattr(cfg, "per_layer_config", None) or []
         layers = []
         for i in range(cfg.num_hidden_layers):
