@@ -71,6 +71,24 @@ def hf_generate(reference, content: list, images: list) -> list[int]:
     return out[0, enc["input_ids"].shape[1] :].tolist()
 
 
+def submit(tmp_path, llava_dir, name: str, input_section: str, output_extra: str = "") -> None:
+    """A job of the tiny LLaVA on `input_section` (the job file's `input:` mapping, inside braces), written to
+    tmp_path/out; asserts it exits 0."""
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
+name: {name}
+model: {{path: {llava_dir}, dtype: float32}}
+input: {{{input_section}}}
+output: {{path: {tmp_path / "out"}{output_extra}}}
+engine: {{device: cpu, num_pages: 64}}
+sampling: {{max_new_tokens: {NEW_TOKENS}}}
+""",
+    )
+    r = run_cli("submit", str(job))
+    assert r.returncode == 0, r.stderr
+
+
 def conversations(tmp_path):
     """One image (a PIL image), two images (a data: URL and a path), no image, and the first image again."""
     a, b, c = picture(0), picture(1, 47), picture(2, 54, 30)
@@ -202,19 +220,13 @@ def test_a_job_with_image_parts_and_a_bad_image_row(llava_dir, reference, tmp_pa
         pa.table({"id": ["p", "d", "x"], "prompt": [conv("a.png"), conv(data_url(a)), conv("missing.png")]}),
         tmp_path / "in.parquet",
     )
-    job = write_job(
-        tmp_path / "job.yaml",
-        f"""
-name: caption
-model: {{path: {llava_dir}, dtype: float32}}
-input: {{parquet: {tmp_path / "in.parquet"}, id_column: id}}
-output: {{path: {tmp_path / "out"}, token_ids: true}}
-engine: {{device: cpu, num_pages: 64}}
-sampling: {{max_new_tokens: {NEW_TOKENS}}}
-""",
+    submit(
+        tmp_path,
+        llava_dir,
+        "caption",
+        f"parquet: {tmp_path / 'in.parquet'}, id_column: id",
+        ", token_ids: true",
     )
-    r = run_cli("submit", str(job))
-    assert r.returncode == 0, r.stderr
     got = read_outputs(tmp_path / "out")
     expected = hf_generate(reference, [{"type": "image"}, {"type": "text", "text": "Describe."}], [a])
     for key in ("p", "d"):
@@ -364,19 +376,13 @@ def test_an_image_column_goes_before_the_prompt(llava_dir, reference, tmp_path):
         ),
         tmp_path / "in.parquet",
     )
-    job = write_job(
-        tmp_path / "job.yaml",
-        f"""
-name: caption-column
-model: {{path: {llava_dir}, dtype: float32}}
-input: {{parquet: {tmp_path / "in.parquet"}, id_column: id, image_column: image}}
-output: {{path: {tmp_path / "out"}, token_ids: true}}
-engine: {{device: cpu, num_pages: 64}}
-sampling: {{max_new_tokens: {NEW_TOKENS}}}
-""",
+    submit(
+        tmp_path,
+        llava_dir,
+        "caption-column",
+        f"parquet: {tmp_path / 'in.parquet'}, id_column: id, image_column: image",
+        ", token_ids: true",
     )
-    r = run_cli("submit", str(job))
-    assert r.returncode == 0, r.stderr
     got = read_outputs(tmp_path / "out")
     for key, image, text in (("a", a, "Caption it."), ("b", b, "What colour?")):
         expected = hf_generate(reference, [{"type": "image"}, {"type": "text", "text": text}], [image])
@@ -404,18 +410,7 @@ def test_an_openai_batch_file_with_image_parts(llava_dir, reference, tmp_path):
     (tmp_path / "batch.jsonl").write_text(
         "\n".join([line("a", data_url(a)), line("b", "b.png"), line("bad", "bad.png")]) + "\n"
     )
-    job = write_job(
-        tmp_path / "job.yaml",
-        f"""
-name: caption-batch
-model: {{path: {llava_dir}, dtype: float32}}
-input: {{openai_batch: {tmp_path / "batch.jsonl"}}}
-output: {{path: {tmp_path / "out"}}}
-engine: {{device: cpu, num_pages: 64}}
-""",
-    )
-    r = run_cli("submit", str(job))
-    assert r.returncode == 0, r.stderr
+    submit(tmp_path, llava_dir, "caption-batch", f"openai_batch: {tmp_path / 'batch.jsonl'}")
     lines = {}
     for part in sorted((tmp_path / "out").glob("part-*.jsonl")):
         for text in part.read_text().splitlines():

@@ -3,21 +3,23 @@
 batchrun runs the stock `transformers` model code and replaces only its attention function. That computes what
 the model computes when (a) every layer's attention goes through transformers' attention interface, passing on
 the step's keyword arguments, (b) every argument of those calls is one batchrun honours (attention.layer_call),
-and (c) no layer keeps state of its own from one step to the next (a recurrent, convolution or state-space
-layer would need a per-sequence state cache beside the pages, which batchrun does not have). A model that fails
-any of these is refused here, naming the architecture and the reason, before any row runs: never a row error
-later, never a silent difference.
+and (c) every layer that keeps a state from one step to the next keeps it where batchrun can give it a state
+slot (below). A model that fails any of these is refused here, naming the architecture and the reason, before
+any row runs: never a row error later, never a silent difference.
 
 `inspect_model` checks the config first (encoder-decoder models, layer types that are not attention, stateful
 modules), then runs a probe: one forward of a few tokens through the very attention function the engine uses,
 with a backend that records each layer's call. The probe also yields the facts the engine sizes its pages from:
-the K and V shapes the layers actually produce (MLA models have wider keys than values), and the mask kinds.
+each layer's mask kind and K/V shapes as the layers actually produce them (MLA models have wider keys than
+values; Gemma 4's full layers have other head dims than its sliding ones), and the layers handed an earlier
+layer's K/V (KV sharing).
 
 Hybrid models (linear attention, Mamba or short convolutions beside attention) keep a state per sequence in those
 layers. A module that keeps it through transformers' cache interface (`get_conv_state` / `update_conv_state` /
-`update_recurrent_state`) is run by batchrun on a state slot of its own (state_cache.py): `prepare_stateful_layers`
-routes its calls through the step's `StepStates`, and the probe records the state shapes the module creates. A
-module that keeps a state any other way (its own cache class) is refused.
+`update_recurrent_state`, or MiniMax's `set_linear_cache`) is run by batchrun on a state slot of its own
+(state_cache.py): `prepare_stateful_layers` routes its calls through the running step's `StepStates`, and the
+probe records the state shapes the module creates and whether its prompt form continues a state it is given. A
+module that keeps a state any other way (in attributes of its own) is refused.
 """
 
 from __future__ import annotations
@@ -122,9 +124,8 @@ class ProbeAttention:
 
     def __init__(self) -> None:
         self.calls: dict[int, tuple] = {}
-        self.kv: dict[
-            int, tuple[torch.Tensor, torch.Tensor]
-        ] = {}  # held, so no address is reused in the probe
+        # each layer's K/V, held so that no address is reused within the probe (kv_reads)
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> None:
         return None
@@ -154,7 +155,7 @@ def uses_cache_interface(module: torch.nn.Module) -> bool:
 
 @functools.cache
 def _class_uses_cache_interface(cls: type) -> bool:
-    """Once per class: reading a class's source parses its whole file (a second a model, uncached)."""
+    """Once per class: reading a class's source parses its whole file, for every module of a model uncached."""
     import inspect
 
     try:

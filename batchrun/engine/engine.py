@@ -18,7 +18,7 @@ from .architecture import inspect_model
 from .attention import AttentionServices, make_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
-from .kv_cache import KVCache
+from .kv_cache import KVCache, text_config
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
 from .multimodal import EncoderCache, ImageInputs, image_token_id, images_unsupported_reason
@@ -153,7 +153,7 @@ class Engine:
         self.runner = ModelRunner(model, services, device, self.times, self.state_cache, self.encoder)
         self.outputs = OutputProcessor(
             tokenizer,
-            model.config.get_text_config().vocab_size,
+            text_config(model.config).vocab_size,
             self.eos_token_ids,
             self.max_model_len,
             self.scheduler,
@@ -206,7 +206,7 @@ class Engine:
         if images is not None and images.num_images:
             if self.images_refusal:
                 raise ValueError(f"this model takes no images here: {self.images_refusal}")
-            seq.images, seq.image_key_prompt = images, images.cache_key_tokens(seq.prompt_token_ids)
+            seq.images = images
         if params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs:

@@ -11,6 +11,7 @@ import torch
 from ..errors import BadInput
 from .architecture import UnsupportedModel, not_the_models_fault, refusal
 from .attention import ATTENTION_NAME, register
+from .multimodal import is_vision_language
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):
@@ -38,7 +39,7 @@ def load_processor(model_dir: Path, config):
     """A vision-language model's processor (`AutoProcessor`: its image processor and the placement of image
     tokens), or None for a text model. Image processors are loaded for their PIL paths where torchvision is
     missing (the CPU torch wheel has no matching torchvision on the registry)."""
-    if not hasattr(config, "vision_config"):
+    if not is_vision_language(config):
         return None
     from transformers import AutoProcessor
 
@@ -77,13 +78,13 @@ def model_class(config):
     model (its language model, its image encoder and its own merge of the two); any other, a causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
 def attention_implementation(config):
     """batchrun's attention for the language model; a vision-language model's image encoder keeps SDPA (it runs
     whole images on their own, no pages)."""
-    if not hasattr(config, "vision_config"):
+    if not is_vision_language(config):
         return ATTENTION_NAME
     chosen = {name: "sdpa" for name in getattr(config, "sub_configs", {})}
     chosen.update({"": "sdpa", "text_config": ATTENTION_NAME})

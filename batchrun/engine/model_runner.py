@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
+from .kv_cache import text_config
 from .multimodal import EncoderCache
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
@@ -97,7 +98,7 @@ class ModelRunner:
             if logits_index.numel() == 0 and not images:
                 # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
                 self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
-                return torch.empty(0, self.model.config.get_text_config().vocab_size, device=self.device)
+                return torch.empty(0, text_config(self.model.config).vocab_size, device=self.device)
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,

@@ -12,7 +12,7 @@ An image's tokens may be split across prefill chunks: the models run here attend
 whose image tokens need more, 3-D positions or attention among one image's tokens, is refused at load:
 `images_unsupported_reason`). The image tokens' K/V live in the pages like any other tokens', so they are
 swapped, shared and counted like them; for prefix sharing, each image token is keyed by the bytes of the
-prompt's images (`ImageInputs.cache_key_tokens`), so two different images never share a page.
+prompt's images (`ImageInputs.key_tokens`), so two different images never share a page.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import bisect
 import hashlib
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .kv_cache import text_config
 
 
 @dataclass
@@ -34,11 +36,14 @@ class ImageInputs:
     prompt)."""
 
     pixel_values: list[torch.Tensor]  # per image: the processor's pixel values of it (its first axis dropped)
-    extra: list[
-        dict[str, torch.Tensor]
-    ]  # per image: the processor's other per-image tensors (image_sizes, ...)
-    digest: bytes  # SHA-256 over every image's pixel values, in order
-    positions: list[int] = field(default_factory=list)  # the prompt positions of image tokens, ascending
+    # per image: the processor's other per-image tensors (image_sizes, ...)
+    extra: list[dict[str, torch.Tensor]]
+    digests: list[bytes]  # per image: SHA-256 of its pixel values (the encoder runs once per distinct one)
+    positions: list[int]  # the prompt positions of image tokens, ascending
+    # the prompt as the prefix cache keys it: each image token replaced by a negative id drawn from the images'
+    # digests (never a token id), so pages of image tokens are shared only between prompts whose images are
+    # the same, in the same order
+    key_tokens: list[int]
 
     @classmethod
     def from_processor(cls, outputs: dict, image_token_id: int, prompt: list[int]) -> ImageInputs:
@@ -59,33 +64,34 @@ class ImageInputs:
             raise ValueError(
                 f"the model's processor placed no image token (id {image_token_id}) for this prompt's images"
             )
-        digest = hashlib.sha256()
-        for i in range(num_images):
-            digest.update(pixel_values[i].contiguous().view(torch.uint8).numpy().tobytes())
+        pixels = [pixel_values[i] for i in range(num_images)]
+        digests = [
+            hashlib.sha256(x.contiguous().view(torch.uint8).numpy().tobytes()).digest() for x in pixels
+        ]
+        key = -1 - (int.from_bytes(hashlib.sha256(b"".join(digests)).digest()[:8], "big") >> 1)
+        key_tokens = list(prompt)
+        for p in positions:
+            key_tokens[p] = key
         return cls(
-            pixel_values=[pixel_values[i] for i in range(num_images)],
+            pixel_values=pixels,
             extra=[{k: v[i] for k, v in extra.items()} for i in range(num_images)],
-            digest=digest.digest(),
+            digests=digests,
             positions=positions,
+            key_tokens=key_tokens,
         )
 
     @property
     def num_images(self) -> int:
         return len(self.pixel_values)
 
-    def cache_key_tokens(self, prompt: list[int]) -> list[int]:
-        """The prompt as the prefix cache keys it: each image token replaced by a negative id drawn from the
-        images' bytes (never a token id), so pages of image tokens are shared only between prompts whose images
-        are the same, in the same order."""
-        key = -1 - (int.from_bytes(self.digest[:8], "big") >> 1)
-        keyed = list(prompt)
-        for p in self.positions:
-            keyed[p] = key
-        return keyed
-
     def rows(self, start: int, end: int) -> range:
         """The rows of the prompt's image features (in token order) that positions start..end-1 take."""
         return range(bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end))
+
+
+def is_vision_language(config) -> bool:
+    """A vision-language model's config: it has a vision encoder's (`vision_config`)."""
+    return hasattr(config, "vision_config")
 
 
 def image_token_id(config) -> int | None:
@@ -103,7 +109,7 @@ def images_unsupported_reason(model) -> str | None:
     whose image tokens need 3-D positions (Qwen-VL's mrope), attention among one image's tokens (Gemma 3 and 4's
     bidirectional image attention, given by token types), or vision features added inside the decoder (Qwen3-VL's
     deepstack) computes something else there."""
-    if image_token_id(model.config) is None or not hasattr(model.config, "vision_config"):
+    if image_token_id(model.config) is None or not is_vision_language(model.config):
         return "it is a text model"
     if not hasattr(model, "get_image_features"):
         return "it has no image encoder (`get_image_features`)"
@@ -143,7 +149,7 @@ class EncoderCache:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        self.hidden = model.config.get_text_config().hidden_size
+        self.hidden = text_config(model.config).hidden_size
         self.held: dict[int, torch.Tensor] = {}  # seq_id -> [image tokens, hidden]
         self.images_encoded = 0
         self.encoder_seconds = 0.0
@@ -164,8 +170,7 @@ class EncoderCache:
         per_seq: list[list[bytes]] = []
         for s in wanted:
             keys = []
-            for pixels, extra in zip(s.images.pixel_values, s.images.extra):
-                key = hashlib.sha256(pixels.contiguous().view(torch.uint8).numpy().tobytes()).digest()
+            for key, pixels, extra in zip(s.images.digests, s.images.pixel_values, s.images.extra):
                 unique.setdefault(key, (pixels, extra))
                 keys.append(key)
             per_seq.append(keys)

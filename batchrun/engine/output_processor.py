@@ -138,7 +138,7 @@ class OutputProcessor:
                 sample_index=i,
             )
             child.output_token_ids = list(parent.output_token_ids)
-            child.images, child.image_key_prompt = parent.images, parent.image_key_prompt
+            child.images = parent.images
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = list(parent.prompt_logprobs)
             if parent.logprobs is not None:

@@ -49,9 +49,6 @@ class Sequence:
     prompt_logprobs: list[float | None] | None = None
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
     images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
-    image_key_prompt: list[int] | None = (
-        None  # the prompt as the prefix cache keys it (images by their bytes)
-    )
 
     @property
     def block_table(self) -> list[int]:
@@ -73,10 +70,10 @@ class Sequence:
     @property
     def cache_key_tokens(self) -> list[int]:
         """The tokens as the prefix cache keys them: token_ids, but each image token keyed by the images
-        (multimodal.ImageInputs.cache_key_tokens)."""
-        if self.image_key_prompt is None:
+        (multimodal.ImageInputs.key_tokens)."""
+        if self.images is None:
             return self.token_ids
-        return self.image_key_prompt + self.output_token_ids
+        return self.images.key_tokens + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

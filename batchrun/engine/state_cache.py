@@ -18,8 +18,8 @@ holding every stateful layer's states, beside the pages of the attention layers:
   chunk of one, runs on its own, continuing the state its earlier chunks left.
 
 A slot is never shared: a state is rewritten every step, so a fork copies it at once (as `n > 1` samples do)
-rather than on write. Prefix sharing needs the state at the end of the shared prefix, which no slot keeps, so a
-hybrid model computes every prompt whole (the engine turns prefix sharing off for it).
+rather than on write. Prefix sharing needs the state at the end of the shared prefix: a few more slots keep such
+states (snapshots, chosen and restored by `StateSlots`), and a row behind the prefix starts from a copy.
 """
 
 from __future__ import annotations
@@ -500,7 +500,6 @@ class StateProbe:
             off_continued, off_afresh = (
                 (split_output(out)[0].float() - expected).abs().max().item() for out in (continued, afresh)
             )
-            # continuing layers measured 1e-7 to 1e-6 of the fresh run's distance in fp32, Jamba's 1e-2 to 0.3;
             # a layer wrongly judged not to continue (noise in a low precision) loses chunks and sharing only
             if off_continued > 1e-3 * off_afresh:
                 return False
