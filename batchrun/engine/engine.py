@@ -21,7 +21,7 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, text_config
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
-from .multimodal import EncoderCache, ImageInputs, image_token_id, images_unsupported_reason
+from .multimodal import EncoderCache, ImageInputs, MRope, image_token_id, images_unsupported_reason
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -150,7 +150,11 @@ class Engine:
         self.images_refusal = images_unsupported_reason(model)
         self.image_token_id = image_token_id(model.config)
         self.encoder = EncoderCache(model, device) if self.images_refusal is None else None
-        self.runner = ModelRunner(model, services, device, self.times, self.state_cache, self.encoder)
+        # Qwen-VL's 3-D positions of image prompts; None: every token at its index
+        self.mrope = MRope.of(model) if self.encoder is not None else None
+        self.runner = ModelRunner(
+            model, services, device, self.times, self.state_cache, self.encoder, self.mrope
+        )
         self.outputs = OutputProcessor(
             tokenizer,
             text_config(model.config).vocab_size,
@@ -206,6 +210,10 @@ class Engine:
         if images is not None and images.num_images:
             if self.images_refusal:
                 raise ValueError(f"this model takes no images here: {self.images_refusal}")
+            if self.mrope is not None:
+                images.rope_positions, images.rope_delta = self.mrope.prompt_positions(
+                    prompt_token_ids, images
+                )
             seq.images = images
         if params.logprobs is not None:
             seq.logprobs = []

@@ -37,18 +37,76 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
 
 def load_processor(model_dir: Path, config):
     """A vision-language model's processor (`AutoProcessor`: its image processor and the placement of image
-    tokens), or None for a text model. Image processors are loaded for their PIL paths where torchvision is
-    missing (the CPU torch wheel has no matching torchvision on the registry)."""
+    tokens), or None for a text model. Where the processor needs torchvision for a part batchrun never uses
+    (Qwen-VL's and Qwen 3.5's video processor), it is built from its parts (`_processor_without_torchvision`)."""
     if not is_vision_language(config):
         return None
     from transformers import AutoProcessor
 
+    where = f"model.path: cannot load the processor of the model in {model_dir}"
     try:
         return AutoProcessor.from_pretrained(model_dir)
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise BadInput(f"{where}: {e}") from None
+        try:
+            return _processor_without_torchvision(model_dir, config, where)
+        except ImportError as e:  # the processor's own module needs torchvision (Pixtral's)
+            first = " ".join(str(e).split()).split(". ")[0]  # transformers' first sentence
+            raise BadInput(
+                f"{where}: {first} (torchvision does not install beside the CPU torch wheel; the "
+                "README says how to install one)"
+            ) from None
     except Exception as e:  # noqa: BLE001
         if not_the_models_fault(e):
             raise
-        raise BadInput(f"model.path: cannot load the processor of the model in {model_dir}: {e}") from None
+        raise BadInput(f"{where}: {e}") from None
+
+
+def _processor_without_torchvision(model_dir: Path, config, where: str):
+    """The model's own processor class, given its image processor's PIL path, its tokenizer and no video
+    processor. The CPU torch wheel has no torchvision on the registry that imports beside it (PyPI's is built
+    for CUDA torch), and transformers' video processors need it even where no video is ever given; image
+    processors have a PIL path that needs none. A processor whose other parts need torchvision is a bad model
+    path, naming the part."""
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        raise BadInput(f"{where}: it needs torchvision, which is not installed")
+    parts = {}
+    for attribute in cls.get_attributes():
+        if attribute == "image_processor":
+            parts[attribute] = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        elif attribute == "tokenizer":
+            parts[attribute] = AutoTokenizer.from_pretrained(model_dir)
+        elif attribute == "video_processor":
+            parts[attribute] = None  # batchrun gives no video
+        else:
+            raise BadInput(f"{where}: its {attribute} needs torchvision, which is not installed")
+    options = {}
+    config_file = model_dir / "processor_config.json"
+    if config_file.exists():
+        saved = json.loads(config_file.read_text())
+        options = {k: v for k, v in saved.items() if k not in parts and k != "processor_class"}
+    template_file = model_dir / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else parts["tokenizer"].chat_template
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        # the stock check looks a missing part's class up in transformers' torchvision-only registries
+        return (
+            None if argument is None else cls.check_argument_for_proper_class(self, argument_name, argument)
+        )
+
+    without_video = type(
+        cls.__name__, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class}
+    )
+    return without_video(**parts, chat_template=template, **options)
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:

@@ -12,7 +12,7 @@ import torch
 
 from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
 from .kv_cache import text_config
-from .multimodal import EncoderCache
+from .multimodal import EncoderCache, MRope
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
 from .timing import PhaseTimes
@@ -27,8 +27,10 @@ class ModelRunner:
         times: PhaseTimes,
         state_cache: StateCache | None = None,
         encoder: EncoderCache | None = None,
+        mrope: MRope | None = None,
     ):
         self.model = model
+        self.mrope = mrope  # a model with 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.encoder = encoder  # a vision-language model's image features (multimodal.py); None: text only
         self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
         self.times = times
@@ -81,6 +83,9 @@ class ModelRunner:
         meta = AttentionMetadata(self.services, layouts, positions, states)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = int_tensor(positions, device=dev)[None]
+        if self.mrope is not None:  # [3, 1, T]
+            chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
+            pos = self.mrope.step_positions(pos[0], chunks, query_lens)
         return ids, pos, meta, int_tensor(logits_index, device=dev)
 
     @torch.inference_mode()

@@ -8,9 +8,9 @@ manager for this resource, its bytes counted), and hands the rows of the image t
 model's own forward as `mm_encoder_outputs`: the model merges them into its embeddings itself (its placeholder
 mask, its scatter), as under `generate`. Nothing of the merge is written here.
 
-An image's tokens may be split across prefill chunks: the models run here attend causally over them (a model
-whose image tokens need more, 3-D positions or attention among one image's tokens, is refused at load:
-`images_unsupported_reason`). The image tokens' K/V live in the pages like any other tokens', so they are
+An image's tokens may be split across prefill chunks: the models run here attend causally over them, at 1-D
+positions or at the model's own 3-D ones (`MRope`: Qwen-VL, Qwen 3.5); a model whose image tokens attend to each
+other is refused at load (`images_unsupported_reason`). The image tokens' K/V live in the pages like any other tokens', so they are
 swapped, shared and counted like them; for prefix sharing, each image token is keyed by the bytes of the
 prompt's images (`ImageInputs.key_tokens`), so two different images never share a page.
 """
@@ -21,7 +21,7 @@ import bisect
 import hashlib
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,12 +31,13 @@ from .kv_cache import text_config
 
 @dataclass
 class ImageInputs:
-    """A prompt's images, as the processor made them: one entry per row of its `pixel_values`, in prompt order:
-    an image (LLaVA), or all of the prompt's images as one tensor of tiles (Idefics3's processor batches by
-    prompt)."""
+    """A prompt's images, as the processor made them, one entry per image in prompt order: an image (LLaVA),
+    all of a prompt's images as one tensor of tiles (Idefics3's processor batches by prompt), or an image's
+    patches (Qwen-VL's processor gives every image's patches in one tensor, each image's rows counted by its
+    `image_grid_thw`: `packed`)."""
 
     pixel_values: list[torch.Tensor]  # per image: the processor's pixel values of it (its first axis dropped)
-    # per image: the processor's other per-image tensors (image_sizes, ...)
+    # per image: the processor's other per-image tensors (image_sizes, image_grid_thw, ...)
     extra: list[dict[str, torch.Tensor]]
     digests: list[bytes]  # per image: SHA-256 of its pixel values (the encoder runs once per distinct one)
     positions: list[int]  # the prompt positions of image tokens, ascending
@@ -44,27 +45,46 @@ class ImageInputs:
     # digests (never a token id), so pages of image tokens are shared only between prompts whose images are
     # the same, in the same order
     key_tokens: list[int]
+    packed: bool = False  # the images' patches are concatenated for the encoder, not stacked
+    # the processor's per-token tensors [1, prompt length] (Qwen-VL's mm_token_type_ids)
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a model with 3-D rotary positions (MRope): the prompt's positions [3, prompt length] and the offset of
+    # every later token's position from its index; None: each token's position is its index
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     @classmethod
     def from_processor(cls, outputs: dict, image_token_id: int, prompt: list[int]) -> ImageInputs:
-        """Split a processor's batch of one prompt's images (tensors with one row per image) per image."""
+        """Split a processor's batch of one prompt's images per image: tensors with one row per image, or
+        patches counted per image by `image_grid_thw`."""
         pixel_values = outputs["pixel_values"]
-        num_images = pixel_values.shape[0]
+        token_inputs = {
+            k: v
+            for k, v in outputs.items()
+            if k not in ("input_ids", "attention_mask")
+            and isinstance(v, torch.Tensor)
+            and v.dim() == 2
+            and tuple(v.shape) == (1, len(prompt))
+        }
         extra = {
             k: v
             for k, v in outputs.items()
-            if k not in ("pixel_values", "input_ids", "attention_mask", "token_type_ids")
+            if k not in ("pixel_values", "input_ids", "attention_mask", *token_inputs)
             and isinstance(v, torch.Tensor)
         }
+        grid = extra.get("image_grid_thw")
+        if grid is not None:
+            pixels = list(pixel_values.split(grid.prod(-1).tolist()))
+        else:
+            pixels = [pixel_values[i] for i in range(pixel_values.shape[0])]
         for k, v in extra.items():
-            if v.shape[0] != num_images:
+            if v.shape[0] != len(pixels):
                 raise ValueError(f"the processor's `{k}` has no row per image; batchrun cannot split it")
         positions = [p for p, t in enumerate(prompt) if t == image_token_id]
         if not positions:
             raise ValueError(
                 f"the model's processor placed no image token (id {image_token_id}) for this prompt's images"
             )
-        pixels = [pixel_values[i] for i in range(num_images)]
         digests = [
             hashlib.sha256(x.contiguous().view(torch.uint8).numpy().tobytes()).digest() for x in pixels
         ]
@@ -74,10 +94,12 @@ class ImageInputs:
             key_tokens[p] = key
         return cls(
             pixel_values=pixels,
-            extra=[{k: v[i] for k, v in extra.items()} for i in range(num_images)],
+            extra=[{k: v[i] for k, v in extra.items()} for i in range(len(pixels))],
             digests=digests,
             positions=positions,
             key_tokens=key_tokens,
+            packed=grid is not None,
+            token_inputs=token_inputs,
         )
 
     @property
@@ -105,10 +127,9 @@ def image_token_id(config) -> int | None:
 
 def images_unsupported_reason(model) -> str | None:
     """Why batchrun cannot feed this model images exactly, or None. It passes the images' features to the
-    model's own forward (`mm_encoder_outputs`) over a packed row of causal attention with 1-D positions; a model
-    whose image tokens need 3-D positions (Qwen-VL's mrope), attention among one image's tokens (Gemma 3 and 4's
-    bidirectional image attention, given by token types), or vision features added inside the decoder (Qwen3-VL's
-    deepstack) computes something else there."""
+    model's own forward (`mm_encoder_outputs`, with Qwen3-VL's deepstack features) over a packed row of causal
+    attention, with 1-D positions or the model's own 3-D ones (MRope); a model whose image tokens attend to each
+    other (Gemma 3 and 4's bidirectional image attention, given by token types) computes something else there."""
     if image_token_id(model.config) is None or not is_vision_language(model.config):
         return "it is a text model"
     if not hasattr(model, "get_image_features"):
@@ -116,28 +137,85 @@ def images_unsupported_reason(model) -> str | None:
     params = inspect.signature(model.forward).parameters
     if "mm_encoder_outputs" not in params:
         return "its forward takes no precomputed image features (`mm_encoder_outputs`)"
-    if hasattr(model, "get_rope_index") or hasattr(getattr(model, "model", None), "get_rope_index"):
-        return "its image tokens take 3-D rotary positions (mrope), which batchrun does not compute yet"
-    for name in ("token_type_ids", "mm_token_type_ids"):
-        if name in params:
-            return f"its image tokens attend to each other by `{name}` (bidirectional), which batchrun does not yet"
+    mrope = MRope.of(model)
+    if "token_type_ids" in params or ("mm_token_type_ids" in params and mrope is None):
+        # a model with mrope takes mm_token_type_ids for its rope index alone (MRope gives it)
+        name = "token_type_ids" if "token_type_ids" in params else "mm_token_type_ids"
+        return (
+            f"its image tokens attend to each other by `{name}` (bidirectional), which batchrun does not yet"
+        )
     cfg = model.config
     if getattr(cfg, "use_bidirectional_attention", None) or getattr(
         getattr(cfg, "text_config", None), "use_bidirectional_attention", None
     ):
         return "its image tokens attend to each other bidirectionally, which batchrun does not yet"
-    vision = getattr(cfg, "vision_config", None)
-    if getattr(vision, "deepstack_visual_indexes", None):
-        return "it adds vision features inside its decoder layers (deepstack), which batchrun does not yet"
     return None
 
 
+class MRope:
+    """Qwen-VL's and Qwen 3.5's 3-D rotary positions (mrope). An image token's position is its (time, row,
+    column) in the image's grid of merged patches, offset by where the image starts; the text after an image
+    goes on from the image's start plus its larger side, so a prompt with images ends `rope_delta` positions
+    below its length (a negative delta), and every token after the prompt is at its index plus that delta.
+
+    A prompt's positions come from the model's own `get_rope_index`, once per prompt (`prompt_positions`); a
+    step's are its tokens' indices plus their sequence's delta, with each prompt chunk's taken from its prompt's
+    positions (`step_positions`), and reach the model's forward as `position_ids` [3, 1, T], as `generate` gives
+    them. A prompt without images has the 1-D positions in all three rows, as under `generate`."""
+
+    def __init__(self, owner: torch.nn.Module):
+        self.owner = owner  # the module with the model's `get_rope_index`
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> MRope | None:
+        for owner in (model, getattr(model, "model", None)):
+            if hasattr(owner, "get_rope_index"):
+                return cls(owner)
+        return None
+
+    def prompt_positions(self, prompt: list[int], images: ImageInputs) -> tuple[torch.Tensor, int]:
+        """The prompt's positions [3, prompt length] and the delta of the tokens after it."""
+        grids = torch.stack([e["image_grid_thw"] for e in images.extra])
+        with torch.inference_mode():
+            positions, delta = self.owner.get_rope_index(
+                torch.tensor([prompt]), image_grid_thw=grids, **images.token_inputs
+            )
+        return positions[:, 0], int(delta.reshape(-1)[0])
+
+    @staticmethod
+    def step_positions(
+        positions: torch.Tensor, chunks: list[tuple[Any, int, int]], query_lens: list[int]
+    ) -> torch.Tensor:
+        """A step's position_ids [3, 1, T] from its 1-D positions [T] and its (sequence, start, end) chunks in
+        packed order."""
+        deltas = [s.images.rope_delta if s.images is not None else 0 for s, _, _ in chunks]
+        rows = positions
+        if any(deltas):
+            rows = positions + torch.repeat_interleave(torch.tensor(deltas), torch.tensor(query_lens)).to(
+                positions
+            )
+        rows = rows.expand(3, -1).clone()
+        offset = 0
+        for (s, a, b), n in zip(chunks, query_lens):
+            rope = s.images.rope_positions if s.images is not None else None
+            if rope is not None and a < rope.shape[1]:
+                end = min(b, rope.shape[1])
+                rows[:, offset : offset + end - a] = rope[:, a:end]
+            offset += n
+        return rows[:, None]
+
+
 def _feature_rows(output: Any, hidden: int) -> list[torch.Tensor]:
-    """Per image, its features [tokens, hidden], from what `get_image_features` returned."""
+    """Per image, its features [tokens, hidden x streams], from what `get_image_features` returned: the
+    features that replace its placeholder tokens' embeddings, then (Qwen3-VL's deepstack) those the model adds
+    to the same tokens' hidden states after each of its first decoder layers, side by side."""
     pooled = output.pooler_output if hasattr(output, "pooler_output") else output
     if isinstance(pooled, torch.Tensor) and pooled.dim() == 2:
         pooled = [pooled]
-    return [p.reshape(-1, hidden) for p in pooled]
+    streams = [[p.reshape(-1, hidden) for p in pooled]]
+    for layer in getattr(output, "deepstack_features", None) or []:
+        streams.append([p.reshape(-1, hidden) for p in layer])
+    return [torch.cat(rows, dim=-1) for rows in zip(*streams, strict=True)]
 
 
 class EncoderCache:
@@ -150,7 +228,8 @@ class EncoderCache:
         self.model = model
         self.device = device
         self.hidden = text_config(model.config).hidden_size
-        self.held: dict[int, torch.Tensor] = {}  # seq_id -> [image tokens, hidden]
+        self.held: dict[int, torch.Tensor] = {}  # seq_id -> [image tokens, hidden x streams] (_feature_rows)
+        self.output_class: type | None = None  # what `get_image_features` returns, to hand the model the same
         self.images_encoded = 0
         self.encoder_seconds = 0.0
         self.image_tokens = 0
@@ -175,18 +254,21 @@ class EncoderCache:
                 keys.append(key)
             per_seq.append(keys)
         features: dict[bytes, torch.Tensor] = {}
-        by_shape: dict[tuple, list[bytes]] = {}
+        packed = wanted[0].images.packed  # one processor, one form
+        by_shape: dict[tuple, list[bytes]] = {}  # packed patches go in one call whatever the images' sizes
         for key, (pixels, _) in unique.items():
-            by_shape.setdefault(tuple(pixels.shape), []).append(key)
+            by_shape.setdefault(() if packed else tuple(pixels.shape), []).append(key)
         dtype = next(self.model.parameters()).dtype
+        join = torch.cat if packed else torch.stack
         for keys in by_shape.values():
-            pixels = torch.stack([unique[k][0] for k in keys]).to(self.device, dtype)
+            pixels = join([unique[k][0] for k in keys]).to(self.device, dtype)
             extra = {
                 name: torch.stack([unique[k][1][name] for k in keys]).to(self.device)
                 for name in unique[keys[0]][1]
             }
             with torch.inference_mode():
                 out = self.model.get_image_features(pixel_values=pixels, **extra, return_dict=True)
+            self.output_class = type(out)
             for key, rows in zip(keys, _feature_rows(out, self.hidden), strict=True):
                 features[key] = rows
         for s, keys in zip(wanted, per_seq):
@@ -204,8 +286,6 @@ class EncoderCache:
     def step_inputs(self, chunks: list[tuple[Any, int, int]]) -> dict:
         """The model's `mm_encoder_outputs` keyword for a step: the feature rows of the image tokens each
         (sequence, start, end) computes, in packed order; {} when the step computes no image token."""
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
         needs = [(s, s.images.rows(a, b)) for s, a, b in chunks if s.images is not None]
         needs = [(s, r) for s, r in needs if len(r)]
         if not needs:
@@ -215,7 +295,11 @@ class EncoderCache:
         for s, _, b in chunks:  # a prompt past its last image token needs its features no more
             if s.images is not None and s.seq_id in self.held and b > s.images.positions[-1]:
                 del self.held[s.seq_id]
-        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=(torch.cat(rows),))}}
+        streams = torch.cat(rows).split(self.hidden, dim=-1)
+        output = self.output_class(pooler_output=(streams[0],))
+        if len(streams) > 1:  # deepstack: per layer, the step's rows, as one image
+            output.deepstack_features = [(rows,) for rows in streams[1:]]
+        return {"mm_encoder_outputs": {"image": output}}
 
     def clear(self) -> None:
         """Drop every held output (the engine's requests were aborted)."""
