@@ -293,7 +293,7 @@ class _PromptWorker:
     def feed(self, item: tuple[int, SamplingParams]) -> RequestOutput | None:
         i, p = item
         output = self.outputs[i]
-        reason = self.engine.admission_error(len(output.prompt_token_ids), p)
+        reason = self.engine.admission_error(len(output.prompt_token_ids), p, self.images[i])
         if reason:
             output.error = f"prompt {i}: {reason}"
             output.outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]

@@ -66,7 +66,7 @@ class RowWorker:
         except ValueError as e:
             return self._error_rows(row, str(e), [])
         ids = prompt.token_ids
-        reason = self.engine.admission_error(len(ids), params)
+        reason = self.engine.admission_error(len(ids), params, prompt.images)
         if reason:
             return self._error_rows(row, reason, ids)
         state = RowState(row, ids, [None] * params.n)

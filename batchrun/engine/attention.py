@@ -85,10 +85,16 @@ class MaskKind:
             return pos - pos % self.chunk
         return 0
 
-    def visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """[n, m] bool: query_pos [n] sees key_pos [m]."""
+    def visible(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, images: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
+        """[n, m] bool: query_pos [n] sees key_pos [m]. `images`: (start, end) positions of images whose tokens
+        see each other (multimodal.ImageBlocks), later ones included, within the window or chunk."""
         q, k = query_pos[:, None], key_pos[None, :]
         seen = k <= q
+        if images:
+            qi, ki = _image_of(query_pos, images)[:, None], _image_of(key_pos, images)[None, :]
+            seen |= (qi == ki) & (qi >= 0)
         if self.window is not None:
             seen &= k > q - self.window
         if self.chunk is not None:
@@ -97,6 +103,14 @@ class MaskKind:
 
 
 FULL = MaskKind()
+
+
+def _image_of(pos: torch.Tensor, images: list[tuple[int, int]]) -> torch.Tensor:
+    """[n] the index of the image each position is a token of, -1 for none."""
+    which = torch.full_like(pos, -1)
+    for j, (start, end) in enumerate(images):
+        which[(pos >= start) & (pos < end)] = j
+    return which
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,9 @@ class StepLayout:
     block_tables: list[list[int]]  # the group's tables (NULL_PAGE = -1 where a page fell behind the window)
     slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
     page_size: int
+    # per sequence: the (start, end) positions of the images among its queries whose tokens see each other
+    # (multimodal.ImageBlocks, on the layers it opens); None: no such image this step
+    image_blocks: list[list[tuple[int, int]]] | None = None
 
     @functools.cached_property
     def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,17 +192,18 @@ def split_step(layout: StepLayout, kind: MaskKind, page_size: int, device: torch
         if q == 1:
             decode_rows.append((start, i))
         else:
-            pages = mask = None
+            pages = mask = key_pos = None
             query_pos = torch.arange(c - q, c, device=device)
+            images = layout.image_blocks[i] if layout.image_blocks is not None else None
             if c > q:  # earlier tokens are in the cache: read them through the block table
                 num_blocks = cdiv(c, page_size)
                 # a page behind the window (NULL) is masked: page 0 stands in for it
                 pages = torch.tensor(layout.block_tables[i][:num_blocks], device=device).clamp_(min=0)
-                mask = kind.visible(query_pos, torch.arange(num_blocks * page_size, device=device))[
-                    None, None
-                ]
-            elif not kind.is_full:  # a whole prompt, under a window or chunks: causal is not enough
-                mask = kind.visible(query_pos, query_pos)[None, None]
+                key_pos = torch.arange(num_blocks * page_size, device=device)
+            elif images or not kind.is_full:  # a whole prompt, under a window, chunks or images: not causal
+                key_pos = query_pos
+            if key_pos is not None:
+                mask = kind.visible(query_pos, key_pos, images)[None, None]
             prefills.append(PrefillSequence(start, q, c, pages, mask))
         start += q
     return decode_rows, prefills

@@ -21,7 +21,14 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, text_config
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
-from .multimodal import EncoderCache, ImageInputs, MRope, image_token_id, images_unsupported_reason
+from .multimodal import (
+    EncoderCache,
+    ImageBlocks,
+    ImageInputs,
+    MRope,
+    image_token_id,
+    images_unsupported_reason,
+)
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -125,12 +132,25 @@ class Engine:
             if state_spec
             else NoStateSlots()
         )
+        # images: whether this model takes them, their positions (Qwen-VL's 3-D ones; None: each token at its
+        # index) and whether one image's tokens see each other (Gemma's; None: causal)
+        self.images_refusal = images_unsupported_reason(model)
+        self.image_token_id = image_token_id(model.config)
+        image_blocks = ImageBlocks.of(model) if self.images_refusal is None else None
+        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
+        if image_blocks is not None and self.attention.name == "triton":
+            self.images_refusal = (
+                "one image's tokens attend to each other, which the Triton kernels do not compute"
+            )
+            image_blocks = None
+        self.mrope = MRope.of(model) if self.images_refusal is None else None
         self.scheduler = Scheduler(
             config,
             self.block_manager,
             max(1, self.num_pages // 100),
             states=self.state_slots,
             whole_prompts=not chunks,
+            whole_images=image_blocks is not None,
         )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
@@ -143,17 +163,12 @@ class Engine:
             if state_spec
             else None
         )
-        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
         services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
         # a vision-language model's image encoder outputs, while prompts with images are prefilled
-        self.images_refusal = images_unsupported_reason(model)
-        self.image_token_id = image_token_id(model.config)
         self.encoder = EncoderCache(model, device) if self.images_refusal is None else None
-        # Qwen-VL's 3-D positions of image prompts; None: every token at its index
-        self.mrope = MRope.of(model) if self.encoder is not None else None
         self.runner = ModelRunner(
-            model, services, device, self.times, self.state_cache, self.encoder, self.mrope
+            model, services, device, self.times, self.state_cache, self.encoder, self.mrope, image_blocks
         )
         self.outputs = OutputProcessor(
             tokenizer,
@@ -165,10 +180,12 @@ class Engine:
         )
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def admission_error(self, num_prompt_tokens: int, params: SamplingParams) -> str | None:
+    def admission_error(
+        self, num_prompt_tokens: int, params: SamplingParams, images: ImageInputs | None = None
+    ) -> str | None:
         """Why a prompt can never run here, or None: too long, a response format that does not compile, more
         pages than exist. Checked before a row enters the queue, so no row waits forever for pages that do not
-        exist."""
+        exist. `images`: the prompt's (an image computed whole may make a longer step)."""
         limit = self.max_model_len
         if num_prompt_tokens == 0:
             return "the prompt has no tokens"
@@ -185,7 +202,7 @@ class Engine:
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
         pages = self.block_manager.layout.pages_to_run(
-            num_prompt_tokens, total, self.scheduler.max_chunk or num_prompt_tokens
+            num_prompt_tokens, total, self.scheduler.max_chunk_of(images) or num_prompt_tokens
         )
         if pages > self.num_pages:
             return (

@@ -12,7 +12,7 @@ import torch
 
 from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
 from .kv_cache import text_config
-from .multimodal import EncoderCache, MRope
+from .multimodal import EncoderCache, ImageBlocks, MRope
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
 from .timing import PhaseTimes
@@ -28,9 +28,11 @@ class ModelRunner:
         state_cache: StateCache | None = None,
         encoder: EncoderCache | None = None,
         mrope: MRope | None = None,
+        image_blocks: ImageBlocks | None = None,
     ):
         self.model = model
         self.mrope = mrope  # a model with 3-D rotary positions (Qwen-VL); None: 1-D positions
+        self.image_blocks = image_blocks  # Gemma's bidirectional image attention; None: images are causal
         self.encoder = encoder  # a vision-language model's image features (multimodal.py); None: text only
         self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
         self.times = times
@@ -72,8 +74,17 @@ class ModelRunner:
             if s.needs_sample_logits:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
+        images = self._image_blocks(scheduled)
+        kinds = self.services.kv_cache.spec.groups.kinds
         layouts = [
-            StepLayout(query_lens, context_lens, tables[g], int_tensor(slots[g], device=dev), P)
+            StepLayout(
+                query_lens,
+                context_lens,
+                tables[g],
+                int_tensor(slots[g], device=dev),
+                P,
+                images if images and self.image_blocks.applies(kinds[g]) else None,
+            )
             for g in range(num_groups)
         ]
         states = None
@@ -87,6 +98,18 @@ class ModelRunner:
             chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
             pos = self.mrope.step_positions(pos[0], chunks, query_lens)
         return ids, pos, meta, int_tensor(logits_index, device=dev)
+
+    def _image_blocks(self, scheduled: list[ScheduledSequence]) -> list[list[tuple[int, int]]] | None:
+        """Per sequence, the images among the tokens it prefills this step whose tokens see each other; None
+        when the model has no such images or this step computes none."""
+        if self.image_blocks is None:
+            return None
+        per_seq = []
+        for s in scheduled:
+            images, start, end = s.seq.images, s.start, s.start + s.num_new_tokens
+            inside = [] if images is None or s.num_new_tokens == 1 else images.blocks
+            per_seq.append([(a, b) for a, b in inside if a < end and b > start])
+        return per_seq if any(per_seq) else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:

@@ -18,6 +18,7 @@ prompt's images (`ImageInputs.key_tokens`), so two different images never share 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import inspect
 import time
@@ -106,6 +107,30 @@ class ImageInputs:
     def num_images(self) -> int:
         return len(self.pixel_values)
 
+    @functools.cached_property
+    def blocks(self) -> list[tuple[int, int]]:
+        """The prompt's runs of consecutive image tokens, (start, end) positions: one image's tokens, which
+        attend to each other on models with bidirectional image attention (ImageBlocks)."""
+        runs: list[tuple[int, int]] = []
+        for p in self.positions:
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        return runs
+
+    def keep_whole(self, start: int, n: int, first: bool) -> int:
+        """Tokens to compute from `start` when at most `n` are asked, so that no image's tokens are split: a
+        chunk that would end inside an image ends before it, or, when it begins with the image, takes all of it
+        (past `n`) if it is the step's first (`first`), else none this step."""
+        end = start + n
+        for b0, b1 in self.blocks:
+            if b0 < end < b1:
+                if b0 > start:
+                    return b0 - start
+                return b1 - start if first else 0
+        return n
+
     def rows(self, start: int, end: int) -> range:
         """The rows of the prompt's image features (in token order) that positions start..end-1 take."""
         return range(bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end))
@@ -125,11 +150,39 @@ def image_token_id(config) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class ImageBlocks:
+    """Bidirectional image attention: during prefill, one image's tokens see each other, the later ones
+    included, on top of what the layer's mask shows (for a sliding layer, within its window: transformers'
+    AND(window, OR(causal, same image))). Gemma 3 opens every layer (`sliding_only` False); Gemma 4 would open
+    its sliding layers only. A prefill chunk then never splits an image's tokens (`ImageInputs.keep_whole`); a
+    decoding token, never an image token, is causal as ever."""
+
+    sliding_only: bool
+
+    def applies(self, kind) -> bool:
+        """Whether layers of this mask kind (attention.MaskKind) open an image's tokens to each other."""
+        return not self.sliding_only or kind.window is not None
+
+    @staticmethod
+    def of(model) -> ImageBlocks | None:
+        """The model's rule: None where images attend causally (or the model takes no images)."""
+        return IMAGE_BLOCK_FAMILIES.get(getattr(model.config, "model_type", None))
+
+
+# The families whose image tokens are more than causal tokens at 1-D positions that batchrun computes, each
+# against HF `generate` in tests/test_image_families.py: their 3-D rotary positions (MRope), or one image's
+# tokens attending to each other (ImageBlocks). Another family with its own positions (`get_rope_index`) or token
+# types in its forward is refused, rather than computed by a rule written for another.
+MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl", "qwen3_5"})
+IMAGE_BLOCK_FAMILIES = {"gemma3": ImageBlocks(sliding_only=False)}
+
+
 def images_unsupported_reason(model) -> str | None:
     """Why batchrun cannot feed this model images exactly, or None. It passes the images' features to the
     model's own forward (`mm_encoder_outputs`, with Qwen3-VL's deepstack features) over a packed row of causal
-    attention, with 1-D positions or the model's own 3-D ones (MRope); a model whose image tokens attend to each
-    other (Gemma 3 and 4's bidirectional image attention, given by token types) computes something else there."""
+    attention (one image's tokens seeing each other on the families of IMAGE_BLOCK_FAMILIES), with 1-D positions
+    or, on MROPE_FAMILIES, the model's own 3-D ones."""
     if image_token_id(model.config) is None or not is_vision_language(model.config):
         return "it is a text model"
     if not hasattr(model, "get_image_features"):
@@ -137,18 +190,24 @@ def images_unsupported_reason(model) -> str | None:
     params = inspect.signature(model.forward).parameters
     if "mm_encoder_outputs" not in params:
         return "its forward takes no precomputed image features (`mm_encoder_outputs`)"
-    mrope = MRope.of(model)
-    if "token_type_ids" in params or ("mm_token_type_ids" in params and mrope is None):
-        # a model with mrope takes mm_token_type_ids for its rope index alone (MRope gives it)
-        name = "token_type_ids" if "token_type_ids" in params else "mm_token_type_ids"
+    family = getattr(model.config, "model_type", None)
+    if getattr(text_config(model.config), "use_bidirectional_attention", None):
         return (
-            f"its image tokens attend to each other by `{name}` (bidirectional), which batchrun does not yet"
+            "its tokens attend to later ones (use_bidirectional_attention), which batchrun does not compute"
         )
-    cfg = model.config
-    if getattr(cfg, "use_bidirectional_attention", None) or getattr(
-        getattr(cfg, "text_config", None), "use_bidirectional_attention", None
-    ):
-        return "its image tokens attend to each other bidirectionally, which batchrun does not yet"
+    if family in MROPE_FAMILIES or family in IMAGE_BLOCK_FAMILIES:
+        return None
+    if MRope.find_owner(model) is not None:
+        return (
+            "its image tokens take 3-D rotary positions of its own family (get_rope_index), which batchrun "
+            f"computes for {', '.join(sorted(MROPE_FAMILIES))} only"
+        )
+    typed = [name for name in ("token_type_ids", "mm_token_type_ids") if name in params]
+    if typed:
+        return (
+            f"its token types (`{typed[0]}`) steer its image attention, which batchrun computes for "
+            f"{', '.join(sorted(IMAGE_BLOCK_FAMILIES))} only"
+        )
     return None
 
 
@@ -166,12 +225,16 @@ class MRope:
     def __init__(self, owner: torch.nn.Module):
         self.owner = owner  # the module with the model's `get_rope_index`
 
+    @staticmethod
+    def find_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+        """The module with the model's `get_rope_index`, if it has one."""
+        return next((m for m in (model, getattr(model, "model", None)) if hasattr(m, "get_rope_index")), None)
+
     @classmethod
     def of(cls, model: torch.nn.Module) -> MRope | None:
-        for owner in (model, getattr(model, "model", None)):
-            if hasattr(owner, "get_rope_index"):
-                return cls(owner)
-        return None
+        """The model's 3-D positions, on the families batchrun computes them for (MROPE_FAMILIES)."""
+        owner = cls.find_owner(model)
+        return cls(owner) if owner is not None and model.config.model_type in MROPE_FAMILIES else None
 
     def prompt_positions(self, prompt: list[int], images: ImageInputs) -> tuple[torch.Tensor, int]:
         """The prompt's positions [3, prompt length] and the delta of the tokens after it."""
@@ -230,6 +293,9 @@ class EncoderCache:
         self.hidden = text_config(model.config).hidden_size
         self.held: dict[int, torch.Tensor] = {}  # seq_id -> [image tokens, hidden x streams] (_feature_rows)
         self.output_class: type | None = None  # what `get_image_features` returns, to hand the model the same
+        self.pooled_per_image = (
+            True  # its pooler_output: a tuple per image (LLaVA, Qwen), else one tensor (Gemma)
+        )
         self.images_encoded = 0
         self.encoder_seconds = 0.0
         self.image_tokens = 0
@@ -269,6 +335,7 @@ class EncoderCache:
             with torch.inference_mode():
                 out = self.model.get_image_features(pixel_values=pixels, **extra, return_dict=True)
             self.output_class = type(out)
+            self.pooled_per_image = isinstance(getattr(out, "pooler_output", None), tuple | list)
             for key, rows in zip(keys, _feature_rows(out, self.hidden), strict=True):
                 features[key] = rows
         for s, keys in zip(wanted, per_seq):
@@ -296,7 +363,7 @@ class EncoderCache:
             if s.images is not None and s.seq_id in self.held and b > s.images.positions[-1]:
                 del self.held[s.seq_id]
         streams = torch.cat(rows).split(self.hidden, dim=-1)
-        output = self.output_class(pooler_output=(streams[0],))
+        output = self.output_class(pooler_output=(streams[0],) if self.pooled_per_image else streams[0])
         if len(streams) > 1:  # deepstack: per layer, the step's rows, as one image
             output.deepstack_features = [(rows,) for rows in streams[1:]]
         return {"mm_encoder_outputs": {"image": output}}

@@ -82,6 +82,7 @@ class Scheduler:
         watermark_pages: int = 0,
         states: StateSlots | NoStateSlots | None = None,
         whole_prompts: bool = False,
+        whole_images: bool = False,
     ):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
@@ -93,6 +94,9 @@ class Scheduler:
         # when it is the step's first, else in a later step
         self.whole_prompts = whole_prompts
         self.max_chunk = None if whole_prompts else config.max_num_batched_tokens  # of a prompt, in tokens
+        # a model whose image tokens attend to each other (multimodal.ImageBlocks): a chunk never splits an
+        # image, so it may end before one, or take one whole past the token budget when it is the step's first
+        self.whole_images = whole_images
         self.prefix_cache = block_manager.prefix_cache
         # free pages admission leaves untouched, so decodes do not preempt at once
         self.watermark_pages = watermark_pages
@@ -141,13 +145,25 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
-    def _tokens(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """The tokens `seq` computes this step within `budget`: 1 for a decode, a chunk of a long prompt (0:
-        none this step, a whole prompt that does not fit a step already begun)."""
-        n = seq.num_uncomputed_tokens
+    def _tokens(self, seq: Sequence, budget: int, out: SchedulerOutput, start: int | None = None) -> int:
+        """The tokens `seq` computes this step from `start` (its computed tokens, unless given) within `budget`:
+        1 for a decode, a chunk of a long prompt (0: none this step, a whole prompt or image that does not fit
+        a step already begun)."""
+        start = seq.num_computed_tokens if start is None else start
+        n = seq.num_tokens - start
         if self.whole_prompts:
             return n if n <= budget or not out.scheduled else 0
-        return min(n, budget)
+        n = min(n, budget)
+        if self.whole_images and seq.images is not None:
+            n = seq.images.keep_whole(start, n, first=not out.scheduled)
+        return n
+
+    def max_chunk_of(self, images) -> int | None:
+        """The most tokens one step computes of a prompt with these images (multimodal.ImageInputs or None):
+        what a windowed group's pages must hold at once. None: the whole prompt."""
+        if self.max_chunk is None or not self.whole_images or images is None:
+            return self.max_chunk
+        return max([self.max_chunk] + [b - a for a, b in images.blocks])
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -232,7 +248,7 @@ class Scheduler:
             match = self.prefix_cache.match(seq, self.states.usable)
             if self.states.snapshot_coming(match.prompt_hashes, match.num_blocks):
                 break  # the state of a longer prefix of it is being kept this step: computed once, not twice
-            need = self.bm.num_new_pages_for_admission(seq, match, self.max_chunk)
+            need = self.bm.num_new_pages_for_admission(seq, match, self.max_chunk_of(seq.images))
             reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
                 break
@@ -246,7 +262,7 @@ class Scheduler:
             limit = (
                 self.states.limit(seq, start, budget, self.bm.page_size)
                 if seq.state_snapshot_blocks
-                else self._tokens(seq, budget, out)
+                else self._tokens(seq, budget, out, start)
             )
             n = self.bm.allocate_sequence(seq, limit, match)
             _add(out.state_forks, self.states.restore(seq, match.hashes, match.num_blocks))

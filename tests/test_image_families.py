@@ -1,12 +1,15 @@
-"""Images on models with 3-D rotary positions (multimodal.MRope): tiny random-weight Qwen2.5-VL, Qwen3-VL (its
-deepstack features added after the first decoder layers) and Qwen 3.5 (a hybrid: Gated DeltaNet layers with a
-state slot per sequence beside gated attention), against HF `generate` (processor + model, one conversation at a
-time, greedy fp32).
+"""Images on families whose image tokens are more than causal tokens at 1-D positions, against HF `generate`
+(processor + model, one conversation at a time, greedy fp32), on tiny random-weight models:
 
-The processors are the models' own classes; their video processors need torchvision, which does not install
-beside the CPU torch wheel, so both sides load them as batchrun does (`loading.load_processor`: the image
-processor's PIL path, no video processor). Each test asks `AutoProcessor` first, so they show that path is
-needed."""
+- Qwen2.5-VL, Qwen3-VL and Qwen 3.5: 3-D rotary positions (multimodal.MRope); Qwen3-VL's deepstack features
+  added after its first decoder layers; Qwen 3.5 a hybrid (Gated DeltaNet layers with a state slot per sequence
+  beside gated attention).
+- Gemma 3: one image's tokens attend to each other, later ones included, on every layer (multimodal.ImageBlocks),
+  so a prefill chunk never splits an image.
+
+The Qwen processors are the models' own classes; their video processors need torchvision, which does not
+install beside the CPU torch wheel, so both sides load them as batchrun does (`loading.load_processor`: the image
+processor's PIL path, no video processor), after checking that `AutoProcessor` cannot."""
 
 from __future__ import annotations
 
@@ -23,14 +26,13 @@ NEW_TOKENS = 32
 sys.path.insert(0, str(Path(__file__).parent))
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# the image part as Qwen's own template places it; text parts as they are
-QWEN_TEMPLATE = (
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3"]
+CHAT = (  # a chat template that places an image part as `image` (each family's marker)
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
-    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% for p in m.content %}{% if p.type == 'image' %}IMAGE"
     "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 
 def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
@@ -74,21 +76,78 @@ def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
     Qwen2VLImageProcessorPil(
         patch_size=vision["patch_size"], min_pixels=side * side * 4, max_pixels=side * side * 16
     ).save_pretrained(target)
-    tok.chat_template = QWEN_TEMPLATE
+    tok.chat_template = CHAT.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
     tok.save_pretrained(target)
 
 
+def make_gemma3(target: Path, tokenizer_from: Path) -> None:
+    """A tiny random-weight Gemma 3: images of 16 tokens (a 64-pixel image in 8-pixel patches, pooled 2 x 2),
+    sliding layers of an 8-token window (narrower than an image) beside full ones, Gemma's embedding scale;
+    untied output embeddings and perturbed norms, or it repeats its last token whatever it is shown."""
+    from model_families import TINY, perturb
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    marks = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    tok = AutoTokenizer.from_pretrained(tokenizer_from, extra_special_tokens=marks)
+    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
+    text.update(
+        vocab_size=len(tok),
+        max_position_embeddings=2048,
+        sliding_window=8,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=64,
+        patch_size=8,
+    )
+    cfg = AutoConfig.for_model(
+        "gemma3",
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=16,
+        image_token_id=tok.image_token_id,
+        boi_token_id=tok.boi_token_id,
+        eoi_token_id=tok.eoi_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    perturb(model, 0)
+    model.save_pretrained(target)
+    Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 64, "width": 64}),
+        tokenizer=tok,
+        chat_template=CHAT.replace("IMAGE", "<start_of_image>"),
+        image_seq_length=16,
+    ).save_pretrained(target)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def qwen(request, tmp_path_factory, model_dir):
+def vlm(request, tmp_path_factory, model_dir):
     """(family, model directory, HF processor and model)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     from batchrun.engine.loading import load_processor
 
     target = tmp_path_factory.mktemp(request.param)
-    make_qwen_vl(request.param, target, model_dir)
-    with pytest.raises(ImportError, match="(?i)torchvision"):
-        AutoProcessor.from_pretrained(target)
+    if request.param == "gemma3":
+        make_gemma3(target, model_dir)
+    else:
+        make_qwen_vl(request.param, target, model_dir)
+        with pytest.raises(ImportError, match="(?i)torchvision"):
+            AutoProcessor.from_pretrained(target)
     processor = load_processor(target, AutoConfig.from_pretrained(target))
     model = AutoModelForImageTextToText.from_pretrained(target, attn_implementation="eager").eval()
     return request.param, target, (processor, model)
@@ -140,53 +199,75 @@ def conversations(cases) -> list:
     "engine",
     [
         dict(),  # prompts whole
-        dict(max_num_batched_tokens=8, num_pages=5, preemption="recompute"),  # chunks cut through the images
-        dict(max_num_batched_tokens=8, num_pages=5, preemption="swap"),
+        # chunks of 8 tokens (cutting through Qwen's images, each of Gemma's taken whole), few pages
+        dict(max_num_batched_tokens=8, preemption="recompute"),
+        dict(max_num_batched_tokens=8, preemption="swap"),
     ],
     ids=["whole", "chunked-recompute", "chunked-swap"],
 )
-def test_qwen_images_equal_hf_generate(qwen, engine):
-    family, target, reference = qwen
-    if family != "qwen2_5_vl" and engine.get("preemption") == "swap":
-        pytest.skip("swap is run on one family (CI time); recompute rebuilds the positions on every family")
+def test_images_equal_hf_generate(vlm, engine):
+    family, target, reference = vlm
+    if family not in ("qwen2_5_vl", "gemma3") and engine.get("preemption") == "swap":
+        pytest.skip("swap is run on two families (CI time); recompute rebuilds the positions on every family")
     rows = cases()
-    llm = LLM(model=str(target), dtype="float32", device="cpu", **{"num_pages": 256, **engine})
-    assert llm.engine.mrope is not None
+    pages = 10 if family == "gemma3" else 5  # Gemma's sliding and full layers take a page each
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=pages if engine else 256, **engine)
+    assert (llm.engine.mrope is not None) == family.startswith("qwen")
     outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected_of(reference, rows)
     if "preemption" in engine:  # a row with an image was preempted after its prompt: its positions came back
         assert any(o.outputs[0].num_preemptions for o, (_, images) in zip(outs, rows) if images)
 
 
-def test_the_comparison_sees_1d_positions_and_a_missing_deepstack(qwen, monkeypatch):
-    """The test can fail: with image prompts at 1-D positions (Qwen2.5-VL, Qwen 3.5), or Qwen3-VL's deepstack
-    features zeroed, the image rows differ from HF while the text row does not."""
-    from batchrun.engine import multimodal
-
-    family, target, reference = qwen
+def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
+    """What the model needs, each taken away in turn: (what, engine options, target, replacement)."""
+    if family == "gemma3":
+        return [
+            ("causal images", {}, multimodal.ImageBlocks, ("of", staticmethod(lambda model: None))),
+            (
+                "images split across chunks of 8 tokens",
+                {"max_num_batched_tokens": 8},
+                multimodal.ImageInputs,
+                ("keep_whole", lambda self, start, n, first: n),
+            ),
+        ]
     if family == "qwen3_vl":
         real = multimodal._feature_rows
 
         def no_deepstack(out, hidden):
-            rows = real(out, hidden)
-            return [torch.cat([r[:, :hidden], torch.zeros_like(r[:, hidden:])], dim=-1) for r in rows]
+            return [
+                torch.cat([r[:, :hidden], torch.zeros_like(r[:, hidden:])], -1) for r in real(out, hidden)
+            ]
 
-        monkeypatch.setattr(multimodal, "_feature_rows", no_deepstack)
-    else:
-        monkeypatch.setattr(multimodal.MRope, "prompt_positions", lambda self, prompt, images: (None, 0))
+        return [("no deepstack", {}, multimodal, ("_feature_rows", no_deepstack))]
+    return [
+        ("1-D positions", {}, multimodal.MRope, ("prompt_positions", lambda self, prompt, images: (None, 0)))
+    ]
+
+
+def test_the_comparison_sees_what_the_model_needs(vlm):
+    """The test can fail: with image prompts at 1-D positions (Qwen2.5-VL, Qwen 3.5), Qwen3-VL's deepstack
+    features zeroed, Gemma 3's image tokens causal, or Gemma 3's images split across chunks, the image rows
+    differ from HF while the text row does not."""
+    from batchrun.engine import multimodal
+
+    family, target, reference = vlm
     rows = [cases()[0], cases()[2]]  # text alone; two images (the largest offset of positions)
-    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64)
-    outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     expected = expected_of(reference, rows)
-    assert outs[0].outputs[0].token_ids == expected[0]
-    assert outs[1].outputs[0].token_ids != expected[1]
+    for what, engine, owner, (name, replacement) in lapses(family, multimodal):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(owner, name, replacement)
+            llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, **engine)
+            outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == expected[0], what
+        assert outs[1].outputs[0].token_ids != expected[1], what
 
 
-def test_prefix_sharing_of_a_qwen_image(qwen):
+def test_prefix_sharing_of_an_image(vlm):
     """Rows with one system prompt and the same image share the image's pages (their 3-D positions, and on Qwen
     3.5 the state snapshot at a page boundary past the image, kept because the next waiting row shares it); a
     row with another image (the same placeholder tokens) must not take them. Each equals HF."""
-    family, target, reference = qwen
+    family, target, reference = vlm
     if family == "qwen3_vl":
         pytest.skip("run on Qwen2.5-VL's positions and Qwen 3.5's state (CI time)")
     a, b = picture(5, 60, 60), picture(6, 60, 60)
