@@ -6,10 +6,12 @@
   beside gated attention).
 - Gemma 3: one image's tokens attend to each other, later ones included, on every layer (multimodal.ImageBlocks),
   so a prefill chunk never splits an image.
+- Mistral 3: causal, at 1-D positions, but its processor (Pixtral's) imports torchvision: skipped where torchvision
+  does not import (beside the CPU torch wheel `make install` uses); run with torch 2.14.1 and torchvision 0.29.1.
 
 The Qwen processors are the models' own classes; their video processors need torchvision, which does not
 install beside the CPU torch wheel, so both sides load them as batchrun does (`loading.load_processor`: the image
-processor's PIL path, no video processor), after checking that `AutoProcessor` cannot."""
+processor's PIL path, no video processor, where `AutoProcessor` fails for want of torchvision)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ NEW_TOKENS = 32
 sys.path.insert(0, str(Path(__file__).parent))
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "mistral3"]
 CHAT = (  # a chat template that places an image part as `image` (each family's marker)
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}IMAGE"
@@ -134,6 +136,47 @@ def make_gemma3(target: Path, tokenizer_from: Path) -> None:
     ).save_pretrained(target)
 
 
+def make_mistral3(target: Path, tokenizer_from: Path) -> None:
+    """A tiny random-weight Mistral 3 (a Pixtral vision tower, images of any size in rows of patches ended by
+    [IMG_BREAK], a 2 x 2 patch merger). Its processor imports torchvision."""
+    from model_families import TINY
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
+    text.update(model_type="mistral", vocab_size=len(tok), max_position_embeddings=2048)
+    vision = dict(
+        model_type="pixtral",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=16,
+        patch_size=8,
+        image_size=64,
+    )
+    cfg = AutoConfig.for_model(
+        "mistral3",
+        text_config=text,
+        vision_config=vision,
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    PixtralProcessor(
+        image_processor=PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size=8),
+        tokenizer=tok,
+        patch_size=8,
+        spatial_merge_size=2,
+        chat_template=CHAT.replace("IMAGE", "[IMG]"),
+    ).save_pretrained(target)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory, model_dir):
     """(family, model directory, HF processor and model)."""
@@ -144,10 +187,15 @@ def vlm(request, tmp_path_factory, model_dir):
     target = tmp_path_factory.mktemp(request.param)
     if request.param == "gemma3":
         make_gemma3(target, model_dir)
+    elif request.param == "mistral3":
+        pytest.importorskip("torchvision", reason="Pixtral's processor imports torchvision (README, Images)")
+        make_mistral3(target, model_dir)
     else:
         make_qwen_vl(request.param, target, model_dir)
-        with pytest.raises(ImportError, match="(?i)torchvision"):
+        try:  # without torchvision (the CPU wheel's install), the stock loader cannot build the processor
             AutoProcessor.from_pretrained(target)
+        except ImportError as e:
+            assert "torchvision" in str(e).lower(), e
     processor = load_processor(target, AutoConfig.from_pretrained(target))
     model = AutoModelForImageTextToText.from_pretrained(target, attn_implementation="eager").eval()
     return request.param, target, (processor, model)
@@ -240,6 +288,13 @@ def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
             ]
 
         return [("no deepstack", {}, multimodal, ("_feature_rows", no_deepstack))]
+    if family == "mistral3":  # a causal family: what it needs is its features
+        real = multimodal._feature_rows
+
+        def zeroed(out, hidden):
+            return [torch.zeros_like(r) for r in real(out, hidden)]
+
+        return [("no image features", {}, multimodal, ("_feature_rows", zeroed))]
     return [
         ("1-D positions", {}, multimodal.MRope, ("prompt_positions", lambda self, prompt, images: (None, 0)))
     ]
@@ -263,13 +318,13 @@ def test_the_comparison_sees_what_the_model_needs(vlm):
         assert outs[1].outputs[0].token_ids != expected[1], what
 
 
+# Qwen2.5-VL's positions, Qwen 3.5's state, Gemma's image attention (Qwen3-VL's and Mistral 3's add nothing here)
+@pytest.mark.parametrize("vlm", ["qwen2_5_vl", "qwen3_5", "gemma3"], indirect=True)
 def test_prefix_sharing_of_an_image(vlm):
     """Rows with one system prompt and the same image share the image's pages (their 3-D positions, and on Qwen
     3.5 the state snapshot at a page boundary past the image, kept because the next waiting row shares it); a
     row with another image (the same placeholder tokens) must not take them. Each equals HF."""
     family, target, reference = vlm
-    if family == "qwen3_vl":
-        pytest.skip("run on Qwen2.5-VL's positions and Qwen 3.5's state (CI time)")
     a, b = picture(5, 60, 60), picture(6, 60, 60)
     system = "You describe pictures for a catalogue. " * 3
     ask = "Answer in one short sentence, naming what you see. " * 2  # a page of text shared after the image
@@ -299,3 +354,51 @@ def test_prefix_sharing_of_an_image(vlm):
     ids = enc["input_ids"][0].tolist()
     last_image = len(ids) - 1 - ids[::-1].index(llm.engine.image_token_id)
     assert llm.engine.block_manager.prefix_cache.hit_tokens > last_image  # the second row's image was shared
+
+
+@pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
+def test_a_shared_prefix_that_ends_inside_a_gemma_image(vlm):
+    """Two rows with the same image and different questions right after it, the shared pages ending inside the
+    image: the second row computes the rest of the image over the first's pages (computed with the whole image)
+    and still equals HF."""
+    _, target, reference = vlm
+    processor, model = reference
+    image = picture(7, 60, 60)
+    for repeat in range(1, 17):  # a system prompt whose length puts a page boundary inside the image
+        system = "Pictures. " * repeat
+        turns = [
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+            ]
+            for question in ("Colours?", "Shapes?")
+        ]
+        encs = [
+            processor(
+                text=processor.apply_chat_template(t, add_generation_prompt=True, tokenize=False),
+                images=[image],
+                return_tensors="pt",
+            )
+            for t in turns
+        ]
+        a, b = (e["input_ids"][0].tolist() for e in encs)
+        common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        image_tokens = [i for i, t in enumerate(a) if t == model.config.image_token_id]
+        shared = common // 16 * 16
+        if image_tokens[0] < shared <= image_tokens[-1]:
+            break
+    else:
+        pytest.fail("no system prompt put a page boundary inside the image")
+    expected = []
+    for enc in encs:
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(out[0, enc["input_ids"].shape[1] :].tolist())
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=128, max_num_seqs=1)
+    convs = [
+        [t[0], {"role": "user", "content": [{"type": "image", "image": image}, t[1]["content"][1]]}]
+        for t in turns
+    ]
+    outs = [llm.chat(c, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)[0] for c in convs]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.block_manager.prefix_cache.hit_tokens == shared
