@@ -109,7 +109,9 @@ def format_summary(s: dict) -> str:
             (
                 "images",
                 f"{s['rows_with_images']} rows with images; {s.get('images_encoded', 0)} encoded "
-                f"({s.get('image_tokens', 0)} image tokens) in {s.get('time_encode_s', 0):.2f} s",
+                f"({s.get('image_tokens', 0)} image tokens) in {s.get('time_encode_s', 0):.2f} s; features "
+                f"waiting {_bytes(s.get('encoder_peak_bytes', 0))} at most of "
+                f"{_bytes(s.get('encoder_budget_bytes', 0))}",
             )
         )
     if s.get("window_freed_peak"):

@@ -107,6 +107,8 @@ SUMMARY_KEYS = {
     "rows_with_images": ("sum", "sum"),
     "images_encoded": ("sum", "sum"),
     "image_tokens": ("sum", "sum"),
+    "encoder_peak_bytes": ("sum", "max"),  # image features waiting for prefill, the most at once
+    "encoder_budget_bytes": ("sum", "max"),
     "structured_rows": ("sum", "sum"),
     "structured_complete": ("sum", "sum"),
     "grammar_compile_s": ("sum", "sum"),

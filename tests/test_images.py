@@ -435,3 +435,32 @@ def test_an_openai_batch_file_with_image_parts(llava_dir, reference, tmp_path):
     assert out[0].outputs[0].token_ids == hf_generate(
         reference, [{"type": "image"}, {"type": "text", "text": "Describe."}], [a]
     )
+
+
+def test_image_features_wait_within_their_budget(llava_dir, reference, tmp_path):
+    """Twelve image prompts in steps of 40 tokens: the features waiting for prefill never pass the encoder's
+    budget (max_num_batched_tokens image tokens) but for a prompt alone that needs more, and the rows equal HF;
+    without the budget the same job holds more at once (the check can fail)."""
+    from batchrun.engine import multimodal
+
+    convs, theirs = conversations(tmp_path)
+    expected = [hf_generate(reference, content, images) for content, images in theirs]
+
+    def run():
+        llm = LLM(
+            model=str(llava_dir), dtype="float32", device="cpu", num_pages=256, max_num_batched_tokens=40
+        )
+        outs = llm.chat(convs * 3, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected * 3
+        summary = llm.engine.image_counts()
+        per_token = summary["encoder_budget_bytes"] // 40
+        prompts = [llm.encode_chat(c) for c in convs]
+        largest = max(len(p.images.positions) for p in prompts if p.images is not None)
+        return summary["encoder_peak_bytes"], max(40, largest) * per_token
+
+    peak, bound = run()
+    assert 0 < peak <= bound
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(multimodal.EncoderBudget, "fit", lambda self, seq, start, n: n)
+        unbounded, _ = run()
+    assert unbounded > bound

@@ -22,10 +22,12 @@ from .kv_cache import KVCache, text_config
 from .memory import MemorySnapshot
 from .model_runner import ModelRunner
 from .multimodal import (
+    EncoderBudget,
     EncoderCache,
     ImageBlocks,
     ImageInputs,
     MRope,
+    image_feature_bytes,
     image_token_id,
     images_unsupported_reason,
 )
@@ -111,6 +113,23 @@ class Engine:
         state_spec = self.model_attention.states  # a hybrid model's per-sequence states; None: none
         # whether a prompt may be computed in chunks, each continuing the state the last left (StateSpec)
         chunks = state_spec is None or state_spec.continues_state
+        # images: whether this model takes them, their positions (Qwen-VL's 3-D ones; None: each token at its
+        # index), whether one image's tokens see each other (Gemma's; None: causal), and how many image tokens'
+        # features may wait for prefill (their bytes come out of the KV budget)
+        self.images_refusal = images_unsupported_reason(model)
+        self.image_token_id = image_token_id(model.config)
+        image_blocks = ImageBlocks.of(model) if self.images_refusal is None else None
+        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
+        if image_blocks is not None and self.attention.name == "triton":
+            self.images_refusal = (
+                "one image's tokens attend to each other, which the Triton kernels do not compute"
+            )
+            image_blocks = None
+        self.mrope = MRope.of(model) if self.images_refusal is None else None
+        encoder_budget = EncoderBudget(config.max_num_batched_tokens) if self.images_refusal is None else None
+        self.encoder_budget_bytes = (
+            encoder_budget.max_tokens * image_feature_bytes(model) if encoder_budget else 0
+        )
         sizes = pool_sizes(
             config,
             self.kv_spec.bytes_per_page,
@@ -118,6 +137,7 @@ class Engine:
             state_spec.bytes_per_slot if state_spec else 0,
             device,
             keeps_prefix_states=chunks,
+            reserved_bytes=self.encoder_budget_bytes,
         )
         self.num_pages = sizes.num_pages
         self.block_manager = BlockManager(
@@ -132,18 +152,6 @@ class Engine:
             if state_spec
             else NoStateSlots()
         )
-        # images: whether this model takes them, their positions (Qwen-VL's 3-D ones; None: each token at its
-        # index) and whether one image's tokens see each other (Gemma's; None: causal)
-        self.images_refusal = images_unsupported_reason(model)
-        self.image_token_id = image_token_id(model.config)
-        image_blocks = ImageBlocks.of(model) if self.images_refusal is None else None
-        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
-        if image_blocks is not None and self.attention.name == "triton":
-            self.images_refusal = (
-                "one image's tokens attend to each other, which the Triton kernels do not compute"
-            )
-            image_blocks = None
-        self.mrope = MRope.of(model) if self.images_refusal is None else None
         self.scheduler = Scheduler(
             config,
             self.block_manager,
@@ -151,6 +159,7 @@ class Engine:
             states=self.state_slots,
             whole_prompts=not chunks,
             whole_images=image_blocks is not None,
+            encoder_budget=encoder_budget,
         )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
@@ -262,6 +271,8 @@ class Engine:
             self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
             if self.state_cache is not None:
                 self.state_cache.apply(plan.state_forks, plan.state_swap_out, plan.state_swap_in)
+            if self.encoder is not None:  # a preempted prompt encodes its images again when it resumes
+                self.encoder.release(plan.preempted)
         result = StepResult(plan)
         if plan.is_empty:
             if self.scheduler.has_unfinished() and not plan.preempted:
@@ -310,12 +321,15 @@ class Engine:
         return self.state_cache.spec.bytes_per_slot if self.state_cache is not None else 0
 
     def image_counts(self) -> dict[str, int]:
-        """Images encoded (each distinct image of a step once) and image tokens computed, for the summary (the
-        encoder's seconds are the `encode` phase); zeros for a text model."""
+        """Images encoded (each distinct image of a step once), image tokens computed, the most image-feature
+        bytes held at once and the budget for them, for the summary (the encoder's seconds are the `encode`
+        phase); zeros for a text model."""
         encoder = self.encoder
         return {
             "images_encoded": encoder.images_encoded if encoder else 0,
             "image_tokens": encoder.image_tokens if encoder else 0,
+            "encoder_peak_bytes": encoder.peak_bytes if encoder else 0,
+            "encoder_budget_bytes": self.encoder_budget_bytes,
         }
 
     def running_sequences(self) -> list[Sequence]:

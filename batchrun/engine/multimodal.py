@@ -281,6 +281,61 @@ def _feature_rows(output: Any, hidden: int) -> list[torch.Tensor]:
     return [torch.cat(rows, dim=-1) for rows in zip(*streams, strict=True)]
 
 
+def image_feature_bytes(model) -> int:
+    """Bytes of one image token's features while they wait for prefill: the language model's hidden size, once
+    and once more per deepstack layer (Qwen3-VL), in the model's dtype."""
+    vision = getattr(model.config, "vision_config", None)
+    streams = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    itemsize = next(model.parameters()).dtype.itemsize
+    return text_config(model.config).hidden_size * streams * itemsize
+
+
+class EncoderBudget:
+    """The scheduler's side of the encoder's memory: how many image tokens' features may wait for prefill at
+    once. A sequence holds all its images' features (EncoderCache) from the step that computes any of its image
+    tokens until the step that computes its last one. A chunk that would make a sequence start holding them
+    beside more than `max_tokens` held already ends before its first image token (or waits a step), unless none
+    are held, so that a prompt with more image tokens than the budget still runs, alone. The engine sizes the
+    budget and takes its bytes out of the KV memory budget."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.held = 0  # image tokens whose features this step holds (new_step, then take)
+        self._holders: set[int] = set()  # sequences counted in `held`
+
+    def new_step(self, running: list) -> None:
+        """A plan begins: the running sequences between their first and last image token hold features."""
+        self._holders = {
+            s.seq_id
+            for s in running
+            if s.images is not None
+            and s.images.positions[0] < s.num_computed_tokens <= s.images.positions[-1]
+        }
+        self.held = sum(len(s.images.positions) for s in running if s.seq_id in self._holders)
+
+    def _starts(self, seq, start: int, n: int) -> bool:
+        return (
+            seq.images is not None
+            and seq.seq_id not in self._holders
+            and len(seq.images.rows(start, start + n)) > 0
+        )
+
+    def fit(self, seq, start: int, n: int) -> int:
+        """Tokens of seq to compute from `start`, at most n: up to its first image token in the chunk where its
+        features do not fit beside those held."""
+        if not self.held or not self._starts(seq, start, n):
+            return n
+        if self.held + len(seq.images.positions) <= self.max_tokens:
+            return n
+        return seq.images.positions[seq.images.rows(start, start + n).start] - start
+
+    def take(self, seq, start: int, n: int) -> None:
+        """seq computes start..start+n this step: its features are held from now if it starts needing them."""
+        if self._starts(seq, start, n):
+            self._holders.add(seq.seq_id)
+            self.held += len(seq.images.positions)
+
+
 class EncoderCache:
     """The vision encoder's outputs of the sequences being prefilled: per sequence, its images' features in
     token order, from when a step first needs them until its prompt's last image token is computed. Images of a
@@ -299,6 +354,7 @@ class EncoderCache:
         self.images_encoded = 0
         self.encoder_seconds = 0.0
         self.image_tokens = 0
+        self.peak_bytes = 0  # the most feature bytes held at once
 
     @property
     def num_bytes(self) -> int:
@@ -346,6 +402,7 @@ class EncoderCache:
                     f"{rows.shape[0]} feature rows"
                 )
             self.held[s.seq_id] = rows
+        self.peak_bytes = max(self.peak_bytes, self.num_bytes)
         self.images_encoded += len(unique)
         self.image_tokens += sum(len(s.images.positions) for s in wanted)
         self.encoder_seconds += time.perf_counter() - t0
@@ -367,6 +424,11 @@ class EncoderCache:
         if len(streams) > 1:  # deepstack: per layer, the step's rows, as one image
             output.deepstack_features = [(rows,) for rows in streams[1:]]
         return {"mm_encoder_outputs": {"image": output}}
+
+    def release(self, sequences: list) -> None:
+        """Drop the features of these sequences (preempted: the scheduler's budget counts running ones only)."""
+        for s in sequences:
+            self.held.pop(s.seq_id, None)
 
     def clear(self) -> None:
         """Drop every held output (the engine's requests were aborted)."""

@@ -17,6 +17,7 @@ from itertools import islice
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .multimodal import EncoderBudget
 from .page_pool import PageCopy
 from .sequence import Sequence
 from .state_cache import NoStateSlots, StateCopy, StateSlots
@@ -83,6 +84,7 @@ class Scheduler:
         states: StateSlots | NoStateSlots | None = None,
         whole_prompts: bool = False,
         whole_images: bool = False,
+        encoder_budget: EncoderBudget | None = None,
     ):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.bm = block_manager
@@ -97,6 +99,8 @@ class Scheduler:
         # a model whose image tokens attend to each other (multimodal.ImageBlocks): a chunk never splits an
         # image, so it may end before one, or take one whole past the token budget when it is the step's first
         self.whole_images = whole_images
+        # a vision-language model's image features waiting for prefill, at most so many tokens' (None: text)
+        self.encoder_budget = encoder_budget
         self.prefix_cache = block_manager.prefix_cache
         # free pages admission leaves untouched, so decodes do not preempt at once
         self.watermark_pages = watermark_pages
@@ -137,6 +141,8 @@ class Scheduler:
         out = SchedulerOutput(state_forks=self._pending_forks)  # forks and snapshots of the last plan first
         self._pending_forks = []
         self.states.new_step()
+        if self.encoder_budget is not None:
+            self.encoder_budget.new_step(self.running)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -156,6 +162,8 @@ class Scheduler:
         n = min(n, budget)
         if self.whole_images and seq.images is not None:
             n = seq.images.keep_whole(start, n, first=not out.scheduled)
+        if self.encoder_budget is not None:
+            n = self.encoder_budget.fit(seq, start, n)
         return n
 
     def max_chunk_of(self, images) -> int | None:
@@ -170,8 +178,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._tokens(seq, budget, out)
-            if not n:
-                break
+            if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
+                i += 1
+                continue
             if seq.state_snapshot_blocks:  # a hybrid's prefill stops once where its prefix's state is kept
                 n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             self.bm.trim(seq)  # pages behind a window go back before anything new is taken
@@ -195,6 +204,8 @@ class Scheduler:
         self._planned(seq, n, out)
 
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        if self.encoder_budget is not None:
+            self.encoder_budget.take(seq, seq.num_computed_tokens, n)
         self.prefix_cache.register_full_pages(seq, seq.num_computed_tokens + n)
         out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
         if seq.state_snapshot_blocks:  # the step ends at the prefix a hybrid keeps a state of: copy it after
@@ -242,10 +253,10 @@ class Scheduler:
             seats = 1 + seq.num_siblings_to_fork
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
-            if not self._tokens(seq, budget, out):
-                break  # a prompt to compute whole that does not fit this step
             # a hybrid matches only prefixes whose state is kept (a snapshot); the page hashes are kept on seq
             match = self.prefix_cache.match(seq, self.states.usable)
+            if not self._tokens(seq, budget, out, match.num_blocks * self.bm.page_size):
+                break  # a prompt or image to compute whole that does not fit this step, images' features held
             if self.states.snapshot_coming(match.prompt_hashes, match.num_blocks):
                 break  # the state of a longer prefix of it is being kept this step: computed once, not twice
             need = self.bm.num_new_pages_for_admission(seq, match, self.max_chunk_of(seq.images))

@@ -82,6 +82,7 @@ def pool_sizes(
     bytes_per_slot: int,
     device: torch.device,
     keeps_prefix_states: bool = True,
+    reserved_bytes: int = 0,
 ) -> PoolSizes:
     """Pages, and for a hybrid model (`bytes_per_slot` > 0) state slots, from the KV budget and the swap space.
 
@@ -90,10 +91,22 @@ def pool_sizes(
     `max_num_seqs` slots (fewer where the budget cannot hold that many slots with a page per group each, or
     where they would take more than half of it), and the rest of the budget is pages. With prefix sharing, a few more slots (a quarter as many, at most
     MAX_SNAPSHOTS) keep shared prefixes' states. The swap space is split the same way. An explicit
-    `engine.num_pages` is the pages alone; the slots then come on top."""
+    `engine.num_pages` is the pages alone; the slots then come on top.
+
+    `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
+    waiting for prefill (multimodal.EncoderBudget)."""
     swap = parse_size(config.swap_space)
     if not bytes_per_slot:
-        return PoolSizes(num_pages_for(config, bytes_per_page, device), swap // bytes_per_page)
+        if config.num_pages is not None or not reserved_bytes:
+            return PoolSizes(num_pages_for(config, bytes_per_page, device), swap // bytes_per_page)
+        pages = (num_pages_for(config, 1, device) - reserved_bytes) // bytes_per_page
+        if pages < 1:
+            raise BadInput(
+                f"key `engine.kv_cache_memory`: {config.kv_cache_memory!r} leaves room for no KV page beside "
+                f"the image features waiting for prefill ({reserved_bytes} bytes); give more memory or set "
+                "engine.num_pages."
+            )
+        return PoolSizes(pages, swap // bytes_per_page)
     per_seq = bytes_per_slot + num_groups * bytes_per_page
     cpu_slots = min(config.max_num_seqs, swap // per_seq)
     cpu_pages = (swap - cpu_slots * bytes_per_slot) // bytes_per_page
@@ -102,7 +115,7 @@ def pool_sizes(
     if config.num_pages is not None:
         slots = config.max_num_seqs
         return PoolSizes(config.num_pages, cpu_pages, slots, cpu_slots, snapshots(slots))
-    budget = num_pages_for(config, 1, device)  # the budget in bytes: "pages" of one byte
+    budget = num_pages_for(config, 1, device) - reserved_bytes  # the budget in bytes: "pages" of one byte
     # at most half the budget in slots: at a small budget, slots for max_num_seqs would leave too few pages for
     # them (one page each is no sequence's length), and sequences at once would be bounded by pages anyway
     slots = min(config.max_num_seqs, budget // per_seq, max(1, budget // 2 // bytes_per_slot))
