@@ -270,10 +270,15 @@ HYBRID: dict[str, tuple[str, dict]] = {
         "hybrid: Mamba : attention, whole prompts (its scan takes no initial state)",
         dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3, mamba_d_state=16, num_experts=1),
     ),
+    "recurrent_gemma": (
+        "hybrid: RG-LRU recurrent blocks (states in module attributes) : sliding attention, whole prompts",
+        dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),
+    ),
 }
 SUPPORTED.update(HYBRID)
 # hybrids whose stateful layers' prompt form does not continue a state: each prompt runs whole, nothing shared
-WHOLE_PROMPTS = {"jamba"}
+# (Jamba's scan takes no initial state; RecurrentGemma's prompt form restarts its convolution)
+WHOLE_PROMPTS = {"jamba", "recurrent_gemma"}
 
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
@@ -281,10 +286,6 @@ REFUSED: dict[str, tuple[str, dict]] = {
     "deepseek_v32": ("sparse attention (DeepseekV32Indexer", {}),
     "glm_moe_dsa": ("sparse attention (GlmMoeDsaIndexer", {}),
     "deepseek_v4": ("sparse attention", {}),
-    "recurrent_gemma": (
-        "outside transformers' linear-attention cache interface",
-        dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),
-    ),
 }
 
 

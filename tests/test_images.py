@@ -464,3 +464,38 @@ def test_image_features_wait_within_their_budget(llava_dir, reference, tmp_path)
         patch.setattr(multimodal.EncoderBudget, "fit", lambda self, seq, start, n: n)
         unbounded, _ = run()
     assert unbounded > bound
+
+
+def test_the_ray_data_processor_takes_an_image_column(llava_dir, reference, tmp_path):
+    """The Ray Data processor (called on a batch as Ray Data calls it) reads the job's image column from the
+    batch: each row equals HF `generate` on the image before its prompt, and a batch without the column is
+    refused naming it."""
+    import asyncio
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchrun.ray import Processor
+
+    a, b = picture(40), picture(41, 30, 60)
+    png = lambda im: base64.b64decode(data_url(im).split(",", 1)[1])  # noqa: E731
+    batch = pa.table({"id": ["a", "b"], "prompt": ["Caption it.", "What colour?"], "image": [png(a), png(b)]})
+    pq.write_table(batch, tmp_path / "in.parquet")
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
+name: ray-images
+model: {{path: {llava_dir}, dtype: float32}}
+input: {{parquet: {tmp_path / "in.parquet"}, id_column: id, image_column: image}}
+output: {{path: {tmp_path / "out"}, token_ids: true}}
+engine: {{device: cpu, num_pages: 64}}
+sampling: {{max_new_tokens: {NEW_TOKENS}}}
+""",
+    )
+    processor = Processor(str(job))
+    rows = asyncio.run(processor(batch)).to_pylist()
+    for row, image, text in zip(rows, (a, b), ("Caption it.", "What colour?"), strict=True):
+        expected = hf_generate(reference, [{"type": "image"}, {"type": "text", "text": text}], [image])
+        assert row["error"] is None and row["completion_token_ids"] == expected, row["id"]
+    with pytest.raises(ValueError, match="no column 'image'"):
+        asyncio.run(processor(batch.drop_columns(["image"])))

@@ -41,7 +41,7 @@ from .attention import (
     int_tensor,
 )
 from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
-from .state_cache import StatefulCall, StateProbe, StateSpec
+from .state_cache import AttributeStates, StatefulCall, StateProbe, StateSpec
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
 FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
@@ -164,6 +164,12 @@ def _class_uses_cache_interface(cls: type) -> bool:
         return False
 
 
+# Stateful modules that keep their states in attributes of their own, not in transformers' cache interface: the
+# attributes (dotted paths from the module) of their convolution and recurrent states, which batchrun moves in
+# and out of the module around each call (state_cache.AttributeStates)
+ATTRIBUTE_STATES = {"RecurrentGemmaRecurrentBlock": ("conv1d_state", "rg_lru.recurrent_states")}
+
+
 def stateful_modules(model) -> list[torch.nn.Module]:
     """The modules that keep a state per sequence; UnsupportedModel for one that keeps it outside transformers'
     cache interface (batchrun could not give it a slot)."""
@@ -173,7 +179,9 @@ def stateful_modules(model) -> list[torch.nn.Module]:
     found, other = [], set()
     for m in model.modules():
         name = type(m).__name__
-        if uses_cache_interface(m):
+        if name in ATTRIBUTE_STATES and not isinstance(getattr(m, "layer_idx", None), int):
+            m.layer_idx = _decoder_layer_of(model, m)  # RecurrentGemma's block keeps no index of its own
+        if uses_cache_interface(m) or name in ATTRIBUTE_STATES:
             if not isinstance(getattr(m, "layer_idx", None), int):
                 raise refusal(arch, f"its stateful module {name} has no `layer_idx`")
             found.append(m)
@@ -191,6 +199,16 @@ def stateful_modules(model) -> list[torch.nn.Module]:
     return found
 
 
+def _decoder_layer_of(model, module: torch.nn.Module) -> int:
+    """The index of the decoder layer that holds `module`."""
+    for i, layer in enumerate(model.get_decoder().layers):
+        if any(m is module for m in layer.modules()):
+            return i
+    raise refusal(
+        model.config.model_type, f"its stateful module {type(module).__name__} is in no decoder layer"
+    )
+
+
 def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
     """Route each stateful module's calls through the running step's states (AttentionMetadata.running): its own
     forward then runs on a cache over the sequences' slots. Idempotent; only this model's instances change."""
@@ -198,6 +216,11 @@ def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
 
     for m in modules:
         if "_batchrun_call" in m.__dict__:
+            continue
+        attributes = ATTRIBUTE_STATES.get(type(m).__name__)
+        if attributes is not None:
+            m._batchrun_call = StatefulCall(AttributeStates(m.forward, m, *attributes), "cache")
+            m.forward = _stateful_forward.__get__(m)
             continue
         params = inspect.signature(m.forward).parameters
         keyword = next((k for k in ("cache", "cache_params", "past_key_values") if k in params), None)

@@ -388,6 +388,48 @@ class StatefulCall(NamedTuple):
     cache_keyword: str
 
 
+class AttributeStates:
+    """A stateful module that keeps its states in attributes of its own rather than through transformers' cache
+    interface (RecurrentGemma's recurrent block: its convolution window in `conv1d_state`, its RG-LRU's state in
+    `rg_lru.recurrent_states`; `generate` sets them up and the module replaces them at every call). It is called
+    as the cache-interface layers are (StatefulCall): each call sets the attributes from the cache layer batchrun
+    hands it (views of the sequences' slots; None for a sequence with no state yet, which the module then starts
+    from zeros), runs the module's own forward with its cache on, puts the states it left into the layer, and
+    clears the attributes again, so no sequence's state stays behind in the module."""
+
+    def __init__(self, forward, module: torch.nn.Module, conv: str, recurrent: str):
+        self.forward = forward  # the module's own
+        self.places = [
+            _attribute(module, conv),
+            _attribute(module, recurrent),
+        ]  # (owner, name): conv, recurrent
+        self.layer_idx = module.layer_idx
+
+    def __call__(self, hidden: torch.Tensor, cache, **kwargs):
+        layer = cache.layers[self.layer_idx]
+        held = (layer.conv_states, layer.recurrent_states)
+        initialized = (layer.is_conv_states_initialized, layer.is_recurrent_states_initialized)
+        for (owner, name), states, ready in zip(self.places, held, initialized):
+            setattr(owner, name, states[0] if ready[0] and layer.has_previous_state[0] else None)
+        try:
+            out = self.forward(hidden, **{**kwargs, "use_cache": True})
+            for (owner, name), states, ready in zip(self.places, held, initialized):
+                states[0], ready[0] = getattr(owner, name), True
+        finally:
+            for owner, name in self.places:
+                setattr(owner, name, None)
+        layer.has_previous_state[0] = True
+        return out
+
+
+def _attribute(module: torch.nn.Module, path: str) -> tuple[Any, str]:
+    """(the object holding the attribute at a dotted path from module, the attribute's name)."""
+    *owners, name = path.split(".")
+    for part in owners:
+        module = getattr(module, part)
+    return module, name
+
+
 class StepStates:
     """One step's state slots, in packed order (one entry per scheduled sequence), for the stateful layers."""
 
@@ -419,7 +461,8 @@ class StepStates:
             )
             layer = linear_layer(*given, has_previous=True)
             x = hidden[0].index_select(0, self.decode_rows)[:, None]  # [B, 1, H]: a batch of one-token rows
-            out = call.forward(x, **{call.cache_keyword: layer_cache(layer_idx, layer)}, **kwargs)
+            mine = _token_rows(kwargs, self.num_tokens, self.decode_rows)
+            out = call.forward(x, **{call.cache_keyword: layer_cache(layer_idx, layer)}, **mine)
             out, extra = split_output(out)
             pools = (conv, recurrent)
             _write_back(layer, given, lambda kind, i, new, _: pools[kind][i].index_copy_(0, slots, new))
@@ -432,8 +475,9 @@ class StepStates:
             )
             layer = linear_layer(*given, has_previous=self.starts[i] > 0)
             cache = layer_cache(layer_idx, layer)
+            mine = _token_slices(kwargs, self.num_tokens, row, row + n)
             out, extra = split_output(
-                call.forward(hidden[:, row : row + n], **{call.cache_keyword: cache}, **kwargs)
+                call.forward(hidden[:, row : row + n], **{call.cache_keyword: cache}, **mine)
             )
             # the layer updates the slot's views in place; a state it replaced instead is copied in
             _write_back(layer, given, lambda kind, j, new, view: None if new is view else view.copy_(new))
@@ -522,6 +566,20 @@ class StateProbe:
 
 def _token_slices(kwargs: dict, num_tokens: int, a: int, b: int) -> dict:
     return {k: _token_slice(v, num_tokens, a, b) for k, v in kwargs.items()}
+
+
+def _token_rows(kwargs: dict, num_tokens: int, rows: torch.Tensor) -> dict:
+    """The keyword arguments of a call on the packed rows `rows` as a batch of one-token rows: each per-token
+    one [1, T, ...] (or a tuple of such) as [B, 1, ...]."""
+
+    def pick(value):
+        if isinstance(value, tuple):
+            return tuple(pick(v) for v in value)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == num_tokens:
+            return value[0].index_select(0, rows.to(value.device))[:, None]
+        return value
+
+    return {k: pick(v) for k, v in kwargs.items()}
 
 
 def _token_slice(value, num_tokens: int, a: int, b: int):
