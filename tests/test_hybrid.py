@@ -79,6 +79,16 @@ def test_parallel_samples_copy_the_state(family):
         assert [s.output_token_ids for s in samples] == [expected[i]] * 2, f"prompt {i}"
 
 
+def test_more_samples_than_state_slots_is_the_rows_error():
+    """n samples hold n state slots at once: with fewer slots than that (max_num_seqs), the row cannot ever be
+    admitted and is refused at once, rather than left waiting with the engine stalled."""
+    ours, _ = models(FAMILY)
+    engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=64, max_num_seqs=2), torch.device("cpu"))
+    assert engine.admission_error(8, SamplingParams(max_new_tokens=4, n=2)) is None
+    reason = engine.admission_error(8, SamplingParams(max_new_tokens=4, n=3))
+    assert reason and "3 state slots" in reason and "has 2" in reason, reason
+
+
 def test_the_matrix_sees_a_dropped_state(monkeypatch):
     """The comparison can fail: layers that start every step from no state (what running a hybrid as if it were
     attention alone computes) differ from HF `generate`."""

@@ -402,3 +402,14 @@ def test_a_shared_prefix_that_ends_inside_a_gemma_image(vlm):
     outs = [llm.chat(c, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)[0] for c in convs]
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.block_manager.prefix_cache.hit_tokens == shared
+
+
+@pytest.mark.parametrize("vlm", ["qwen3_5", "gemma3"], indirect=True)
+def test_parallel_samples_of_an_image_prompt(vlm):
+    """n = 2 greedy samples of image prompts: the second forks after the prompt (Qwen 3.5 copies its state,
+    pages are shared on write) and keeps the prompt's 3-D positions; both equal HF `generate`."""
+    _, target, reference = vlm
+    rows = cases()[1:3]
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=256)
+    outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS, n=2), use_tqdm=False)
+    assert [[s.token_ids for s in o.outputs] for o in outs] == [[e, e] for e in expected_of(reference, rows)]

@@ -208,6 +208,12 @@ class Engine:
                 self.grammars.compile(params.response_format)
             except ValueError as e:
                 return str(e)
+        slots = self.state_slots.num_slots  # a hybrid model's (0: none): each sample holds one
+        if slots and params.n > slots:
+            return (
+                f"{params.n} samples need {params.n} state slots at once (one each); this engine has {slots} "
+                "(engine.max_num_seqs, or fewer where the KV budget holds fewer)"
+            )
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
         pages = self.block_manager.layout.pages_to_run(
