@@ -1,9 +1,9 @@
 """Images on families whose image tokens are more than causal tokens at 1-D positions, against HF `generate`
 (processor + model, one conversation at a time, greedy fp32), on tiny random-weight models:
 
-- Qwen2.5-VL, Qwen3-VL and Qwen 3.5: 3-D rotary positions (multimodal.MRope); Qwen3-VL's deepstack features
-  added after its first decoder layers; Qwen 3.5 a hybrid (Gated DeltaNet layers with a state slot per sequence
-  beside gated attention).
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen 3.5 (and the MoE ones of the last two): 3-D rotary positions
+  (multimodal.MRope); Qwen3-VL's deepstack features added after its first decoder layers; Qwen 3.5 a hybrid
+  (Gated DeltaNet layers with a state slot per sequence beside gated attention).
 - Gemma 3: one image's tokens attend to each other, later ones included, on every layer (multimodal.ImageBlocks),
   so a prefill chunk never splits an image.
 - Mistral 3: causal, at 1-D positions, but its processor (Pixtral's) imports torchvision: skipped where torchvision
@@ -28,7 +28,16 @@ NEW_TOKENS = 32
 sys.path.insert(0, str(Path(__file__).parent))
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "mistral3"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "gemma3",
+    "mistral3",
+]
 CHAT = (  # a chat template that places an image part as `image` (each family's marker)
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}IMAGE"
@@ -60,16 +69,24 @@ def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
         spatial_merge_size=2,
         initializer_range=0.3,
     )
-    if family == "qwen2_5_vl":
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "qwen2_vl":  # its vision tower: embed_dim wide, hidden_size its merger's output
+        vision = dict(embed_dim=32, hidden_size=64, depth=2, num_heads=2, mlp_ratio=2, patch_size=14)
+        vision.update(spatial_merge_size=2, initializer_range=0.3)
+    elif family == "qwen2_5_vl":
         vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
     else:
         rope["mrope_interleaved"] = True
         vision.update(patch_size=16, num_position_embeddings=64)
-    if family == "qwen3_vl":
+    if family.startswith("qwen3_vl"):
         vision["deepstack_visual_indexes"] = [0, 1]
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         text.update(LINEAR, num_hidden_layers=4, layer_types=THREE_LINEAR_ONE_FULL)
         rope["partial_rotary_factor"] = 1.0
+    if family == "qwen3_5_moe":
+        text.update(moe, shared_expert_intermediate_size=32)
+    if family == "qwen3_vl_moe":
+        text.update(moe, decoder_sparse_step=1)
     text["rope_parameters"] = rope
     cfg = AutoConfig.for_model(family, text_config=text, vision_config=vision, **ids)
     torch.manual_seed(0)
@@ -243,20 +260,7 @@ def conversations(cases) -> list:
     return convs
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        dict(),  # prompts whole
-        # chunks of 8 tokens (cutting through Qwen's images, each of Gemma's taken whole), few pages
-        dict(max_num_batched_tokens=8, preemption="recompute"),
-        dict(max_num_batched_tokens=8, preemption="swap"),
-    ],
-    ids=["whole", "chunked-recompute", "chunked-swap"],
-)
-def test_images_equal_hf_generate(vlm, engine):
-    family, target, reference = vlm
-    if family not in ("qwen2_5_vl", "gemma3") and engine.get("preemption") == "swap":
-        pytest.skip("swap is run on two families (CI time); recompute rebuilds the positions on every family")
+def check_equal_hf(family: str, target: Path, reference, engine: dict) -> None:
     rows = cases()
     pages = 10 if family == "gemma3" else 5  # Gemma's sliding and full layers take a page each
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=pages if engine else 256, **engine)
@@ -265,6 +269,25 @@ def test_images_equal_hf_generate(vlm, engine):
     assert [o.outputs[0].token_ids for o in outs] == expected_of(reference, rows)
     if "preemption" in engine:  # a row with an image was preempted after its prompt: its positions came back
         assert any(o.outputs[0].num_preemptions for o, (_, images) in zip(outs, rows) if images)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        dict(),  # prompts whole
+        # chunks of 8 tokens (cutting through Qwen's images, each of Gemma's taken whole), few pages
+        dict(max_num_batched_tokens=8, preemption="recompute"),
+    ],
+    ids=["whole", "chunked-recompute"],
+)
+def test_images_equal_hf_generate(vlm, engine):
+    check_equal_hf(*vlm, engine)
+
+
+# swap moves pages and slots as they are (recompute above rebuilds the positions on every family)
+@pytest.mark.parametrize("vlm", ["qwen2_5_vl", "qwen3_5", "gemma3"], indirect=True)
+def test_images_equal_hf_generate_under_swap(vlm):
+    check_equal_hf(*vlm, dict(max_num_batched_tokens=8, preemption="swap"))
 
 
 def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:

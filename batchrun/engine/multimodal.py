@@ -174,7 +174,7 @@ class ImageBlocks:
 # against HF `generate` in tests/test_image_families.py: their 3-D rotary positions (MRope), or one image's
 # tokens attending to each other (ImageBlocks). Another family with its own positions (`get_rope_index`) or token
 # types in its forward is refused, rather than computed by a rule written for another.
-MROPE_FAMILIES = frozenset({"qwen2_5_vl", "qwen3_vl", "qwen3_5"})
+MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 IMAGE_BLOCK_FAMILIES = {"gemma3": ImageBlocks(sliding_only=False)}
 
 
