@@ -499,3 +499,44 @@ sampling: {{max_new_tokens: {NEW_TOKENS}}}
         assert row["error"] is None and row["completion_token_ids"] == expected, row["id"]
     with pytest.raises(ValueError, match="no column 'image'"):
         asyncio.run(processor(batch.drop_columns(["image"])))
+
+
+def test_an_image_job_killed_and_resumed_writes_every_row_once(caption_data, tmp_path):
+    """jobs/make_caption_data.py's image rows (paths relative to the Parquet file), one row a part: killed with
+    SIGKILL after two parts, then resumed, every row is there once and equal to an uninterrupted run."""
+    import signal
+    import time
+
+    from helpers import BATCHRUN
+
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"""
+name: caption-resume
+model: {{path: {caption_data / "model"}, dtype: float32}}
+input: {{parquet: {caption_data / "captions.parquet"}, image_column: image, id_column: id}}
+output: {{path: {tmp_path / "ref"}, rows_per_part: 1, flush_seconds: 0}}
+engine: {{device: cpu, num_pages: 64, max_num_seqs: 1}}
+sampling: {{max_new_tokens: 48, ignore_eos: true}}
+""",
+    )  # rows of 48 tokens one at a time: time to see two parts and kill before the last
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0, r.stderr
+    reference = {k: v["completion"] for k, v in read_outputs(tmp_path / "ref").items()}
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [BATCHRUN, "submit", str(job), "--quiet", "--set", f"output.path={out}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while len(list(out.glob("part-*.parquet"))) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it was killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 0 < len(list(out.glob("part-*.parquet"))) < len(reference)
+    r = run_cli("submit", str(job), "--quiet", "--set", f"output.path={out}")
+    assert r.returncode == 0, r.stderr
+    rows = read_outputs(out)  # asserts no (id, sample) twice
+    assert {k: v["completion"] for k, v in rows.items()} == reference and len(reference) == 6
