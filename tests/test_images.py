@@ -235,10 +235,10 @@ def test_a_job_with_image_parts_and_a_bad_image_row(llava_dir, reference, tmp_pa
     assert "turn 1, content part 1" in got[("x", 0)]["error"] and "missing.png" in got[("x", 0)]["error"]
 
 
-@pytest.mark.parametrize("family", ["gemma4", "glm4v"])
+@pytest.mark.parametrize("family", ["paligemma", "glm4v"])
 def test_images_the_engine_cannot_compute_are_refused(family):
-    """A model whose token types steer its image attention (Gemma 4) or whose image tokens take 3-D positions of
-    its own (GLM-4V), on a family batchrun has no rule for, takes no images: the reason says which."""
+    """A model whose prompt attends to later tokens (PaliGemma's prefix) or whose image tokens take 3-D positions
+    of its own (GLM-4V), on a family batchrun has no rule for, takes no images: the reason says which."""
     from transformers import AutoConfig
 
     from batchrun.engine.loading import paged_model_from_config
@@ -262,7 +262,7 @@ def test_images_the_engine_cannot_compute_are_refused(family):
             setattr(vision, key, value)
     model = paged_model_from_config(copy.deepcopy(cfg))
     reason = images_unsupported_reason(model)
-    assert reason and ("token types" if family == "gemma4" else "3-D rotary") in reason, reason
+    assert reason and ("later ones" if family == "paligemma" else "3-D rotary") in reason, reason
 
 
 @pytest.fixture(scope="module")

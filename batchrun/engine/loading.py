@@ -85,8 +85,8 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
             parts[attribute] = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
         elif attribute == "tokenizer":
             parts[attribute] = AutoTokenizer.from_pretrained(model_dir)
-        elif attribute == "video_processor":
-            parts[attribute] = None  # batchrun gives no video
+        elif attribute in ("video_processor", "feature_extractor"):
+            parts[attribute] = None  # batchrun gives no video and no audio
         else:
             raise BadInput(f"{where}: its {attribute} needs torchvision, which is not installed")
     options = {}

@@ -167,15 +167,26 @@ class ImageBlocks:
     @staticmethod
     def of(model) -> ImageBlocks | None:
         """The model's rule: None where images attend causally (or the model takes no images)."""
-        return IMAGE_BLOCK_FAMILIES.get(getattr(model.config, "model_type", None))
+        family = getattr(model.config, "model_type", None)
+        if family == "gemma3":
+            return ImageBlocks(sliding_only=False)
+        if family == "gemma4" and _bidirectional(model.config) == "vision":
+            return ImageBlocks(sliding_only=True)
+        return None
+
+
+def _bidirectional(config):
+    return getattr(text_config(config), "use_bidirectional_attention", None)
 
 
 # The families whose image tokens are more than causal tokens at 1-D positions that batchrun computes, each
-# against HF `generate` in tests/test_image_families.py: their 3-D rotary positions (MRope), or one image's
-# tokens attending to each other (ImageBlocks). Another family with its own positions (`get_rope_index`) or token
-# types in its forward is refused, rather than computed by a rule written for another.
+# against HF `generate` in tests/test_image_families.py: their 3-D rotary positions (MRope), or token types that
+# open one image's tokens to each other (ImageBlocks: Gemma 3 on every layer, Gemma 4 with
+# use_bidirectional_attention="vision" on its sliding layers, causally otherwise). Another family with its own
+# positions (`get_rope_index`) or token types in its forward is refused, rather than computed by a rule written
+# for another.
 MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
-IMAGE_BLOCK_FAMILIES = {"gemma3": ImageBlocks(sliding_only=False)}
+IMAGE_BLOCK_FAMILIES = frozenset({"gemma3", "gemma4"})
 
 
 def images_unsupported_reason(model) -> str | None:
@@ -191,7 +202,8 @@ def images_unsupported_reason(model) -> str | None:
     if "mm_encoder_outputs" not in params:
         return "its forward takes no precomputed image features (`mm_encoder_outputs`)"
     family = getattr(model.config, "model_type", None)
-    if getattr(text_config(model.config), "use_bidirectional_attention", None):
+    bidirectional = _bidirectional(model.config)
+    if bidirectional and not (family == "gemma4" and bidirectional == "vision"):
         return (
             "its tokens attend to later ones (use_bidirectional_attention), which batchrun does not compute"
         )
