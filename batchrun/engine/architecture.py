@@ -19,7 +19,8 @@ layers. A module that keeps it through transformers' cache interface (`get_conv_
 `update_recurrent_state`, or MiniMax's `set_linear_cache`) is run by batchrun on a state slot of its own
 (state_cache.py): `prepare_stateful_layers` routes its calls through the running step's `StepStates`, and the
 probe records the state shapes the module creates and whether its prompt form continues a state it is given. A
-module that keeps a state any other way (in attributes of its own) is refused.
+module that keeps its states in attributes of its own is run alike where ATTRIBUTE_STATES names them
+(RecurrentGemma's); one that keeps a state any other way is refused.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ ATTRIBUTE_STATES = {"RecurrentGemmaRecurrentBlock": ("conv1d_state", "rg_lru.rec
 
 def stateful_modules(model) -> list[torch.nn.Module]:
     """The modules that keep a state per sequence; UnsupportedModel for one that keeps it outside transformers'
-    cache interface (batchrun could not give it a slot)."""
+    cache interface and attributes ATTRIBUTE_STATES names (batchrun could not give it a slot)."""
     arch = model.config.model_type
     # the name after the family's prefix: KimiLinearAttention is Kimi Linear's attention, not linear attention
     prefix = re.sub(r"(For\w+|Model)$", "", type(model).__name__)

@@ -42,8 +42,10 @@ class ModelRunner:
         self.device = device
 
     def prepare(
-        self, scheduled: list[ScheduledSequence]
+        self, scheduled: list[ScheduledSequence], chunks: list | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's tensors and metadata; `chunks`: each sequence's (sequence, start, end), for a
+        vision-language model (execute makes them once)."""
         P = self.page_size
         num_groups = self.num_groups
         input_ids: list[int] = []
@@ -95,8 +97,7 @@ class ModelRunner:
         ids = int_tensor(input_ids, device=dev)[None]
         pos = int_tensor(positions, device=dev)[None]
         if self.mrope is not None:  # [3, 1, T]
-            chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
-            pos = self.mrope.step_positions(pos[0], chunks, query_lens)
+            pos = self.mrope.step_positions(pos[0], chunks)
         return ids, pos, meta, int_tensor(logits_index, device=dev)
 
     def _image_blocks(self, scheduled: list[ScheduledSequence]) -> list[list[tuple[int, int]]] | None:
@@ -115,12 +116,14 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step; returns logits [rows, vocab] in `scheduled` order: for each sequence, its prompt-logprob
         positions (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
+        chunks = None
+        if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
+            chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
         with self.times("prepare"):
-            ids, pos, meta, logits_index = self.prepare(scheduled)
+            ids, pos, meta, logits_index = self.prepare(scheduled, chunks)
         images = {}
         if self.encoder is not None:
             with self.times("encode"):
-                chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
                 images = self.encoder.step_inputs(chunks)
         with self.times("forward"), meta.running():
             if logits_index.numel() == 0 and not images:

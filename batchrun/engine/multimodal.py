@@ -8,12 +8,13 @@ manager for this resource, its bytes counted), and hands the rows of the image t
 model's own forward as `mm_encoder_outputs`: the model merges them into its embeddings itself (its placeholder
 mask, its scatter), as under `generate`. Nothing of the merge is written here.
 
-An image's tokens may be split across prefill chunks: the models run here attend causally over them, at 1-D
-positions or at the model's own 3-D ones (`MRope`: Qwen-VL, Qwen 3.5); a model whose image tokens attend to each
-other is refused at load (`images_unsupported_reason`). The image tokens' K/V live in the pages like any other tokens', so they are
-swapped, shared and counted like them; for prefix sharing, each image token is keyed by the bytes of the
-prompt's images (`ImageInputs.key_tokens`), so two different images never share a page.
-"""
+The image tokens are computed at 1-D positions or at the model's own 3-D ones (`MRope`: Qwen-VL, Qwen 3.5),
+causally, and may then be split across prefill chunks, or, where one image's tokens see each other (Gemma 3 and
+4: `ImageBlocks`), with that mask and each image in one chunk; a family with a rule of its own batchrun has not
+written down is refused at load (`images_unsupported_reason`). The image tokens' K/V live in the pages like any
+other tokens', so they are swapped, shared and counted like them; for prefix sharing, each image token is keyed
+by the bytes of the prompt's images (`ImageInputs.key_tokens`), so two different images never share a page.
+A sequence's features wait for prefill within a budget the scheduler keeps (`EncoderBudget`)."""
 
 from __future__ import annotations
 
@@ -167,10 +168,10 @@ class ImageBlocks:
     @staticmethod
     def of(model) -> ImageBlocks | None:
         """The model's rule: None where images attend causally (or the model takes no images)."""
-        family = getattr(model.config, "model_type", None)
-        if family == "gemma3":
+        family, bidirectional = getattr(model.config, "model_type", None), _bidirectional(model.config)
+        if family == "gemma3" and not bidirectional:  # (set, every token sees every other: an encoder)
             return ImageBlocks(sliding_only=False)
-        if family == "gemma4" and _bidirectional(model.config) == "vision":
+        if family == "gemma4" and bidirectional == "vision":
             return ImageBlocks(sliding_only=True)
         return None
 
@@ -202,8 +203,7 @@ def images_unsupported_reason(model) -> str | None:
     if "mm_encoder_outputs" not in params:
         return "its forward takes no precomputed image features (`mm_encoder_outputs`)"
     family = getattr(model.config, "model_type", None)
-    bidirectional = _bidirectional(model.config)
-    if bidirectional and not (family == "gemma4" and bidirectional == "vision"):
+    if _bidirectional(model.config) and ImageBlocks.of(model) is None:  # beyond one image's tokens
         return (
             "its tokens attend to later ones (use_bidirectional_attention), which batchrun does not compute"
         )
@@ -258,25 +258,22 @@ class MRope:
         return positions[:, 0], int(delta.reshape(-1)[0])
 
     @staticmethod
-    def step_positions(
-        positions: torch.Tensor, chunks: list[tuple[Any, int, int]], query_lens: list[int]
-    ) -> torch.Tensor:
+    def step_positions(positions: torch.Tensor, chunks: list[tuple[Any, int, int]]) -> torch.Tensor:
         """A step's position_ids [3, 1, T] from its 1-D positions [T] and its (sequence, start, end) chunks in
         packed order."""
         deltas = [s.images.rope_delta if s.images is not None else 0 for s, _, _ in chunks]
         rows = positions
         if any(deltas):
-            rows = positions + torch.repeat_interleave(torch.tensor(deltas), torch.tensor(query_lens)).to(
-                positions
-            )
+            lengths = torch.tensor([b - a for _, a, b in chunks])
+            rows = positions + torch.repeat_interleave(torch.tensor(deltas), lengths).to(positions)
         rows = rows.expand(3, -1).clone()
         offset = 0
-        for (s, a, b), n in zip(chunks, query_lens):
+        for s, a, b in chunks:
             rope = s.images.rope_positions if s.images is not None else None
             if rope is not None and a < rope.shape[1]:
                 end = min(b, rope.shape[1])
                 rows[:, offset : offset + end - a] = rope[:, a:end]
-            offset += n
+            offset += b - a
         return rows[:, None]
 
 

@@ -97,16 +97,9 @@ def pool_sizes(
     waiting for prefill (multimodal.EncoderBudget)."""
     swap = parse_size(config.swap_space)
     if not bytes_per_slot:
-        if config.num_pages is not None or not reserved_bytes:
-            return PoolSizes(num_pages_for(config, bytes_per_page, device), swap // bytes_per_page)
-        pages = (num_pages_for(config, 1, device) - reserved_bytes) // bytes_per_page
-        if pages < 1:
-            raise BadInput(
-                f"key `engine.kv_cache_memory`: {config.kv_cache_memory!r} leaves room for no KV page beside "
-                f"the image features waiting for prefill ({reserved_bytes} bytes); give more memory or set "
-                "engine.num_pages."
-            )
-        return PoolSizes(pages, swap // bytes_per_page)
+        return PoolSizes(
+            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page
+        )
     per_seq = bytes_per_slot + num_groups * bytes_per_page
     cpu_slots = min(config.max_num_seqs, swap // per_seq)
     cpu_pages = (swap - cpu_slots * bytes_per_slot) // bytes_per_page
@@ -115,7 +108,7 @@ def pool_sizes(
     if config.num_pages is not None:
         slots = config.max_num_seqs
         return PoolSizes(config.num_pages, cpu_pages, slots, cpu_slots, snapshots(slots))
-    budget = num_pages_for(config, 1, device) - reserved_bytes  # the budget in bytes: "pages" of one byte
+    budget = num_pages_for(config, 1, device, reserved_bytes)  # the budget in bytes: "pages" of one byte
     # at most half the budget in slots: at a small budget, slots for max_num_seqs would leave too few pages for
     # them (one page each is no sequence's length), and sequences at once would be bounded by pages anyway
     slots = min(config.max_num_seqs, budget // per_seq, max(1, budget // 2 // bytes_per_slot))
@@ -130,8 +123,11 @@ def pool_sizes(
     return PoolSizes(pages, cpu_pages, slots, cpu_slots, kept)
 
 
-def num_pages_for(config: EngineConfig, bytes_per_page: int, device: torch.device) -> int:
-    """`engine.num_pages`, or as many pages as `engine.kv_cache_memory` holds."""
+def num_pages_for(
+    config: EngineConfig, bytes_per_page: int, device: torch.device, reserved_bytes: int = 0
+) -> int:
+    """`engine.num_pages`, or as many pages as `engine.kv_cache_memory` holds once `reserved_bytes` are taken
+    out of it."""
     if config.num_pages is not None:
         return config.num_pages
     mem = config.kv_cache_memory
@@ -143,10 +139,15 @@ def num_pages_for(config: EngineConfig, bytes_per_page: int, device: torch.devic
             budget = int(available_ram() * CPU_KV_SHARE * mem)
     else:
         budget = parse_size(mem)
-    pages = budget // bytes_per_page
+    pages = (budget - reserved_bytes) // bytes_per_page
     if pages < 1:
+        beside = (
+            f" beside the image features waiting for prefill ({reserved_bytes} bytes)"
+            if reserved_bytes
+            else ""
+        )
         raise BadInput(
-            f"key `engine.kv_cache_memory`: {mem!r} leaves room for no KV page "
+            f"key `engine.kv_cache_memory`: {mem!r} leaves room for no KV page{beside} "
             f"({bytes_per_page} bytes each); give more memory or set engine.num_pages."
         )
     return pages

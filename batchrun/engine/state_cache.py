@@ -399,10 +399,8 @@ class AttributeStates:
 
     def __init__(self, forward, module: torch.nn.Module, conv: str, recurrent: str):
         self.forward = forward  # the module's own
-        self.places = [
-            _attribute(module, conv),
-            _attribute(module, recurrent),
-        ]  # (owner, name): conv, recurrent
+        # (owner, attribute name) of its convolution state, then of its recurrent state
+        self.places = [_attribute(module, conv), _attribute(module, recurrent)]
         self.layer_idx = module.layer_idx
 
     def __call__(self, hidden: torch.Tensor, cache, **kwargs):
@@ -565,28 +563,24 @@ class StateProbe:
 
 
 def _token_slices(kwargs: dict, num_tokens: int, a: int, b: int) -> dict:
-    return {k: _token_slice(v, num_tokens, a, b) for k, v in kwargs.items()}
+    """The keyword arguments of a call on packed tokens a:b."""
+    return _per_token(kwargs, num_tokens, lambda t: t[:, a:b])
 
 
 def _token_rows(kwargs: dict, num_tokens: int, rows: torch.Tensor) -> dict:
-    """The keyword arguments of a call on the packed rows `rows` as a batch of one-token rows: each per-token
-    one [1, T, ...] (or a tuple of such) as [B, 1, ...]."""
+    """The keyword arguments of a call on the packed rows `rows` as a batch of one-token rows [B, 1, ...]."""
+    return _per_token(kwargs, num_tokens, lambda t: t[0].index_select(0, rows.to(t.device))[:, None])
 
-    def pick(value):
+
+def _per_token(kwargs: dict, num_tokens: int, cut) -> dict:
+    """A stateful layer's keyword arguments with `cut` applied to each per-token one ([1, T, ...], or a tuple of
+    such, as rotary embeddings are); the others as they are."""
+
+    def one(value):
         if isinstance(value, tuple):
-            return tuple(pick(v) for v in value)
+            return tuple(one(v) for v in value)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == num_tokens:
-            return value[0].index_select(0, rows.to(value.device))[:, None]
+            return cut(value)
         return value
 
-    return {k: pick(v) for k, v in kwargs.items()}
-
-
-def _token_slice(value, num_tokens: int, a: int, b: int):
-    """A keyword argument of a stateful layer's call, cut to tokens a:b where it is per token ([1, T, ...] or a
-    tuple of such, as rotary embeddings are)."""
-    if isinstance(value, tuple):
-        return tuple(_token_slice(v, num_tokens, a, b) for v in value)
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == num_tokens:
-        return value[:, a:b]
-    return value
+    return {k: one(v) for k, v in kwargs.items()}
