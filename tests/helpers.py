@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -96,6 +97,28 @@ def run_cli(*args, cwd=None, env=None, timeout=600):
     e = dict(os.environ)
     e.update(env or {})
     return subprocess.run([BATCHRUN, *args], capture_output=True, text=True, cwd=cwd, env=e, timeout=timeout)
+
+
+def start_submit(job_file, out: Path) -> subprocess.Popen:
+    """`batchrun submit` of the job in the background, its output at `out`."""
+    return subprocess.Popen(
+        [BATCHRUN, "submit", str(job_file), "--quiet", "--set", f"output.path={out}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_parts(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Until `out` holds n part files: True, or False if the run ended first."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if out.exists() and len(list(out.glob("part-*.parquet"))) >= n:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    raise AssertionError("no part files appeared")
 
 
 def read_outputs(out_dir: Path) -> dict:

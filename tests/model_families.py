@@ -27,6 +27,18 @@ TINY = dict(
     eos_token_id=2,
     initializer_range=0.3,  # at the default 0.02 several families repeat one token, which tests little
 )
+# a vision-language model's vision tower (tests/test_images.py, test_image_families.py)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def tiny_text(vocab_size: int, **overrides) -> dict:
+    """A vision-language model's text config: TINY with the tokenizer's vocabulary, room for prompts with
+    images, and its own token ids left to the family."""
+    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
+    text.update(vocab_size=vocab_size, max_position_embeddings=2048, **overrides)
+    return text
+
+
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 # family -> (what it shows, config overrides)

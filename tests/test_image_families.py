@@ -39,6 +39,12 @@ FAMILIES = [
     "gemma4",
     "mistral3",
 ]
+# Gemma's image markers, which its processor reads off the tokenizer
+GEMMA_IMAGE_MARKS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
 CHAT = (  # a chat template that places an image part as `image` (each family's marker)
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}IMAGE"
@@ -50,7 +56,7 @@ CHAT = (  # a chat template that places an image part as `image` (each family's 
 def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight model of `family` with the embedded model's tokenizer (plus Qwen's vision tokens)
     and a PIL image processor that makes images of 4 to 16 tokens."""
-    from model_families import LINEAR, THREE_LINEAR_ONE_FULL, TINY
+    from model_families import LINEAR, THREE_LINEAR_ONE_FULL, tiny_text
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -58,8 +64,7 @@ def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
     tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
     names = ["vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"]
     ids = dict(zip(names, tok.convert_tokens_to_ids(QWEN_TOKENS), strict=True))
-    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
-    text.update(vocab_size=len(tok), max_position_embeddings=2048)
+    text = tiny_text(len(tok))
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = dict(
         hidden_size=32,
@@ -104,34 +109,20 @@ def make_gemma3(target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight Gemma 3: images of 16 tokens (a 64-pixel image in 8-pixel patches, pooled 2 x 2),
     sliding layers of an 8-token window (narrower than an image) beside full ones, Gemma's embedding scale;
     untied output embeddings and perturbed norms, or it repeats its last token whatever it is shown."""
-    from model_families import TINY, perturb
+    from model_families import TINY_VISION, perturb, tiny_text
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
-    marks = {
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-        "image_token": "<image_soft_token>",
-    }
-    tok = AutoTokenizer.from_pretrained(tokenizer_from, extra_special_tokens=marks)
-    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
-    text.update(
-        vocab_size=len(tok),
-        max_position_embeddings=2048,
+    tok = AutoTokenizer.from_pretrained(tokenizer_from, extra_special_tokens=GEMMA_IMAGE_MARKS)
+    text = tiny_text(
+        len(tok),
         sliding_window=8,
         num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
         query_pre_attn_scalar=16,
     )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=64,
-        patch_size=8,
-    )
+    vision = dict(TINY_VISION, image_size=64, patch_size=8)
     cfg = AutoConfig.for_model(
         "gemma3",
         text_config=text,
@@ -161,34 +152,21 @@ def make_gemma4(target: Path, tokenizer_from: Path) -> None:
     vision tower of 8-pixel patches pooled 2 x 2 (images of about 60 tokens). Its processor is built without its
     video processor and audio feature extractor (loading.load_processor), as batchrun builds it; the tokenizer
     carries Gemma 4's image and audio markers, which the processor reads."""
-    from model_families import SUPPORTED, TINY, perturb
+    from model_families import SUPPORTED, TINY_VISION, perturb, tiny_text
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    marks = {
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-        "image_token": "<image_soft_token>",
+    audio = {
         "audio_token": "<audio_soft_token>",
         "boa_token": "<start_of_audio>",
         "eoa_token": "<end_of_audio>",
     }
-    tok = AutoTokenizer.from_pretrained(tokenizer_from, extra_special_tokens=marks)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from, extra_special_tokens={**GEMMA_IMAGE_MARKS, **audio})
     tok.add_special_tokens({"additional_special_tokens": ["<|video|>"]})
-    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
-    text.update(SUPPORTED["gemma4_text"][1])
-    text.update(
-        vocab_size=len(tok),
-        vocab_size_per_layer_input=len(tok),
-        max_position_embeddings=2048,
-        use_bidirectional_attention="vision",
-        sliding_window=8,
-    )
+    mine = dict(vocab_size_per_layer_input=len(tok), use_bidirectional_attention="vision", sliding_window=8)
+    text = tiny_text(len(tok), **{**SUPPORTED["gemma4_text"][1], **mine})
     vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        TINY_VISION,
         num_key_value_heads=2,
         head_dim=16,
         patch_size=8,
@@ -218,25 +196,15 @@ def make_gemma4(target: Path, tokenizer_from: Path) -> None:
 def make_mistral3(target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight Mistral 3 (a Pixtral vision tower, images of any size in rows of patches ended by
     [IMG_BREAK], a 2 x 2 patch merger). Its processor imports torchvision."""
-    from model_families import TINY
+    from model_families import TINY_VISION, tiny_text
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
     from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
-    text = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
-    text.update(model_type="mistral", vocab_size=len(tok), max_position_embeddings=2048)
-    vision = dict(
-        model_type="pixtral",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        head_dim=16,
-        patch_size=8,
-        image_size=64,
-    )
+    text = tiny_text(len(tok), model_type="mistral")
+    vision = dict(TINY_VISION, model_type="pixtral", head_dim=16, patch_size=8, image_size=64)
     cfg = AutoConfig.for_model(
         "mistral3",
         text_config=text,
@@ -360,7 +328,7 @@ def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
     """What the model needs, each taken away in turn: (what, engine options, target, replacement)."""
     if family.startswith("gemma"):
         return [
-            ("causal images", {}, multimodal.ImageBlocks, ("of", staticmethod(lambda model: None))),
+            ("causal images", {}, multimodal.ImageBlocks, ("applies", lambda self, kind: False)),
             (
                 "images split across chunks of 8 tokens",
                 {"max_num_batched_tokens": 8},

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_outputs, run_cli, write_job
+from helpers import read_outputs, run_cli, start_submit, wait_for_parts, write_job
 
 from batchrun import LLM, SamplingParams
 
@@ -269,6 +269,7 @@ def test_images_the_engine_cannot_compute_are_refused(family):
 def idefics3_dir(tmp_path_factory, model_dir, llava_dir):
     """A tiny Idefics3 (SmolVLM's and Granite Docling's architecture): images split into tiles plus a global
     view, a pixel-shuffle connector; its processor gives one prompt's images as one tensor of tiles."""
+    from model_families import TINY_VISION, tiny_text
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
     from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
@@ -276,27 +277,8 @@ def idefics3_dir(tmp_path_factory, model_dir, llava_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     extra = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
     tok.add_special_tokens({"additional_special_tokens": extra})
-    text = dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=len(tok),
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-    )
-    vision = dict(
-        model_type="idefics3_vision",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
+    text = tiny_text(len(tok), model_type="llama")
+    vision = dict(TINY_VISION, model_type="idefics3_vision", image_size=32, patch_size=8)
     cfg = AutoConfig.for_model(
         "idefics3",
         text_config=text,
@@ -505,9 +487,6 @@ def test_an_image_job_killed_and_resumed_writes_every_row_once(caption_data, tmp
     """jobs/make_caption_data.py's image rows (paths relative to the Parquet file), one row a part: killed with
     SIGKILL after two parts, then resumed, every row is there once and equal to an uninterrupted run."""
     import signal
-    import time
-
-    from helpers import BATCHRUN
 
     job = write_job(
         tmp_path / "job.yaml",
@@ -524,15 +503,8 @@ sampling: {{max_new_tokens: 48, ignore_eos: true}}
     assert r.returncode == 0, r.stderr
     reference = {k: v["completion"] for k, v in read_outputs(tmp_path / "ref").items()}
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [BATCHRUN, "submit", str(job), "--quiet", "--set", f"output.path={out}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 120
-    while len(list(out.glob("part-*.parquet"))) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it was killed"
+    proc = start_submit(job, out)
+    assert wait_for_parts(out, 2, proc), "the run ended before it was killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert 0 < len(list(out.glob("part-*.parquet"))) < len(reference)

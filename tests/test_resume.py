@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import BATCHRUN, read_outputs, run_cli, write_job, write_prompts
+from helpers import read_outputs, run_cli, start_submit, wait_for_parts, write_job, write_prompts
 
 N_ROWS = 24
 
@@ -49,31 +49,11 @@ def reference(job):
     return {k: v["completion"] for k, v in rows.items()}
 
 
-def start(job_file, out):
-    return subprocess.Popen(
-        [BATCHRUN, "submit", str(job_file), "--quiet", "--set", f"output.path={out}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for_parts(out, n, proc, timeout=120):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if out.exists() and len(list(out.glob("part-*.parquet"))) >= n:
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.05)
-    raise AssertionError("no part files appeared")
-
-
 def test_kill_9_at_several_points_then_resume(job, reference):
     job_file, d = job
     out = d / "killed"
     for parts in (0, 2, 5):  # during start-up, early, later
-        proc = start(job_file, out)
+        proc = start_submit(job_file, out)
         if parts == 0:
             time.sleep(2.0)
         else:
@@ -99,7 +79,7 @@ def test_kill_9_at_several_points_then_resume(job, reference):
 def test_sigterm_stops_cleanly_with_code_3_then_resumes(job, reference):
     job_file, d = job
     out = d / "termed"
-    proc = start(job_file, out)
+    proc = start_submit(job_file, out)
     assert wait_for_parts(out, 2, proc), "the run ended before it was stopped"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
