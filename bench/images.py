@@ -5,7 +5,10 @@ one run:
 1. batchrun (a job with `input.image_column`) vs HF `generate` (processor + model, left-padded batches of 16) on
    the same rows: generated tokens/s and images/s of the whole process (timed from outside: Python's start, the
    imports, the model's load and the rows) and of the generation alone;
-2. the image encoder's share of batchrun's step time (`time_encode_s` over the steps' phases).
+2. the image encoder's share of batchrun's step time (`time_encode_s` over the steps' phases);
+3. a bound on any engine's gain: HF's forward over the same batches' prompts alone (vision encoder and language
+   model over every prompt token, the last token's logits: the prefill arithmetic every engine must do, which
+   paging does not shrink when no two rows share an image) against HF's whole `generate`.
 
 Usage: python -m bench.images [--quick]
 """
@@ -69,9 +72,10 @@ def batchrun_run(work: str, label: str, model: str, new: int) -> dict:
     return {k: v for k, v in r.items() if k not in ("prompt_ids", "completions")}
 
 
-def hf_run(work: str, label: str, model: str, new: int, batch: int) -> dict:
+def hf_run(work: str, label: str, model: str, new: int, batch: int, prefill_only: bool = False) -> dict:
     """HF `generate`, fp32, greedy, left-padded batches (`min_new_tokens` = max: every row generates `new`
-    tokens, as batchrun's ignore_eos)."""
+    tokens, as batchrun's ignore_eos). `prefill_only`: the same batches' forward over their prompts alone
+    (`wall_s` is then that forward's time)."""
     import pyarrow.parquet as pq
     import torch
     from PIL import Image
@@ -84,6 +88,7 @@ def hf_run(work: str, label: str, model: str, new: int, batch: int) -> dict:
     lm = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     t1 = time.perf_counter()
     pad = processor.tokenizer.pad_token_id or processor.tokenizer.eos_token_id
+    prompt_tokens = 0
     with torch.inference_mode():
         for i in range(0, len(rows), batch):
             part = rows[i : i + batch]
@@ -97,12 +102,17 @@ def hf_run(work: str, label: str, model: str, new: int, batch: int) -> dict:
             ]
             images = [Image.open(Path(work) / r["image"]).convert("RGB") for r in part]
             enc = processor(text=texts, images=images, return_tensors="pt", padding=True)
-            lm.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            prompt_tokens += int(enc["attention_mask"].sum())
+            if prefill_only:
+                lm(**enc, logits_to_keep=1)
+            else:
+                lm.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
     end = time.perf_counter()
-    generated = new * len(rows)
+    generated = 0 if prefill_only else new * len(rows)
     return dict(
         label=label,
         rows=len(rows),
+        prompt_tokens=prompt_tokens,
         generated_tokens=generated,
         wall_s=end - t1,
         tokens_per_s=generated / (end - t1),
@@ -130,6 +140,9 @@ def main() -> None:
         x["process_s"] = time.perf_counter() - t0
         runs.append(x)
     ours, theirs = runs
+    prefill = in_process(MODULE, "hf_run", work=str(work), label="hf-prefill-16", model=model, new=new, batch=16,
+                         prefill_only=True)  # fmt: skip
+    r["hf_prefill"] = prefill
     for x in (ours, theirs):
         x["process_tokens_per_s"] = x["generated_tokens"] / x["process_s"]
         x["images_per_s"] = rows / x["process_s"]
@@ -157,6 +170,13 @@ def main() -> None:
     lines.append(
         f"image encoder: {ours['images_encoded']} images encoded, {ours['image_tokens']} image tokens, "
         f"{ours['time_encode_s']:.2f} s = **{r['encoder_share']:.1%}** of the steps' time"
+    )
+    bound = theirs["wall_s"] / prefill["wall_s"]
+    lines.append(
+        f"HF's forward over the same batches' prompts alone ({prefill['prompt_tokens']} prompt tokens, image "
+        f"encoder included): {prefill['wall_s']:.2f} s of its generate's {theirs['wall_s']:.2f} s, so an engine "
+        f"that computes the prompts as HF does generates at most **{bound:.2f}x** HF's speed (generation alone); "
+        f"batchrun's forward took {ours.get('time_forward_s', 0.0):.2f} s of its {ours['wall_s']:.2f} s"
     )
     save(r, Path(args.out), "\n".join(lines))
 

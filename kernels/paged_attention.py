@@ -6,9 +6,11 @@ sequence and the GQA query heads that share one KV head, packed as BLOCK_M = BLO
 tile loaded from the pages serves every one of them. It walks the sequence's block table tile by tile (a tile
 is BLOCK_N keys, within one page, or across two pages of 8), with an online softmax accumulated in fp32, and stops at
 the last key its latest query may see (causal: a query at position p sees context positions <= p). A layer's
-mask kind, soft-capping and sinks are run-time arguments: a sliding window (p - window < k) or a chunk
-(k // chunk == p // chunk) also moves the first tile read, so pages wholly outside it are never loaded; sinks
-start each row's online softmax at the sink logit (so it counts in the denominator and in nothing else).
+mask kind, soft-capping, sinks and a relative bias are run-time arguments: a sliding window (p - window < k) or a
+chunk (k // chunk == p // chunk) also moves the first tile read, so pages wholly outside it are never loaded;
+sinks (one per head, or per query token and head) start each row's online softmax at the sink logit (so it
+counts in the denominator and in nothing else); a relative bias (Inkling 2's, per query token and head, by
+backward distance p - k < R) is added to each score the query sees.
 
 Specializations: the dtype, the head dim and the rows of a program are compile-time arguments; the GQA ratio,
 the tokens per program and the page size are run-time ones, so one compiled kernel serves every model and
@@ -128,6 +130,11 @@ def _paged_attention_kernel(
     softcap,
     sinks_ptr,
     has_sinks,
+    stride_sink_t,
+    rel_ptr,
+    rel_extent,
+    stride_rel_t,
+    stride_rel_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -156,8 +163,10 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
+    q_row = (q_start + q_tok).to(tl.int64)  # the query token's packed row
     if has_sinks:  # the sink's logit as the running maximum, its e^0 = 1 in the denominator
-        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        sink = tl.load(sinks_ptr + q_row * stride_sink_t + head, mask=row_ok, other=float("-inf"))
+        m_i = sink.to(tl.float32)
         l_i = tl.where(row_ok, 1.0, 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -215,6 +224,14 @@ def _paged_attention_kernel(
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
         visible = visible & in_ctx[None, :] & row_ok[:, None]
+        if rel_extent > 0:  # the query's bias at the key's backward distance, within the extent
+            back = q_pos[:, None] - k_pos[None, :]
+            near = visible & (back < rel_extent)
+            s += tl.load(
+                rel_ptr + q_row[:, None] * stride_rel_t + head[:, None] * stride_rel_h + back,
+                mask=near,
+                other=0.0,
+            ).to(tl.float32)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -336,11 +353,14 @@ def paged_attention(
     chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's pages; returns [T, Hq, D].
 
     `window` > 0: a query at p sees keys p - window < k <= p; `chunk` > 0: keys of its own chunk; `softcap` > 0:
-    scores capped as softcap * tanh(s / softcap); `sinks` [Hq]: one more logit per head in the softmax.
+    scores capped as softcap * tanh(s / softcap); `sinks` [Hq] or [T, Hq]: one more logit per head (or per query
+    token and head) in the softmax; `relative_bias` [T, Hq, R]: added (after soft-capping) to the score of the
+    key d = p - k < R positions back.
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]: the last tokens of its seq_lens[s]-token
     context, whose K/V (new tokens included) are already in k_cache/v_cache [num_pages, page_size, Hkv, D] at the
@@ -367,7 +387,12 @@ def paged_attention(
     assert not (window and chunk), "a sliding window or chunks, not both"
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
-        assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
+        assert sinks.shape in ((num_heads,), (T, num_heads)), (sinks.shape, num_heads)
+        if sinks.dim() == 1:
+            sinks = sinks.expand(T, num_heads)  # token stride 0
+    if relative_bias is not None:
+        relative_bias = relative_bias.detach().to(torch.float32).contiguous()
+        assert relative_bias.dim() == 3 and relative_bias.shape[:2] == (T, num_heads), relative_bias.shape
     gqa = num_heads // num_kv_heads
     if query_blocks is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -397,6 +422,10 @@ def paged_attention(
         float(softcap),
         sinks if sinks is not None else seq_lens,  # any valid pointer when there are none
         int(sinks is not None),
+        sinks.stride(0) if sinks is not None else 0,
+        relative_bias if relative_bias is not None else seq_lens,
+        relative_bias.shape[2] if relative_bias is not None else 0,
+        *(relative_bias.stride()[:2] if relative_bias is not None else (0, 0)),
         **attention_constexprs(query.dtype, head_dim, query_blocks.block_m),
         **launch_options(query_blocks.block_m),
     )

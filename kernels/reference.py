@@ -31,12 +31,14 @@ def ref_paged_attention(
     chunk: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, Dk]; sequence s owns query rows query_start_loc[s]:query_start_loc[s+1], which are the last
     tokens of its seq_lens[s]-token context; a query at position p sees context positions k <= p (and, with
     `window`, k > p - window; with `chunk`, k // chunk == p // chunk). `softcap`: scores -> softcap *
-    tanh(scores / softcap); `sinks` [Hq]: one more logit per head in the softmax, dropped after it. Returns
-    [T, Hq, Dv]. fp32 math."""
+    tanh(scores / softcap); `sinks` [Hq] or [T, Hq]: one more logit per head (or per query token and head) in
+    the softmax, dropped after it; `relative_bias` [T, Hq, R]: added to the score of the key d = p - k < R
+    positions back. Returns [T, Hq, Dv]. fp32 math."""
     out = query.new_empty(*query.shape[:2], v_cache.shape[-1])
     page_size = k_cache.shape[1]
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -55,6 +57,10 @@ def ref_paged_attention(
         k_pos = torch.arange(ctx)[None, :]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
+        if relative_bias is not None:
+            for i in range(n):  # query i at position ctx - n + i, key j at j
+                for j in range(max(0, ctx - n + i - relative_bias.shape[2] + 1), ctx - n + i + 1):
+                    scores[:, i, j] += relative_bias[starts[s] + i, :, ctx - n + i - j].float()
         seen = k_pos <= q_pos
         if window:
             seen &= k_pos > q_pos - window
@@ -62,7 +68,10 @@ def ref_paged_attention(
             seen &= k_pos // chunk == q_pos // chunk
         scores = scores.masked_fill(~seen[None], float("-inf"))
         if sinks is not None:
-            sink = sinks.float()[:, None, None].expand(-1, n, 1)
+            if sinks.dim() == 2:  # per query token
+                sink = sinks[starts[s] : starts[s + 1]].float().T[:, :, None]
+            else:
+                sink = sinks.float()[:, None, None].expand(-1, n, 1)
             probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
         else:
             probs = scores.softmax(-1)

@@ -282,6 +282,28 @@ HYBRID: dict[str, tuple[str, dict]] = {
         "hybrid: Mamba : attention, whole prompts (its scan takes no initial state)",
         dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3, mamba_d_state=16, num_experts=1),
     ),
+    "inkling2_text": (
+        "hybrid: short convolutions on K, V and each sublayer's output, a relative position bias from the hidden "
+        "states, per-token sinks, attention over earlier layers' blocks",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=1,
+            swa_head_dim=16,
+            head_dim=32,
+            sliding_window_size=WINDOW,
+            rel_extent=24,
+            d_rel=8,
+            log_scaling_n_floor=16,
+            n_layers_per_attn_res_block=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            unpadded_vocab_size=256,
+            _drop=["intermediate_size"],
+        ),
+    ),
     "recurrent_gemma": (
         "hybrid: RG-LRU recurrent blocks (states in module attributes) : sliding attention, whole prompts",
         dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),

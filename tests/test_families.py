@@ -18,8 +18,12 @@ from batchrun.engine import SamplingParams
 from batchrun.engine.attention import FULL, UnsupportedModel
 
 NEW_TOKENS = 24
-# the Triton interpreter takes minutes over 8 layers: Gemma 4 there as 1 sliding and 1 full layer of wider heads
-INTERPRETED_SMALLER = {"gemma4_text": dict(num_hidden_layers=2, num_kv_shared_layers=0, global_head_dim=64)}
+# for the Triton kernels (head dims from 32): the interpreter takes minutes over 8 layers, so Gemma 4 there as 1
+# sliding and 1 full layer of wider heads; Inkling 2's sliding layers' own head dim
+INTERPRETED_SMALLER = {
+    "gemma4_text": dict(num_hidden_layers=2, num_kv_shared_layers=0, global_head_dim=64),
+    "inkling2_text": dict(swa_head_dim=32),
+}
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -147,6 +151,35 @@ def test_llama4_query_temperature_needs_true_positions(monkeypatch):
     monkeypatch.setattr(attention.AttentionMetadata, "query_scale_fix", lambda self, fix, like: 1.0)
     got, _, _ = run(model, "llama4_text", "gather")
     assert got != expected
+
+
+@pytest.mark.parametrize("term", ["relative_bias", "sinks"])
+def test_inklings_terms_of_each_query_count(term, monkeypatch):
+    """Inkling 2's relative position bias and its sink logits (both from each query token's hidden state): a
+    backend that drops either differs from HF `generate`."""
+    import dataclasses
+
+    from batchrun.engine import attention
+
+    model, expected = model_and_reference("inkling2_text")
+    real = attention._token_scores
+    monkeypatch.setattr(attention, "_token_scores", lambda *a: dataclasses.replace(real(*a), **{term: None}))
+    got, _, _ = run(model, "inkling2_text", "gather")
+    assert got != expected
+
+
+@pytest.mark.parametrize("adapter", ["RELATIVE_BIAS", "OWN_ATTENTION"])
+def test_inkling_without_its_adapters_is_refused(adapter, monkeypatch):
+    """Without batchrun's adapter, Inkling 2's bias over the packed row's indices (not the tokens' positions),
+    and its attention over the stack of earlier layers' outputs, are refused at load, never computed."""
+    from batchrun.engine import architecture
+    from batchrun.engine.architecture import inspect_model
+
+    monkeypatch.setattr(architecture, adapter, type(getattr(architecture, adapter))())
+    model = build("inkling2_text", SUPPORTED["inkling2_text"][1], "paged")
+    with pytest.raises(UnsupportedModel) as err:
+        inspect_model(model)
+    assert ("position_bias" if adapter == "RELATIVE_BIAS" else "step metadata") in str(err.value), err.value
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

@@ -17,7 +17,7 @@ from batchrun.errors import BadInput
 FAMILY = "qwen3_5_text"  # 3 Gated DeltaNet layers (a conv and a recurrent state each) : 1 attention
 
 
-@pytest.mark.parametrize("family", [FAMILY, "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("family", [FAMILY, "nemotron_h", "lfm2", "inkling2_text"])
 def test_swap_moves_the_states_and_equals_hf(family):
     """A pool too small for every sequence: sequences are swapped out (pages and state slot) and back, and every
     completion still equals HF `generate`; the slot bookkeeping holds at every step."""

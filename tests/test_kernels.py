@@ -52,14 +52,19 @@ def check(
     head_dim=32,
     dtype=torch.float32,
     seed=0,
-    **extras,  # window, chunk, softcap, sinks (True: random ones)
+    **extras,  # window, chunk, softcap, sinks (True: random ones per head, "token": per query token and head),
+    # relative_bias (R: random ones per query token and head for distances 0..R-1)
 ):
     gen = torch.Generator().manual_seed(seed)
     q, kc, vc, bt, qsl, sl = make_case(
         query_lens, context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, gen=gen
     )
+    T, num_heads = q.shape[:2]
     if extras.get("sinks"):
-        extras["sinks"] = torch.randn(num_kv_heads * gqa, generator=gen).to(DEVICE)
+        shape = (T, num_heads) if extras["sinks"] == "token" else (num_heads,)
+        extras["sinks"] = torch.randn(shape, generator=gen).to(DEVICE)
+    if extras.get("relative_bias"):
+        extras["relative_bias"] = torch.randn(T, num_heads, extras["relative_bias"], generator=gen).to(DEVICE)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))  # poisoned: an element the kernel fails to write fails the test
     paged_attention(q, kc, vc, bt, qsl, sl, scale, out=out, **extras)
@@ -117,6 +122,9 @@ def test_large_head_dims(head_dim):
         dict(softcap=2.0),
         dict(sinks=True),
         dict(window=9, softcap=3.0, sinks=True),
+        dict(sinks="token"),
+        dict(relative_bias=24),
+        dict(window=20, relative_bias=20, sinks="token"),
     ],
     ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
 )

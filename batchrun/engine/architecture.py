@@ -21,6 +21,11 @@ layers. A module that keeps it through transformers' cache interface (`get_conv_
 probe records the state shapes the module creates and whether its prompt form continues a state it is given. A
 module that keeps its states in attributes of its own is run alike where ATTRIBUTE_STATES names them
 (RecurrentGemma's); one that keeps a state any other way is refused.
+
+Two more adapters, by class name, for what a model computes around its attention (`adapt_modules`): a relative
+position bias module is asked for the bias at every backward distance (RELATIVE_BIAS), which the attention places
+by the tokens' true positions, and a module that calls the attention interface over something other than the
+sequence's tokens runs its model's own eager attention (OWN_ATTENTION). Both are Inkling 2's.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .attention import (
     AttentionServices,
     LayerCall,
     MaskKind,
+    RelativeBias,
     StepLayout,
     UnsupportedModel,
     attend,
@@ -142,7 +148,9 @@ class ProbeAttention:
         pos = torch.arange(q.shape[0], device=q.device)
         heads_first = lambda x: x.transpose(0, 1)[None]
         mask = call.kind.visible(pos, pos)[None, None]
-        return attend(heads_first(q), heads_first(k), heads_first(v), mask, scale, call)[0].transpose(0, 1)
+        terms = call.terms(pos[None], pos[None], pos)
+        o = attend(heads_first(q), heads_first(k), heads_first(v), mask, scale, call, terms=terms)
+        return o[0].transpose(0, 1)
 
 
 def refusal(architecture: str, reason: str) -> UnsupportedModel:
@@ -210,6 +218,41 @@ def _decoder_layer_of(model, module: torch.nn.Module) -> int:
     )
 
 
+# Relative position bias modules (class -> the attribute holding their extent R): the attention calls them with
+# distances over the packed row's indices, which are not the tokens' positions; batchrun asks the module's own
+# forward for the bias at every backward distance 0..R-1 instead, and the attention puts each at its key
+# (attention.RelativeBias, TokenScores)
+RELATIVE_BIAS = {"Inkling2RelativePositionBias": "rel_extent"}
+# Modules that call the attention interface over something other than the sequence's tokens (Inkling 2's
+# attention over the stack of earlier blocks' outputs, each token on its own): their model's own eager attention
+OWN_ATTENTION = frozenset({"Inkling2BlockAttentionResidual"})
+
+
+def adapt_modules(model) -> None:
+    """Install the RELATIVE_BIAS and OWN_ATTENTION adapters on this model's instances (idempotent)."""
+    import sys
+
+    for m in model.modules():
+        name = type(m).__name__
+        if name in RELATIVE_BIAS and "_batchrun_bias_forward" not in m.__dict__:
+            m._batchrun_bias_forward = m.forward
+            m.forward = _relative_bias_forward.__get__(m)
+        elif name in OWN_ATTENTION:
+            own = getattr(sys.modules[type(m).__module__], "eager_attention_forward", None)
+            if own is None:
+                raise refusal(model.config.model_type, f"{name}'s module has no eager attention of its own")
+            m._batchrun_own_attention = own
+
+
+def _relative_bias_forward(
+    self, hidden_states: torch.Tensor, relative_distance, *args, **kwargs
+) -> RelativeBias:
+    """The bias module's own forward, asked for each of its R backward distances at every token: [1, Hq, T, R]."""
+    T, extent = hidden_states.shape[1], getattr(self, RELATIVE_BIAS[type(self).__name__])
+    every = torch.arange(extent, device=hidden_states.device).expand(T, extent)
+    return RelativeBias(self._batchrun_bias_forward(hidden_states, every, *args, **kwargs))
+
+
 def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
     """Route each stateful module's calls through the running step's states (AttentionMetadata.running): its own
     forward then runs on a cache over the sequences' slots. Idempotent; only this model's instances change."""
@@ -220,7 +263,7 @@ def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
             continue
         attributes = ATTRIBUTE_STATES.get(type(m).__name__)
         if attributes is not None:
-            m._batchrun_call = StatefulCall(AttributeStates(m.forward, m, *attributes), "cache")
+            m._batchrun_call = StatefulCall(AttributeStates(m.forward, m, *attributes), "cache", ())
             m.forward = _stateful_forward.__get__(m)
             continue
         params = inspect.signature(m.forward).parameters
@@ -230,7 +273,7 @@ def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
                 m.config.model_type if hasattr(m, "config") else type(m).__name__,
                 f"{type(m).__name__} takes no cache argument",
             )
-        m._batchrun_call = StatefulCall(m.forward, keyword)
+        m._batchrun_call = StatefulCall(m.forward, keyword, tuple(params)[1:])
         m.forward = _stateful_forward.__get__(m)
 
 
@@ -242,17 +285,19 @@ def _stateful_forward(self, hidden_states=None, *args, **kwargs):
         raise UnsupportedModel(
             f"{type(self).__name__} (layer {self.layer_idx}) was called outside a batchrun step"
         )
-    if args:
+    call: StatefulCall = self._batchrun_call
+    if len(args) > len(call.positional):
         raise UnsupportedModel(
             f"{type(self).__name__} is called with positional arguments batchrun cannot split"
         )
+    kwargs.update(zip(call.positional, args))  # by name: the per-token ones are cut per sequence
     for name in ("cache", "cache_params", "past_key_values", "cache_position"):
         kwargs.pop(name, None)  # the slots are the cache
     if "attention_mask" in kwargs:
         kwargs["attention_mask"] = None  # a sequence's rows have no padding to mask
     if hidden_states is None:
         hidden_states = kwargs.pop("hidden_states")
-    return meta.states.run(self, self._batchrun_call, hidden_states, kwargs)
+    return meta.states.run(self, call, hidden_states, kwargs)
 
 
 def not_the_models_fault(e: BaseException) -> bool:
@@ -347,6 +392,7 @@ def inspect_model(model) -> ModelAttention:
     layers = check_config(model)
     stateful = stateful_modules(model)
     prepare_stateful_layers(stateful)
+    adapt_modules(model)
     probe, states = ProbeAttention(), StateProbe()
     T = 5
     vocab = text_config(model.config).vocab_size

@@ -17,8 +17,10 @@ forward waits on the device to learn a shape), and every layer of that kind runs
 What a layer computes beyond plain causal attention arrives with its call and is honoured by every backend:
 a sliding window (`sliding_window`: Mistral, Gemma 2/3, gpt-oss, ...), chunked attention (Llama 4's local
 layers, from the config's `layer_types`), logit soft-capping (`softcap`: Gemma 2) and attention sinks (`s_aux`:
-gpt-oss). An argument batchrun does not know is an error (`UnsupportedModel`), never ignored: the engine's load
-probe (architecture.py) meets it before any row runs.
+gpt-oss). Terms of each query token's own (`TokenScores`: Inkling 2's sink logits and relative position bias,
+computed from the token's hidden state) are honoured by `gather` and the Triton kernels (`torch` sends such
+layers through `gather`: its C++ decode does not take them). An argument batchrun does not know is an error (`UnsupportedModel`),
+never ignored: the engine's load probe (architecture.py) meets it before any row runs.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import math
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -113,18 +115,60 @@ def _image_of(pos: torch.Tensor, images: list[tuple[int, int]]) -> torch.Tensor:
     return which
 
 
+class RelativeBias(NamedTuple):
+    """A relative position bias by backward distance: `logits` [1, Hq, T, R], the bias each query token and head
+    adds to the score of the key d = 0..R-1 positions back (none further). The model's own bias module computes
+    it, asked for every distance (architecture.RELATIVE_BIAS), in place of the [T, T] bias it would build from
+    the packed row's indices, which are not the tokens' positions."""
+
+    logits: torch.Tensor
+
+
+class ScoreTerms(NamedTuple):
+    bias: torch.Tensor | None  # [B, Hq, n, m]: added to the scores before the mask
+    sinks: torch.Tensor | None  # [B, Hq, n, 1]: each query's sink logit
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """What a layer adds to each query token's scores from that token's own hidden state (Inkling 2)."""
+
+    relative_bias: torch.Tensor | None  # [T, Hq, R]: at the key d = q_pos - k_pos back, for 0 <= d < R
+    sinks: torch.Tensor | None  # [T, Hq]: a logit in the softmax's denominator, per token and head
+
+    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> ScoreTerms:
+        """For a batch of B sequences of n queries each, at packed rows and positions [B, n], over keys at
+        positions key_pos [m]: the bias [B, Hq, n, m] and the sinks [B, Hq, n, 1]."""
+        bias = sinks = None
+        if self.relative_bias is not None:
+            rel = self.relative_bias[rows]  # [B, n, Hq, R]
+            R = rel.shape[-1]
+            back = query_pos[:, :, None] - key_pos[None, None, :]  # [B, n, m]
+            index = back.clamp(0, R - 1)[:, :, None, :].expand(-1, -1, rel.shape[2], -1)
+            bias = rel.gather(-1, index).masked_fill(((back < 0) | (back >= R))[:, :, None, :], 0.0)
+            bias = bias.transpose(1, 2)
+        if self.sinks is not None:
+            sinks = self.sinks[rows].transpose(1, 2)[..., None]
+        return ScoreTerms(bias, sinks)
+
+
 @dataclass(frozen=True)
 class LayerCall:
-    """What one layer's call asks beyond the mask (constants of the layer)."""
+    """What one layer's call asks beyond the mask: constants of the layer, and terms of each query token."""
 
     kind: MaskKind
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), before the mask
     sinks: torch.Tensor | None = None  # [Hq]: one learned logit per head in the softmax's denominator
+    token_scores: TokenScores | None = None
 
     @property
     def plain(self) -> bool:
-        """SDPA computes it (no soft-capping, no sinks)."""
-        return self.softcap is None and self.sinks is None
+        """SDPA computes it (no soft-capping, no sinks, nothing per token)."""
+        return self.softcap is None and self.sinks is None and self.token_scores is None
+
+    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> ScoreTerms | None:
+        """These queries' per-token terms (TokenScores.terms); None for a layer without any."""
+        return None if self.token_scores is None else self.token_scores.terms(rows, query_pos, key_pos)
 
 
 @dataclass
@@ -152,6 +196,7 @@ class DecodeBatch:
     """The step's decoding sequences (one query token each), attended together over their gathered pages."""
 
     token_index: torch.Tensor  # [G] packed-token index of each sequence's query
+    query_pos: torch.Tensor  # [G] each one's query position (its context - 1)
     page_index: torch.Tensor  # [G * num_blocks] block tables, flattened (padded with page 0)
     mask: torch.Tensor  # [G, 1, 1, num_blocks * page_size] bool: key j is in the sequence's context
     num_blocks: int
@@ -245,6 +290,7 @@ def _decode_batch(
         mask &= key_pos[None, :] >= first[:, None]
     return DecodeBatch(
         token_index=int_tensor([t for t, _ in rows], device=device),
+        query_pos=ctx - 1,
         # pages behind a window (NULL = -1) are masked: page 0 stands in for them
         page_index=padded_int_tensor(tables, num_blocks, torch.long, device).view(-1).clamp_(min=0),
         mask=mask[:, None, None, :],
@@ -265,20 +311,32 @@ def write_kv(
 
 
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, call: LayerCall
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    call: LayerCall,
+    terms: ScoreTerms | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, n, Dk], k [B, Hkv, m, Dk], v [B, Hkv, m, Dv], mask [B or 1, 1, n, m] bool (True: seen) ->
-    [B, Hq, n, Dv], computed as the models' own eager attention does: scores, soft-capping, mask, sinks as an
-    extra column of the softmax (then dropped). SDPA does neither soft-capping nor sinks."""
+    [B, Hq, n, Dv], computed as the models' own eager attention does: scores, soft-capping, the queries' bias,
+    mask, sinks as an extra column of the softmax (then dropped). SDPA does none of these but the mask."""
     gqa = q.shape[1] // k.shape[1]
     if gqa > 1:
         k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if call.softcap is not None:
         scores = torch.tanh(scores / call.softcap) * call.softcap
+    if terms is not None and terms.bias is not None:
+        scores = scores + terms.bias
     scores = scores.masked_fill(~mask, float("-inf"))
+    sink = None
     if call.sinks is not None:
         sink = call.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    elif terms is not None and terms.sinks is not None:
+        sink = terms.sinks.to(scores.dtype)
+    if sink is not None:
         scores = torch.cat([scores, sink], dim=-1)
         scores = scores - scores.amax(dim=-1, keepdim=True)
         probs = scores.softmax(dim=-1)[..., :-1]
@@ -287,8 +345,8 @@ def eager_attention(
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def attend(q, k, v, mask, scale: float, call: LayerCall, causal: bool = False) -> torch.Tensor:
-    """SDPA where it computes the layer (no soft-capping, no sinks), else `eager_attention`."""
+def attend(q, k, v, mask, scale: float, call: LayerCall, causal: bool = False, terms=None) -> torch.Tensor:
+    """SDPA where it computes the layer (`LayerCall.plain`), else `eager_attention` (with the queries' terms)."""
     gqa = q.shape[1] > k.shape[1]
     if call.plain:
         if causal:
@@ -297,7 +355,7 @@ def attend(q, k, v, mask, scale: float, call: LayerCall, causal: bool = False) -
     if causal:
         pos = torch.arange(q.shape[2], device=q.device)
         mask = FULL.visible(pos, pos)[None, None]
-    return eager_attention(q, k, v, mask, scale, call)
+    return eager_attention(q, k, v, mask, scale, call, terms)
 
 
 def gathered_decode_attention(
@@ -332,7 +390,9 @@ def gathered_decode_attention(
                 q, k, v, attn_mask=batch.mask, scale=scale
             )  # [G, Hkv, gqa, Dv]
         else:  # the eager path wants query heads as heads: [G, Hq, 1, Dk]
-            o = eager_attention(q.reshape(G, num_heads, 1, head_dim), k, v, batch.mask, scale, call)
+            key_pos = torch.arange(ctx, device=query.device)
+            terms = call.terms(batch.token_index[:, None], batch.query_pos[:, None], key_pos)
+            o = eager_attention(q.reshape(G, num_heads, 1, head_dim), k, v, batch.mask, scale, call, terms)
         out[batch.token_index] = o.reshape(G, num_heads, v_dim)
 
 
@@ -359,7 +419,14 @@ def prefill_attention(
         else:
             k = k_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, ctx, Dk]
             v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
-        o = attend(q, k, v, p.mask, scale, call, causal=p.mask is None)
+        terms = None
+        if call.token_scores is not None:
+            query_pos = torch.arange(p.context_len - p.num_tokens, p.context_len, device=query.device)
+            rows_index = torch.arange(p.start, p.start + p.num_tokens, device=query.device)
+            terms = call.terms(
+                rows_index[None], query_pos[None], torch.arange(k.shape[2], device=query.device)
+            )
+        o = attend(q, k, v, p.mask, scale, call, causal=p.mask is None, terms=terms)
         out[rows] = o[0].transpose(0, 1)
 
 
@@ -433,11 +500,12 @@ class AttentionMetadata:
         """A layer's KV cache group and its K and V pages."""
         return self.services.kv_cache.layer(layer)
 
-    def plan(self, group: int, kind: MaskKind):
-        key = (group, kind)
+    def plan(self, backend, group: int, kind: MaskKind):
+        """The backend's plan for a group's layers of a mask kind, made by the first of them."""
+        key = (backend.name, group, kind)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self.services.backend.prepare(self.layouts[group], kind, group)
+            plan = self._plans[key] = backend.prepare(self.layouts[group], kind, group)
         return plan
 
     def query_scale_fix(self, fix, like: torch.Tensor) -> torch.Tensor:
@@ -455,10 +523,10 @@ _RUNNING: ContextVar[AttentionMetadata | None] = ContextVar("batchrun_step", def
 
 
 def layer_call(
-    module: torch.nn.Module, layer: int, attention_mask, dropout: float, kwargs: dict, layers
+    module: torch.nn.Module, layer: int, attention_mask, dropout: float, kwargs: dict, layers, query_shape
 ) -> LayerCall:
     """The layer's call checked and read: every argument is honoured or known not to matter, else
-    UnsupportedModel naming it."""
+    UnsupportedModel naming it. `query_shape`: [1, Hq, T, D]."""
     where = f"{type(module).__name__} (layer {layer})"
     if attention_mask is not None:
         raise UnsupportedModel(
@@ -471,8 +539,11 @@ def layer_call(
         )
     if kwargs.get("is_causal", True) is False:
         raise UnsupportedModel(f"{where} asks for non-causal attention; batchrun runs causal language models")
+    token_scores = _token_scores(where, kwargs, query_shape)
     for name, value in kwargs.items():
         if name in NEUTRAL_KWARGS or name in ("sliding_window", "softcap", "s_aux", "is_causal"):
+            continue
+        if token_scores is not None and name in ("position_bias", "sinks"):
             continue
         if value is None or value is False:
             continue
@@ -485,7 +556,32 @@ def layer_call(
     if window is not None and chunk is not None:
         raise UnsupportedModel(f"{where} asks for both a sliding window and chunked attention")
     sinks = kwargs.get("s_aux")
-    return LayerCall(MaskKind(int(window) if window else None, chunk), kwargs.get("softcap") or None, sinks)
+    kind = MaskKind(int(window) if window else None, chunk)
+    return LayerCall(kind, kwargs.get("softcap") or None, sinks, token_scores)
+
+
+def _token_scores(where: str, kwargs: dict, query_shape) -> TokenScores | None:
+    """Inkling 2's per-token terms: `sinks` [1, Hq, T, 1] (a logit per query token and head, from its hidden
+    state) and `position_bias` as batchrun's adapter of its bias module gives it (RelativeBias). A bias tensor
+    of another form is over the packed row's indices, not the tokens' positions: not taken."""
+    bias, sinks = kwargs.get("position_bias"), kwargs.get("sinks")
+    if bias is None and sinks is None:
+        return None
+    _, num_heads, num_tokens, _ = query_shape
+    if bias is not None and not isinstance(bias, RelativeBias):
+        raise UnsupportedModel(
+            f"{where} passes a `position_bias` of its own ({type(bias).__name__}), made over the packed row "
+            "rather than each sequence's positions; batchrun takes only a relative bias module it knows "
+            "(architecture.RELATIVE_BIAS)"
+        )
+    if sinks is not None and tuple(sinks.shape) != (1, num_heads, num_tokens, 1):
+        raise UnsupportedModel(
+            f"{where} passes `sinks` of shape {tuple(sinks.shape)}, not one logit per head and query token"
+        )
+    return TokenScores(
+        relative_bias=None if bias is None else bias.logits[0].transpose(0, 1),  # [T, Hq, R]
+        sinks=None if sinks is None else sinks[0, :, :, 0].transpose(0, 1),  # [T, Hq]
+    )
 
 
 def paged_attention_forward(
@@ -498,7 +594,12 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]."""
+    """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]. A module that
+    attends over something other than the sequence's tokens runs its model's own eager attention
+    (architecture.OWN_ATTENTION marks it at load)."""
+    own = getattr(module, "_batchrun_own_attention", None)
+    if own is not None:
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     meta: AttentionMetadata | None = kwargs.pop("batchrun_attn", None)
     if meta is None:
         raise UnsupportedModel(
@@ -507,7 +608,7 @@ def paged_attention_forward(
         )
     services = meta.services
     layer = meta.layer_index(module)
-    call = layer_call(module, layer, attention_mask, dropout, kwargs, services.layers)
+    call = layer_call(module, layer, attention_mask, dropout, kwargs, services.layers, query.shape)
     assert query.shape[0] == 1, "batchrun packs every sequence into one row"
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, Dk]
@@ -550,7 +651,7 @@ class GatherAttention:
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         group, k_cache, v_cache = meta.layer(layer)
         write_kv(k, v, k_cache, v_cache, meta.layouts[group])
-        plan: GatherPlan = meta.plan(group, call.kind)
+        plan: GatherPlan = meta.plan(self, group, call.kind)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, call, self.workspace)
         prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
@@ -576,7 +677,8 @@ class TorchPlan:
 
 class TorchAttention:
     """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
-    through SDPA, as in GatherAttention."""
+    through SDPA, as in GatherAttention. A layer with terms of each query token (TokenScores), which the
+    kernel does not take, runs on GatherAttention whole."""
 
     name = "torch"
 
@@ -584,6 +686,7 @@ class TorchAttention:
         self.page_size = page_size
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
         self.device = torch.device("cpu")
+        self.gather = GatherAttention(page_size, self.device)
 
     def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> TorchPlan:
         rows, prefills = split_step(layout, kind, self.page_size, self.device)
@@ -604,9 +707,11 @@ class TorchAttention:
         return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+        if call.token_scores is not None:
+            return self.gather.forward(meta, layer, call, q, k, v, scale)
         times = meta.services.times  # its parts, for bench/micro/profile_step.py attention
         group, k_cache, v_cache = meta.layer(layer)
-        plan: TorchPlan = meta.plan(group, call.kind)
+        plan: TorchPlan = meta.plan(self, group, call.kind)
         with times.part("write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"):
             write_kv(k, v, k_cache, v_cache, meta.layouts[group])
         out = q.new_empty(*q.shape[:2], v.shape[-1])
@@ -664,8 +769,9 @@ class TritonAttention:
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         group, k_cache, v_cache = meta.layer(layer)
-        plan: TritonPlan = meta.plan(group, call.kind)
+        plan: TritonPlan = meta.plan(self, group, call.kind)
         self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
+        token = call.token_scores
         return self.kernels.paged_attention(
             q.contiguous(),
             k_cache,
@@ -678,7 +784,8 @@ class TritonAttention:
             window=call.kind.window or 0,
             chunk=call.kind.chunk or 0,
             softcap=call.softcap or 0.0,
-            sinks=call.sinks,
+            sinks=call.sinks if token is None or token.sinks is None else token.sinks,
+            relative_bias=None if token is None else token.relative_bias,
         )
 
 

@@ -124,10 +124,9 @@ class KVCacheSpec:
         types = list(getattr(cfg, "layer_types", None) or [])
         if not set(types) & set(ATTENTION_LAYER_TYPES):
             # no type that says attention: the "hybrid" layers attend (Falcon-H1's beside their Mamba mixer in
-            # every layer, Zamba 2's through a shared block), else every layer does
-            types = (
-                ["full_attention" if t == "hybrid" else "none" for t in types] if "hybrid" in types else []
-            )
+            # every layer, Zamba 2's through a shared block, Inkling 2's full and sliding ones beside their
+            # convolutions), else every layer does
+            types = [HYBRID_LAYER_TYPES.get(t, "none") for t in types] if "hybrid" in types else []
         per_layer = getattr(cfg, "per_layer_config", None) or []
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -135,16 +134,19 @@ class KVCacheSpec:
             if kind not in ATTENTION_LAYER_TYPES:
                 layers.append(None)
                 continue
-            layers.append((kind, layer_kv_shape(cfg, per_layer[i] if i < len(per_layer) else None)))
+            layer = per_layer[i] if i < len(per_layer) else None
+            layers.append((kind, layer_kv_shape(cfg, layer, sliding=kind == "sliding_attention")))
         return cls(KVGroups.of_layers(layers, shared_kv_sources(cfg)), page_size, dtype)
 
 
-def layer_kv_shape(cfg, layer=None) -> KVShape:
-    """A layer's K/V shape from the config (`layer`: its entry in a per-layer config, as Gemma 4's)."""
+def layer_kv_shape(cfg, layer=None, sliding: bool = False) -> KVShape:
+    """A layer's K/V shape from the config (`layer`: its entry in a per-layer config, as Gemma 4's; `sliding`:
+    a sliding-window layer, whose heads Inkling 2 sizes by `swa_` keys of their own)."""
     if getattr(cfg, "kv_lora_rank", None):  # MLA: keys of the nope + rope dims, one KV head per query head
         k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         return KVShape(cfg.num_attention_heads, k_dim, cfg.v_head_dim)
-    read = lambda key: getattr(layer, key, None) or getattr(cfg, key, None)
+    own = lambda key: getattr(cfg, f"swa_{key}", None) if sliding else None
+    read = lambda key: own(key) or getattr(layer, key, None) or getattr(cfg, key, None)
     head_dim = read("head_dim") or cfg.hidden_size // cfg.num_attention_heads
     return KVShape(read("num_key_value_heads") or cfg.num_attention_heads, head_dim, head_dim)
 
@@ -164,6 +166,8 @@ def text_config(cfg):
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types of attention beside a stateful mixer, and the attention each is
+HYBRID_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

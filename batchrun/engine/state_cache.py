@@ -382,10 +382,13 @@ def _cache_class():
 
 
 class StatefulCall(NamedTuple):
-    """How a stateful module is called: its own forward, and the keyword its cache goes in."""
+    """How a stateful module is called: its own forward, the keyword its cache goes in, and the names of its
+    parameters after the hidden states (arguments given by position are passed on by name, so that the
+    per-token ones are cut per sequence: Inkling 2's convolutions take their weights' input so)."""
 
     forward: Any
     cache_keyword: str
+    positional: tuple[str, ...]
 
 
 class AttributeStates:
@@ -510,12 +513,14 @@ class StateProbe:
     MAX_STATES = 8
 
     def __init__(self) -> None:
-        self.layers: dict[int, Any] = {}
-        self.calls: dict[int, tuple] = {}  # layer -> (call, hidden, kwargs): to call it again in pieces
+        self.layers: dict[int, Any] = {}  # layer -> its states, of all its stateful modules (one per index)
+        # (layer, call, hidden, kwargs) of each module's call: to call it again in pieces
+        self.calls: list[tuple] = []
 
     def run(self, module, call: StatefulCall, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        self.calls[module.layer_idx] = (call, hidden, kwargs)
-        self.layers[module.layer_idx], out = self._call(module.layer_idx, call, hidden, kwargs)
+        layer_idx = module.layer_idx
+        self.calls.append((layer_idx, call, hidden, kwargs))
+        self.layers[layer_idx], out = self._call(layer_idx, call, hidden, kwargs, self.layers.get(layer_idx))
         return out
 
     def _call(self, layer_idx: int, call: StatefulCall, hidden, kwargs, layer=None):
@@ -530,7 +535,7 @@ class StateProbe:
         the second piece run afresh does. A layer that drops part of the state it is given (Jamba's Mamba scan
         takes no initial state: `generate` only ever runs it over a whole prompt) is as far off as a fresh run.
         """
-        for layer_idx, (call, hidden, kwargs) in self.calls.items():
+        for layer_idx, call, hidden, kwargs in self.calls:
             T = hidden.shape[1]
             cut = T // 2
             head, tail = (_token_slices(kwargs, T, a, b) for a, b in ((0, cut), (cut, T)))
