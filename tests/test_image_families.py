@@ -8,6 +8,8 @@
   layer (Gemma 3) or on the sliding layers (Gemma 4), so a prefill chunk never splits an image.
 - Mistral 3: causal, at 1-D positions, but its processor (Pixtral's) imports torchvision: skipped where torchvision
   does not import (beside the CPU torch wheel `make install` uses); run with torch 2.14.1 and torchvision 0.29.1.
+- SmolVLM: Idefics3's tiles and global view, causal; its own processor (which needs `num2words`, and reads its
+  video processor's frame defaults even for images), built as batchrun builds it.
 
 The Qwen processors are the models' own classes; their video processors need torchvision, which does not
 install beside the CPU torch wheel, so both sides load them as batchrun does (`loading.load_processor`: the image
@@ -38,6 +40,7 @@ FAMILIES = [
     "gemma3",
     "gemma4",
     "mistral3",
+    "smolvlm",
 ]
 # Gemma's image markers, which its processor reads off the tokenizer
 GEMMA_IMAGE_MARKS = {
@@ -224,6 +227,40 @@ def make_mistral3(target: Path, tokenizer_from: Path) -> None:
     ).save_pretrained(target)
 
 
+def make_smolvlm(target: Path, tokenizer_from: Path) -> None:
+    """A tiny random-weight SmolVLM (Idefics3's architecture: each image in 16-pixel tiles, 2 x 2 of them, plus a
+    global view, 1 token a tile after its pixel shuffle). Its processor is saved as its parts (the PIL image processor, the
+    tokenizer with the chat template, the processor's options): its video processor needs torchvision, so
+    `AutoProcessor` cannot build it here, and batchrun builds it without one (loading.load_processor)."""
+    import json
+
+    from model_families import TINY_VISION, tiny_text
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<image>", "<fake_token_around_image>", "<global-img>"]}
+    )
+    vision = dict(TINY_VISION, model_type="smolvlm_vision", image_size=16, patch_size=8)
+    cfg = AutoConfig.for_model(
+        "smolvlm",
+        text_config=tiny_text(len(tok), model_type="llama"),
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    SmolVLMImageProcessorPil(
+        size={"longest_edge": 32}, max_image_size={"longest_edge": 16}, do_image_splitting=True
+    ).save_pretrained(target)
+    tok.chat_template = CHAT.replace("IMAGE", "<image>")
+    tok.save_pretrained(target)
+    options = {"image_seq_len": 1, "processor_class": "SmolVLMProcessor"}
+    (target / "processor_config.json").write_text(json.dumps(options))
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request, tmp_path_factory, model_dir):
     """(family, model directory, HF processor and model)."""
@@ -239,6 +276,8 @@ def vlm(request, tmp_path_factory, model_dir):
     elif request.param == "mistral3":
         pytest.importorskip("torchvision", reason="Pixtral's processor imports torchvision (README, Images)")
         make_mistral3(target, model_dir)
+    elif request.param == "smolvlm":
+        make_smolvlm(target, model_dir)
     else:
         make_qwen_vl(request.param, target, model_dir)
         try:  # without torchvision (the CPU wheel's install), the stock loader cannot build the processor
@@ -294,9 +333,10 @@ def conversations(cases) -> list:
 
 def check_equal_hf(family: str, target: Path, reference, engine: dict) -> None:
     rows = cases()
-    # Gemma's sliding and full layers take a page each; Gemma 4's images of 60 tokens, kept whole, take most of
-    # its pages alone, so no row of it is preempted here (its chunks are still checked)
-    pages = {"gemma3": 10, "gemma4": 30}.get(family, 5)
+    # Gemma's sliding and full layers take a page each, SmolVLM's tiled images several; Gemma 4's images of 60
+    # tokens, kept whole, take most of its pages alone, so no row of it is preempted here (its chunks are still
+    # checked)
+    pages = {"gemma3": 10, "gemma4": 30, "smolvlm": 8}.get(family, 5)
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=pages if engine else 256, **engine)
     assert (llm.engine.mrope is not None) == family.startswith("qwen")
     outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
@@ -345,7 +385,7 @@ def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
             ]
 
         return [("no deepstack", {}, multimodal, ("_feature_rows", no_deepstack))]
-    if family == "mistral3":  # a causal family: what it needs is its features
+    if family in ("mistral3", "smolvlm"):  # causal families: what they need is their features
         real = multimodal._feature_rows
 
         def zeroed(out, hidden):

@@ -65,9 +65,9 @@ def load_processor(model_dir: Path, config):
 
 def _processor_without_torchvision(model_dir: Path, config, where: str):
     """The model's own processor class, given its image processor's PIL path, its tokenizer and no video
-    processor. The CPU torch wheel has no torchvision on the registry that imports beside it (PyPI's is built
-    for CUDA torch), and transformers' video processors need it even where no video is ever given; image
-    processors have a PIL path that needs none. A processor whose other parts need torchvision is a bad model
+    processor (a NoVideo in its place). The CPU torch wheel has no torchvision on the registry that imports
+    beside it (PyPI's is built for CUDA torch), and transformers' video processors need it even where no video
+    is ever given; image processors have a PIL path that needs none. A processor whose other parts need torchvision is a bad model
     path, naming the part."""
     import json
 
@@ -85,8 +85,10 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
             parts[attribute] = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
         elif attribute == "tokenizer":
             parts[attribute] = AutoTokenizer.from_pretrained(model_dir)
-        elif attribute in ("video_processor", "feature_extractor"):
-            parts[attribute] = None  # batchrun gives no video and no audio
+        elif attribute == "video_processor":
+            parts[attribute] = NoVideo()  # batchrun gives no video
+        elif attribute == "feature_extractor":
+            parts[attribute] = None  # nor audio
         else:
             raise BadInput(f"{where}: its {attribute} needs torchvision, which is not installed")
     options = {}
@@ -99,14 +101,28 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
 
     def check_argument_for_proper_class(self, argument_name, argument):
         # the stock check looks a missing part's class up in transformers' torchvision-only registries
-        return (
-            None if argument is None else cls.check_argument_for_proper_class(self, argument_name, argument)
-        )
+        if argument is None or isinstance(argument, NoVideo):
+            return None
+        return cls.check_argument_for_proper_class(self, argument_name, argument)
 
     without_video = type(
         cls.__name__, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class}
     )
     return without_video(**parts, chat_template=template, **options)
+
+
+class NoVideo:
+    """The video processor a processor is built without: batchrun gives no video. SmolVLM's `apply_chat_template`
+    reads its frame-sampling defaults even when the conversation has no video; there are none (None: sample no
+    frames). Anything else asked of it is an error, never a silent default."""
+
+    num_frames = fps = None
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"batchrun built this processor without a video processor (asked for {name!r})")
+
+    def __call__(self, *args, **kwargs):
+        raise BadInput("batchrun takes images, not videos")
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:
