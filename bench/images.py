@@ -66,8 +66,7 @@ def batchrun_run(work: str, label: str, model: str, new: int) -> dict:
         "model": {"path": model, "dtype": "float32"},
         "input": {"image_column": "image"},
         "sampling": {"max_new_tokens": new, "ignore_eos": True},
-        "engine": {"max_num_seqs": 64},
-    }
+    }  # the engine's defaults, as a job gets them (max_num_seqs 256: every row at once here)
     r = run_batchrun(Path(work), label, sections)
     return {k: v for k, v in r.items() if k not in ("prompt_ids", "completions")}
 
