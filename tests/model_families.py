@@ -320,6 +320,22 @@ REFUSED: dict[str, tuple[str, dict]] = {
     "deepseek_v32": ("sparse attention (DeepseekV32Indexer", {}),
     "glm_moe_dsa": ("sparse attention (GlmMoeDsaIndexer", {}),
     "deepseek_v4": ("sparse attention", {}),
+    "qwen4_exp_text": (
+        "sparse attention (Qwen4ExpTextQSAIndexer",
+        dict(
+            LINEAR,
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            indexer_n_heads=2,
+            indexer_kv_heads=1,
+            indexer_head_dim=16,
+            indexer_budget=8,
+            indexer_compress_ratio=4,
+        ),
+    ),
 }
 
 
