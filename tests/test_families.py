@@ -329,6 +329,21 @@ def test_prefix_sharing_and_copy_on_write_per_group(family):
     assert engine.num_used_pages == 0
 
 
+def test_kv_shared_layers_write_nothing(monkeypatch):
+    """Gemma 4's KV-shared layers are handed their source layer's very K/V, which that layer wrote into the same
+    pages earlier in the step: they write nothing (6 of its 8 layers write each step), and it still equals HF."""
+    from batchrun.engine import attention
+
+    model, expected = model_and_reference("gemma4_text")
+    writes = []
+    real = attention.write_kv
+    monkeypatch.setattr(attention, "write_kv", lambda *a: (writes.append(1), real(*a))[1])
+    got, steps, engine = run(model, "gemma4_text", "gather")
+    assert got == expected
+    assert len(engine.kv_groups.readers) == 2
+    assert len(writes) == (8 - 2) * len(steps)
+
+
 def test_weight_packing_leaves_the_linears_a_model_reads_itself():
     """Hunyuan's MoE router reads `self.wg.weight.dtype`: packed for oneDNN it has no plain weight, and the
     model was refused at load. Such linears stay `nn.Linear`; the rest are packed; the load probe passes."""
@@ -403,10 +418,12 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
     cache = KVCache(spec, num_pages=3, num_cpu_pages=0, device=torch.device("cpu"))
     owners = torch.zeros(groups.num_groups, 3, spec.page_elements)  # a page is one group's at a time
     for layer in range(42):
-        group, k, v = cache.layer(layer)
+        group, k, v, writes = cache.layer(layer)
         assert group == groups.layer_group[layer] and k.shape[1:] == (4, 1, layers[layer][1].head_dim)
+        assert writes == (layer not in reads)
         if layer in reads:
-            assert (k.data_ptr(), v.data_ptr()) == tuple(t.data_ptr() for t in cache.layer(reads[layer])[1:])
+            source = cache.layer(reads[layer])
+            assert (k.data_ptr(), v.data_ptr()) == (source.k.data_ptr(), source.v.data_ptr())
             continue
         cache.pages.zero_()
         k.fill_(1.0)

@@ -496,8 +496,8 @@ class AttentionMetadata:
         """The metadata of the step being run (`running`), or None outside one."""
         return _RUNNING.get()
 
-    def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """A layer's KV cache group and its K and V pages."""
+    def layer(self, layer: int):
+        """A layer's place in the pages (kv_cache.LayerPages: its group, K and V views, whether it writes)."""
         return self.services.kv_cache.layer(layer)
 
     def plan(self, backend, group: int, kind: MaskKind):
@@ -649,8 +649,9 @@ class GatherAttention:
         return GatherPlan([_decode_batch(b, ctx, tables, kind, P, self.device) for b in buckets], prefills)
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
-        group, k_cache, v_cache = meta.layer(layer)
-        write_kv(k, v, k_cache, v_cache, meta.layouts[group])
+        group, k_cache, v_cache, writes = meta.layer(layer)
+        if writes:
+            write_kv(k, v, k_cache, v_cache, meta.layouts[group])
         plan: GatherPlan = meta.plan(self, group, call.kind)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, call, self.workspace)
@@ -710,10 +711,13 @@ class TorchAttention:
         if call.token_scores is not None:
             return self.gather.forward(meta, layer, call, q, k, v, scale)
         times = meta.services.times  # its parts, for bench/micro/profile_step.py attention
-        group, k_cache, v_cache = meta.layer(layer)
+        group, k_cache, v_cache, writes = meta.layer(layer)
         plan: TorchPlan = meta.plan(self, group, call.kind)
-        with times.part("write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"):
-            write_kv(k, v, k_cache, v_cache, meta.layouts[group])
+        if writes:
+            with times.part(
+                "write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"
+            ):
+                write_kv(k, v, k_cache, v_cache, meta.layouts[group])
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
@@ -768,9 +772,10 @@ class TritonAttention:
         )
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
-        group, k_cache, v_cache = meta.layer(layer)
+        group, k_cache, v_cache, writes = meta.layer(layer)
         plan: TritonPlan = meta.plan(self, group, call.kind)
-        self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
+        if writes:
+            self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
         token = call.token_scores
         return self.kernels.paged_attention(
             q.contiguous(),

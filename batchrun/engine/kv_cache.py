@@ -19,6 +19,7 @@ import math
 import mmap
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,8 @@ class KVGroups:
     sizes: tuple[int, ...]  # per group: its layers
     layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
     layer_slot: tuple[int, ...]  # per layer: its place among its group's layers (in the page)
+    # layers handed an earlier layer's very K/V (KV sharing): they read that layer's place, and write nothing
+    readers: frozenset[int] = frozenset()
 
     @property
     def num_groups(self) -> int:
@@ -90,7 +93,9 @@ class KVGroups:
         for layer, source in reads.items():
             assert layers[layer] == layers[source], "a layer reads the K/V of a layer of its kind and shape"
             layer_group[layer], layer_slot[layer] = layer_group[source], layer_slot[source]
-        return cls(tuple(kinds), tuple(shapes), tuple(sizes), tuple(layer_group), tuple(layer_slot))
+        return cls(
+            tuple(kinds), tuple(shapes), tuple(sizes), tuple(layer_group), tuple(layer_slot), frozenset(reads)
+        )
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,17 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(pages, dtype=torch.uint8)[:size].view(dtype).view(shape)  # keeps `pages` alive
 
 
+class LayerPages(NamedTuple):
+    """One layer's place in the pages."""
+
+    group: int  # its KV cache group
+    k: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]: a view of the pool
+    v: torch.Tensor  # [num_pages, page_size, num_kv_heads, v_head_dim]
+    # whether the layer writes its new K/V there: not a KV-shared layer, whose K/V are the very tensors an earlier
+    # layer of the same step wrote into the same place
+    writes: bool
+
+
 class KVCache:
     def __init__(self, spec: KVCacheSpec, num_pages: int, num_cpu_pages: int, device: torch.device):
         self.spec = spec
@@ -210,12 +226,12 @@ class KVCache:
             self.pages[:, k_end:v_end].view(N, P, H, shape.v_head_dim),
         )
 
-    def layer(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """A model layer's KV cache group, and its K and V pages [num_pages, page_size, num_kv_heads, head_dim
-        (K's or V's)]: the layer's K/V live in its group's pages (KVGroups.layer_slot)."""
+    def layer(self, layer: int) -> LayerPages:
+        """A model layer's place in the pages: its KV cache group and its K and V views (KVGroups.layer_slot)."""
         groups = self.spec.groups
         group = groups.layer_group[layer]
-        return group, *self._layers[group, groups.layer_slot[layer]]
+        k, v = self._layers[group, groups.layer_slot[layer]]
+        return LayerPages(group, k, v, writes=layer not in groups.readers)
 
     def apply(self, swap_out: list[PageCopy], swap_in: list[PageCopy], copy_on_write: list[PageCopy]) -> None:
         """Carry out a step's page copies, in the only safe order: out, in, copy-on-write."""
