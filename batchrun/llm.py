@@ -103,8 +103,13 @@ class LLM:
             check_memory_budget(engine, config, self.dtype, self.device)
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
-        # a vision-language model's processor (image tokens, pixel values, its tokenizer); None for a text model
-        self.processor = loading.load_processor(self.model_dir, config)
+        # a vision-language model's processor (image tokens, pixel values, its tokenizer); None for a text model,
+        # and for one whose processor cannot be built here: its text prompts run, its image rows are errors
+        self.images_unavailable: str | None = None
+        try:
+            self.processor = loading.load_processor(self.model_dir, config)
+        except loading.ProcessorUnavailable as e:
+            self.processor, self.images_unavailable = None, str(e)
         tokenizer = getattr(self.processor, "tokenizer", None)
         self.tokenizer, hf_model = loading.load_model(
             self.model_dir, self.dtype, self.device, config, tokenizer
@@ -138,7 +143,13 @@ class LLM:
         """A conversation rendered with the chat template, ready for the assistant's turn; its images read
         (paths relative to `base_dir`). ValueError when the conversation is malformed, an image cannot be read
         or the template fails."""
-        return self.render_chat(check_conversation(messages, images=self.processor is not None), base_dir)
+        return self.render_chat(check_conversation(messages, images=self.takes_images), base_dir)
+
+    @property
+    def takes_images(self) -> bool:
+        """A vision-language model: its conversations' image parts are kept (and run, or are the row's error
+        where its processor cannot be built here)."""
+        return self.processor is not None or self.images_unavailable is not None
 
     def render_chat(self, turns: Conversation, base_dir: Path | None = None) -> Prompt:
         """Checked turns (check_conversation) through the chat template; ValueError when the template fails.
@@ -159,6 +170,8 @@ class LLM:
 
         if self.engine.images_refusal:
             raise ValueError(f"this model's images cannot run on batchrun: {self.engine.images_refusal}")
+        if self.images_unavailable:
+            raise ValueError(f"this model's images cannot run on this install: {self.images_unavailable}")
 
         pictures, rendered = [], []
         for i, turn in enumerate(turns, 1):

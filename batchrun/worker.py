@@ -136,7 +136,7 @@ class RowWorker:
         if prompt is None:
             raise ValueError("prompt is null")
         if isinstance(prompt, list | tuple):
-            messages = check_conversation(prompt, images=self.llm.processor is not None)
+            messages = check_conversation(prompt, images=self.llm.takes_images)
             if not any(t["role"] == "system" for t in messages):
                 messages = system + messages
             return self.llm.render_chat(messages, self.spec.input.base_dir)

@@ -198,11 +198,14 @@ def make_gemma4(target: Path, tokenizer_from: Path) -> None:
 
 def make_mistral3(target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight Mistral 3 (a Pixtral vision tower, images of any size in rows of patches ended by
-    [IMG_BREAK], a 2 x 2 patch merger). Its processor imports torchvision."""
+    [IMG_BREAK], a 2 x 2 patch merger). Its processor imports torchvision, so it is saved as its parts (the PIL
+    image processor, the tokenizer with the chat template, the processor's options), which `AutoProcessor`
+    puts together where torchvision imports."""
+    import json
+
     from model_families import TINY_VISION, tiny_text
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
-    from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
@@ -218,13 +221,107 @@ def make_mistral3(target: Path, tokenizer_from: Path) -> None:
     )
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
-    PixtralProcessor(
-        image_processor=PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size=8),
-        tokenizer=tok,
+    PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size=8).save_pretrained(target)
+    tok.chat_template = CHAT.replace("IMAGE", "[IMG]")
+    tok.save_pretrained(target)
+    options = {"patch_size": 8, "spatial_merge_size": 2, "processor_class": "PixtralProcessor"}
+    (target / "processor_config.json").write_text(json.dumps(options))
+
+
+def make_inkling2(target: Path, tokenizer_from: Path) -> None:
+    """A tiny random-weight Inkling 2 (the vision-language model its checkpoints are): the text model of
+    tests/model_families.py's `inkling2_text` (a hybrid of short convolutions, relative position bias, per-token
+    sinks) beside a tiny vision tower. Its image processor has torchvision as its only backend."""
+    import json
+
+    from model_families import SUPPORTED, tiny_text
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    tok.add_special_tokens({"additional_special_tokens": ["<|image|>"]})
+    mine = {k: v for k, v in SUPPORTED["inkling2_text"][1].items() if k != "_drop"}
+    text = tiny_text(len(tok), **{**mine, "unpadded_vocab_size": len(tok), "eos_token_id": tok.eos_token_id})
+    del text["intermediate_size"]
+    vision = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
         patch_size=8,
-        spatial_merge_size=2,
-        chat_template=CHAT.replace("IMAGE", "[IMG]"),
-    ).save_pretrained(target)
+        posemb_grid_size=4,
+        text_hidden_size=text["hidden_size"],
+        projection_hidden_dim=64,
+    )
+    image_token_id = tok.convert_tokens_to_ids("<|image|>")
+    cfg = AutoConfig.for_model(
+        "inkling2", text_config=text, vision_config=vision, image_token_id=image_token_id
+    )
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    tok.chat_template = CHAT.replace("IMAGE", "<|image|>")
+    tok.save_pretrained(target)
+    image_processor = {
+        "image_processor_type": "Inkling2ImageProcessor",
+        "processor_class": "Inkling2Processor",
+    }
+    (target / "preprocessor_config.json").write_text(json.dumps(image_processor))
+    options = {"processor_class": "Inkling2Processor", "image_token": "<|image|>"}
+    (target / "processor_config.json").write_text(json.dumps(options))
+
+
+@pytest.mark.parametrize("family", ["mistral3", "inkling2"])
+def test_a_processor_that_needs_torchvision_leaves_text_rows_running(family, tmp_path, model_dir):
+    """Mistral 3 and Inkling 2 where torchvision does not import (the default install; Pixtral's processor and
+    Inkling 2's image processor need it): text conversations run on the tokenizer, equal to HF `generate` on
+    the same ids; in a job, a conversation with an image is that row's error naming torchvision, and its
+    batch-mates run (from Python, ValueError)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_images import NEW_TOKENS as JOB_TOKENS
+    from test_images import data_url, read_outputs, submit
+
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip(
+            "torchvision imports here: the processor is built, and test_images_equal_hf_generate runs"
+        )
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    target = tmp_path / family
+    {"mistral3": make_mistral3, "inkling2": make_inkling2}[family](target, model_dir)
+    text = [{"role": "user", "content": "No image here, just text."}]
+    image_url = {"type": "image_url", "text": None, "image_url": {"url": data_url(picture(0))}}
+    with_image = [
+        {"role": "user", "content": [image_url, {"type": "text", "text": "Describe.", "image_url": None}]}
+    ]
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = tok(
+        tok.apply_chat_template(text, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    model = AutoModelForImageTextToText.from_pretrained(target, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids["input_ids"]]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = ref[0, len(ids["input_ids"]) :].tolist()
+
+    text[0]["content"] = [{"type": "text", "text": text[0]["content"], "image_url": None}]  # Parquet's struct
+    pq.write_table(pa.table({"id": ["t", "i"], "prompt": [text, with_image]}), tmp_path / "in.parquet")
+    submit(
+        tmp_path,
+        target,
+        "text-only",
+        f"parquet: {tmp_path / 'in.parquet'}, id_column: id",
+        ", token_ids: true",
+    )
+    got = read_outputs(tmp_path / "out")
+    assert got[("t", 0)]["error"] is None and got[("t", 0)]["completion_token_ids"] == expected[:JOB_TOKENS]
+    assert got[("i", 0)]["finish_reason"] == "error" and "torchvision" in got[("i", 0)]["error"]
+
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64)
+    assert llm.processor is None and "torchvision" in llm.images_unavailable
+    with pytest.raises(ValueError, match="torchvision"):
+        llm.chat(with_image, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
 
 
 def make_smolvlm(target: Path, tokenizer_from: Path) -> None:

@@ -38,7 +38,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
 def load_processor(model_dir: Path, config):
     """A vision-language model's processor (`AutoProcessor`: its image processor and the placement of image
     tokens), or None for a text model. Where the processor needs torchvision for a part batchrun never uses
-    (Qwen-VL's and Qwen 3.5's video processor), it is built from its parts (`_processor_without_torchvision`)."""
+    (Qwen-VL's and Qwen 3.5's video processor), it is built from its parts (`_processor_without_torchvision`);
+    where it needs it for more (Pixtral's image processor), ProcessorUnavailable."""
     if not is_vision_language(config):
         return None
     from transformers import AutoProcessor
@@ -46,21 +47,32 @@ def load_processor(model_dir: Path, config):
     where = f"model.path: cannot load the processor of the model in {model_dir}"
     try:
         return AutoProcessor.from_pretrained(model_dir)
-    except ImportError as e:
-        if "torchvision" not in str(e).lower():
-            raise BadInput(f"{where}: {e}") from None
-        try:
-            return _processor_without_torchvision(model_dir, config, where)
-        except ImportError as e:  # the processor's own module needs torchvision (Pixtral's)
-            first = " ".join(str(e).split()).split(". ")[0]  # transformers' first sentence
-            raise BadInput(
-                f"{where}: {first} (torchvision does not install beside the CPU torch wheel; the "
-                "README says how to install one)"
-            ) from None
-    except Exception as e:  # noqa: BLE001
-        if not_the_models_fault(e):
-            raise
+    except Exception as e:  # noqa: BLE001 - the model's own processor files
+        _unless_for_torchvision(e, where)
+    try:
+        return _processor_without_torchvision(model_dir, config, where)
+    except Exception as e:  # noqa: BLE001 - its own module or a part needs torchvision (Pixtral's, Inkling 2's)
+        _unless_for_torchvision(e, where)
+        first = " ".join(str(e).split()).split(". ")[0]  # transformers' first sentence
+        raise ProcessorUnavailable(
+            f"the model's processor cannot be built here: {first} (torchvision does not install beside the CPU "
+            "torch wheel; the README says how to install one)"
+        ) from None
+
+
+def _unless_for_torchvision(e: Exception, where: str) -> None:
+    """Returns where loading the processor failed for want of torchvision; raises otherwise (a bad model path,
+    or the machine's own failure)."""
+    if not_the_models_fault(e):
+        raise e
+    if "torchvision" not in str(e).lower():
         raise BadInput(f"{where}: {e}") from None
+
+
+class ProcessorUnavailable(BadInput):
+    """A vision-language model's processor cannot be built on this install (a part of it needs torchvision, which
+    does not install beside the CPU torch wheel): its text prompts still run on its tokenizer, and a row with an
+    image is that row's error, naming this (llm.LLM)."""
 
 
 def _processor_without_torchvision(model_dir: Path, config, where: str):
@@ -78,7 +90,7 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
     name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if cls is None:
-        raise BadInput(f"{where}: it needs torchvision, which is not installed")
+        raise ProcessorUnavailable(f"{where}: it needs torchvision, which is not installed")
     parts = {}
     for attribute in cls.get_attributes():
         if attribute == "image_processor":
@@ -90,7 +102,7 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
         elif attribute == "feature_extractor":
             parts[attribute] = None  # nor audio
         else:
-            raise BadInput(f"{where}: its {attribute} needs torchvision, which is not installed")
+            raise ProcessorUnavailable(f"{where}: its {attribute} needs torchvision, which is not installed")
     options = {}
     config_file = model_dir / "processor_config.json"
     if config_file.exists():
@@ -157,11 +169,13 @@ def model_class(config):
 
 def attention_implementation(config):
     """batchrun's attention for the language model; a vision-language model's image encoder keeps SDPA (it runs
-    whole images on their own, no pages)."""
+    whole images on their own, no pages), and its wrapper SDPA too, or eager where its class takes no SDPA
+    (Inkling 2's: its per-token sinks)."""
     if not is_vision_language(config):
         return ATTENTION_NAME
     chosen = {name: "sdpa" for name in getattr(config, "sub_configs", {})}
-    chosen.update({"": "sdpa", "text_config": ATTENTION_NAME})
+    wrapper = "sdpa" if getattr(model_class(config), "_supports_sdpa", False) else "eager"
+    chosen.update({"": wrapper, "text_config": ATTENTION_NAME})
     return chosen
 
 
