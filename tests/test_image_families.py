@@ -10,6 +10,9 @@
   does not import (beside the CPU torch wheel `make install` uses); run with torch 2.14.1 and torchvision 0.29.1.
 - SmolVLM: Idefics3's tiles and global view, causal; its own processor (which needs `num2words`, and reads its
   video processor's frame defaults even for images), built as batchrun builds it.
+- Inkling 2: causal image tokens beside its hybrid text model (short convolutions, a relative position bias,
+  per-token sinks); its image processor needs torchvision, so skipped where torchvision does not import, as
+  Mistral 3 is. Without torchvision both still run text (test_a_processor_that_needs_torchvision_...).
 
 The Qwen processors are the models' own classes; their video processors need torchvision, which does not
 install beside the CPU torch wheel, so both sides load them as batchrun does (`loading.load_processor`: the image
@@ -41,6 +44,7 @@ FAMILIES = [
     "gemma4",
     "mistral3",
     "smolvlm",
+    "inkling2",
 ]
 # Gemma's image markers, which its processor reads off the tokenizer
 GEMMA_IMAGE_MARKS = {
@@ -262,6 +266,7 @@ def make_inkling2(target: Path, tokenizer_from: Path) -> None:
     image_processor = {
         "image_processor_type": "Inkling2ImageProcessor",
         "processor_class": "Inkling2Processor",
+        "size": {"height": 16, "width": 16},  # a token's patch: 2 x 2 of the tower's 8-pixel patches
     }
     (target / "preprocessor_config.json").write_text(json.dumps(image_processor))
     options = {"processor_class": "Inkling2Processor", "image_token": "<|image|>"}
@@ -375,6 +380,11 @@ def vlm(request, tmp_path_factory, model_dir):
         make_mistral3(target, model_dir)
     elif request.param == "smolvlm":
         make_smolvlm(target, model_dir)
+    elif request.param == "inkling2":
+        pytest.importorskip(
+            "torchvision", reason="Inkling 2's image processor needs torchvision (README, Images)"
+        )
+        make_inkling2(target, model_dir)
     else:
         make_qwen_vl(request.param, target, model_dir)
         try:  # without torchvision (the CPU wheel's install), the stock loader cannot build the processor
@@ -433,7 +443,7 @@ def check_equal_hf(family: str, target: Path, reference, engine: dict) -> None:
     # Gemma's sliding and full layers take a page each, SmolVLM's tiled images several; Gemma 4's images of 60
     # tokens, kept whole, take most of its pages alone, so no row of it is preempted here (its chunks are still
     # checked)
-    pages = {"gemma3": 10, "gemma4": 30, "smolvlm": 8}.get(family, 5)
+    pages = {"gemma3": 10, "gemma4": 30, "smolvlm": 8, "inkling2": 12}.get(family, 5)
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=pages if engine else 256, **engine)
     assert (llm.engine.mrope is not None) == family.startswith("qwen")
     outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
@@ -482,7 +492,7 @@ def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
             ]
 
         return [("no deepstack", {}, multimodal, ("_feature_rows", no_deepstack))]
-    if family in ("mistral3", "smolvlm"):  # causal families: what they need is their features
+    if family in ("mistral3", "smolvlm", "inkling2"):  # causal families: what they need is their features
         real = multimodal._feature_rows
 
         def zeroed(out, hidden):
