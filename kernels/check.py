@@ -49,7 +49,7 @@ def signature(fn, dtype_name: str, constexprs: dict) -> dict[str, str]:
             sig[name] = "*i32"
         elif name == "slot_ptr":
             sig[name] = "*i64"
-        elif name == "sinks_ptr":
+        elif name in ("sinks_ptr", "rel_ptr"):  # fp32 whatever the model's dtype (the launcher converts)
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = data

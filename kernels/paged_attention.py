@@ -140,6 +140,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    REL_BIAS: tl.constexpr,
 ):
     qb = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -224,7 +225,7 @@ def _paged_attention_kernel(
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
         visible = visible & in_ctx[None, :] & row_ok[:, None]
-        if rel_extent > 0:  # the query's bias at the key's backward distance, within the extent
+        if REL_BIAS:  # the query's bias at the key's backward distance, within the extent
             back = q_pos[:, None] - k_pos[None, :]
             near = visible & (back < rel_extent)
             s += tl.load(
@@ -313,10 +314,19 @@ def unsupported_reason(dtype: torch.dtype, page_size: int, head_dim: int, v_head
     return ""
 
 
-def attention_constexprs(dtype: torch.dtype, head_dim: int, block_m: int) -> dict:
-    """The compile-time arguments of `_paged_attention_kernel` for one launch."""
+def attention_constexprs(dtype: torch.dtype, head_dim: int, block_m: int, rel_bias: bool = False) -> dict:
+    """The compile-time arguments of `_paged_attention_kernel` for one launch. A relative bias is one (a kernel
+    of its own): its loads in the inner loop cost every other model registers (`make kernels-check` showed the
+    decode kernel of head dim 128 in fp16 at 212 registers against 168 when it was a run-time branch)."""
     fp32 = dtype == torch.float32
-    return dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, UPCAST=INTERPRETING or fp32, IEEE=fp32)
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        UPCAST=INTERPRETING or fp32,
+        IEEE=fp32,
+        REL_BIAS=rel_bias,
+    )
 
 
 def launch_options(block_m: int) -> dict:
@@ -331,12 +341,13 @@ def specializations():
         for head_dim in HEAD_DIMS:
             yield _write_kv_kernel, dtype, dict(HEAD_DIM=head_dim), {"num_warps": 4}
             for block_m in (BLOCK_M_DECODE, BLOCK_M_PREFILL):
-                yield (
-                    _paged_attention_kernel,
-                    dtype,
-                    attention_constexprs(dtype, head_dim, block_m),
-                    launch_options(block_m),
-                )
+                for rel_bias in (False, True):
+                    yield (
+                        _paged_attention_kernel,
+                        dtype,
+                        attention_constexprs(dtype, head_dim, block_m, rel_bias),
+                        launch_options(block_m),
+                    )
 
 
 def paged_attention(
@@ -426,7 +437,7 @@ def paged_attention(
         relative_bias if relative_bias is not None else seq_lens,
         relative_bias.shape[2] if relative_bias is not None else 0,
         *(relative_bias.stride()[:2] if relative_bias is not None else (0, 0)),
-        **attention_constexprs(query.dtype, head_dim, query_blocks.block_m),
+        **attention_constexprs(query.dtype, head_dim, query_blocks.block_m, relative_bias is not None),
         **launch_options(query_blocks.block_m),
     )
     return out
