@@ -109,11 +109,13 @@ def start_submit(job_file, out: Path) -> subprocess.Popen:
     )
 
 
-def wait_for_parts(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> bool:
-    """Until `out` holds n part files: True, or False if the run ended first."""
+def wait_for_parts(
+    out: Path, n: int, proc: subprocess.Popen, timeout: float = 120, pattern: str = "part-*.parquet"
+) -> bool:
+    """Until `out` holds n part files (of `pattern`: one shard's, say): True, or False if the run ended first."""
     t0 = time.time()
     while time.time() - t0 < timeout:
-        if out.exists() and len(list(out.glob("part-*.parquet"))) >= n:
+        if out.exists() and len(list(out.glob(pattern))) >= n:
             return True
         if proc.poll() is not None:
             return False

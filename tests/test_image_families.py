@@ -20,6 +20,7 @@ processor's PIL path, no video processor, where `AutoProcessor` fails for want o
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -60,11 +61,34 @@ CHAT = (  # a chat template that places an image part as `image` (each family's 
 )
 
 
+def save_model(cfg, target: Path, perturbed: bool = False) -> None:
+    """The tiny model of `cfg`, random weights from seed 0 (biases and norm weights perturbed where a family
+    repeats its last token otherwise), saved in target."""
+    from model_families import perturb
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    if perturbed:
+        perturb(model, 0)
+    model.save_pretrained(target)
+
+
+def save_parts(target: Path, tok, image_marker: str, processor_options: dict | None = None) -> None:
+    """A processor saved as its parts, for `AutoProcessor` or batchrun's loader to build: the tokenizer with CHAT
+    placing an image part as `image_marker`, and the processor's own options (the image processor is saved by
+    the caller)."""
+    tok.chat_template = CHAT.replace("IMAGE", image_marker)
+    tok.save_pretrained(target)
+    if processor_options is not None:
+        (target / "processor_config.json").write_text(json.dumps(processor_options))
+
+
 def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight model of `family` with the embedded model's tokenizer (plus Qwen's vision tokens)
     and a PIL image processor that makes images of 4 to 16 tokens."""
     from model_families import LINEAR, THREE_LINEAR_ONE_FULL, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
@@ -102,22 +126,20 @@ def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
         text.update(moe, decoder_sparse_step=1)
     text["rope_parameters"] = rope
     cfg = AutoConfig.for_model(family, text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    save_model(cfg, target)
     side = vision["patch_size"] * 2  # a merged patch
     Qwen2VLImageProcessorPil(
         patch_size=vision["patch_size"], min_pixels=side * side * 4, max_pixels=side * side * 16
     ).save_pretrained(target)
-    tok.chat_template = CHAT.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
-    tok.save_pretrained(target)
+    save_parts(target, tok, "<|vision_start|><|image_pad|><|vision_end|>")
 
 
 def make_gemma3(target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight Gemma 3: images of 16 tokens (a 64-pixel image in 8-pixel patches, pooled 2 x 2),
     sliding layers of an 8-token window (narrower than an image) beside full ones, Gemma's embedding scale;
     untied output embeddings and perturbed norms, or it repeats its last token whatever it is shown."""
-    from model_families import TINY_VISION, perturb, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from model_families import TINY_VISION, tiny_text
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
@@ -140,10 +162,7 @@ def make_gemma3(target: Path, tokenizer_from: Path) -> None:
         eoi_token_id=tok.eoi_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(cfg)
-    perturb(model, 0)
-    model.save_pretrained(target)
+    save_model(cfg, target, perturbed=True)
     Gemma3Processor(
         image_processor=Gemma3ImageProcessorPil(size={"height": 64, "width": 64}),
         tokenizer=tok,
@@ -159,8 +178,8 @@ def make_gemma4(target: Path, tokenizer_from: Path) -> None:
     vision tower of 8-pixel patches pooled 2 x 2 (images of about 60 tokens). Its processor is built without its
     video processor and audio feature extractor (loading.load_processor), as batchrun builds it; the tokenizer
     carries Gemma 4's image and audio markers, which the processor reads."""
-    from model_families import SUPPORTED, TINY_VISION, perturb, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from model_families import SUPPORTED, TINY_VISION, tiny_text
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     audio = {
@@ -191,13 +210,9 @@ def make_gemma4(target: Path, tokenizer_from: Path) -> None:
         video_token_id=tok.convert_tokens_to_ids("<|video|>"),
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(cfg)
-    perturb(model, 0)
-    model.save_pretrained(target)
+    save_model(cfg, target, perturbed=True)
     Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70).save_pretrained(target)
-    tok.chat_template = CHAT.replace("IMAGE", "<image_soft_token>")
-    tok.save_pretrained(target)
+    save_parts(target, tok, "<image_soft_token>")
 
 
 def make_mistral3(target: Path, tokenizer_from: Path) -> None:
@@ -205,10 +220,9 @@ def make_mistral3(target: Path, tokenizer_from: Path) -> None:
     [IMG_BREAK], a 2 x 2 patch merger). Its processor imports torchvision, so it is saved as its parts (the PIL
     image processor, the tokenizer with the chat template, the processor's options), which `AutoProcessor`
     puts together where torchvision imports."""
-    import json
 
     from model_families import TINY_VISION, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
@@ -223,23 +237,18 @@ def make_mistral3(target: Path, tokenizer_from: Path) -> None:
         spatial_merge_size=2,
         vision_feature_layer=-1,
     )
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    save_model(cfg, target)
     PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size=8).save_pretrained(target)
-    tok.chat_template = CHAT.replace("IMAGE", "[IMG]")
-    tok.save_pretrained(target)
     options = {"patch_size": 8, "spatial_merge_size": 2, "processor_class": "PixtralProcessor"}
-    (target / "processor_config.json").write_text(json.dumps(options))
+    save_parts(target, tok, "[IMG]", options)
 
 
 def make_inkling2(target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight Inkling 2 (the vision-language model its checkpoints are): the text model of
     tests/model_families.py's `inkling2_text` (a hybrid of short convolutions, relative position bias, per-token
     sinks) beside a tiny vision tower. Its image processor has torchvision as its only backend."""
-    import json
-
     from model_families import SUPPORTED, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     tok.add_special_tokens({"additional_special_tokens": ["<|image|>"]})
@@ -259,18 +268,14 @@ def make_inkling2(target: Path, tokenizer_from: Path) -> None:
     cfg = AutoConfig.for_model(
         "inkling2", text_config=text, vision_config=vision, image_token_id=image_token_id
     )
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
-    tok.chat_template = CHAT.replace("IMAGE", "<|image|>")
-    tok.save_pretrained(target)
+    save_model(cfg, target)
+    save_parts(target, tok, "<|image|>", {"processor_class": "Inkling2Processor", "image_token": "<|image|>"})
     image_processor = {
         "image_processor_type": "Inkling2ImageProcessor",
         "processor_class": "Inkling2Processor",
         "size": {"height": 16, "width": 16},  # a token's patch: 2 x 2 of the tower's 8-pixel patches
     }
     (target / "preprocessor_config.json").write_text(json.dumps(image_processor))
-    options = {"processor_class": "Inkling2Processor", "image_token": "<|image|>"}
-    (target / "processor_config.json").write_text(json.dumps(options))
 
 
 @pytest.mark.parametrize("family", ["mistral3", "inkling2"])
@@ -334,10 +339,9 @@ def make_smolvlm(target: Path, tokenizer_from: Path) -> None:
     global view, 1 token a tile after its pixel shuffle). Its processor is saved as its parts (the PIL image processor, the
     tokenizer with the chat template, the processor's options): its video processor needs torchvision, so
     `AutoProcessor` cannot build it here, and batchrun builds it without one (loading.load_processor)."""
-    import json
 
     from model_families import TINY_VISION, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
@@ -352,15 +356,11 @@ def make_smolvlm(target: Path, tokenizer_from: Path) -> None:
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    save_model(cfg, target)
     SmolVLMImageProcessorPil(
         size={"longest_edge": 32}, max_image_size={"longest_edge": 16}, do_image_splitting=True
     ).save_pretrained(target)
-    tok.chat_template = CHAT.replace("IMAGE", "<image>")
-    tok.save_pretrained(target)
-    options = {"image_seq_len": 1, "processor_class": "SmolVLMProcessor"}
-    (target / "processor_config.json").write_text(json.dumps(options))
+    save_parts(target, tok, "<image>", {"image_seq_len": 1, "processor_class": "SmolVLMProcessor"})
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import BATCHRUN, ROOT, read_outputs, run_cli, write_job, write_prompts
+from helpers import BATCHRUN, ROOT, read_outputs, run_cli, wait_for_parts, write_job, write_prompts
 
 pytestmark = pytest.mark.ray
 RAY = str(Path(sys.executable).parent / "ray")
@@ -166,29 +166,22 @@ def start_driver(job_file, cluster: str, out: Path) -> subprocess.Popen:
     )
 
 
-def wait_for_parts(out: Path, n: int, driver: subprocess.Popen) -> None:
-    """Until shard 0 has written n parts (a row each)."""
-    t0 = time.time()
-    while len(list(out.glob("part-00000of00002-*.parquet"))) < n:
-        assert driver.poll() is None and time.time() - t0 < 240, driver.communicate()
-        time.sleep(0.02)
-
-
 def test_sigterm_stops_the_actors_and_a_killed_actor_loses_no_row(cluster, job):
     """SIGTERM to the driver: every actor writes what it finished, exit 3. The rerun resumes; an actor killed
     with kill -9 midway has its shard resumed by a new one: every row written once, equal to one process."""
     job_file, d, expected = job
     out = d / "killed"
     driver = start_driver(job_file, cluster, out)
-    wait_for_parts(out, 1, driver)
+    shard_0 = "part-00000of00002-*.parquet"  # its parts hold a row each
+    assert wait_for_parts(out, 1, driver, timeout=240, pattern=shard_0), driver.communicate()
     driver.send_signal(signal.SIGTERM)
     _, stderr = driver.communicate(timeout=300)
     assert driver.returncode == 3, stderr
     written = len(read_outputs(out))
     assert 0 < written < N_ROWS, written
-    before = len(list(out.glob("part-00000of00002-*.parquet")))
+    before = len(list(out.glob(shard_0)))
     driver = start_driver(job_file, cluster, out)
-    wait_for_parts(out, before + 1, driver)
+    assert wait_for_parts(out, before + 1, driver, timeout=240, pattern=shard_0), driver.communicate()
     pid = json.loads((out / ".batchrun" / "heartbeat-00000of00002.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
     _, stderr = driver.communicate(timeout=300)
