@@ -134,6 +134,9 @@ def test_the_build_folder_is_keyed_by_source_torch_and_cpu(tmp_path, monkeypatch
         dict(softcap=3.0),
         dict(sinks=True),
         dict(window=24, softcap=2.0, sinks=True),
+        dict(sinks="token"),  # Inkling 2's: a sink logit per query token and head
+        dict(relative_bias=24),  # and a bias per query token and head by the key's distance back
+        dict(window=20, relative_bias=20, sinks="token"),
     ],
     ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
 )
@@ -144,22 +147,26 @@ def test_paged_decode_with_layer_features_matches_the_reference(dtype, extras, h
     q, kc, vc, bt, rows = decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, seed=3)
     scale = head_dim**-0.5
     window, chunk, softcap = extras.get("window", 0), extras.get("chunk", 0), extras.get("softcap", 0.0)
-    sinks = (
-        torch.randn(num_kv_heads * gqa, generator=torch.Generator().manual_seed(5))
-        if "sinks" in extras
-        else None
-    )
+    gen = torch.Generator().manual_seed(5)
+    T, num_heads = q.shape[:2]
+    sinks = bias = None  # the kernel's: per packed row where per token; the reference's: of the decoding rows
+    if "sinks" in extras:
+        sinks = torch.randn((T, num_heads) if extras["sinks"] == "token" else (num_heads,), generator=gen)
+    if "relative_bias" in extras:
+        bias = torch.randn(T, num_heads, extras["relative_bias"], generator=gen)
     first = [
         max(0, c - window) if window else ((c - 1) - (c - 1) % chunk if chunk else 0) for c in context_lens
     ]
     out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor(context_lens, dtype=torch.int32)
     first_keys = torch.tensor(first, dtype=torch.int32) if window or chunk else None
-    KERNEL.paged_decode_attention(out, q, kc, vc, bt, seq_lens, rows, scale, first_keys, softcap, sinks)
+    KERNEL.paged_decode_attention(out, q, kc, vc, bt, seq_lens, rows, scale, first_keys, softcap, sinks, bias)
     qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
     ref = ref_paged_attention(
-        q[rows].float(), kc.float(), vc.float(), bt, qsl, seq_lens, scale, window, chunk, softcap, sinks
-    )
+        q[rows].float(), kc.float(), vc.float(), bt, qsl, seq_lens, scale, window, chunk, softcap,
+        sinks if sinks is None or sinks.dim() == 1 else sinks[rows],
+        None if bias is None else bias[rows],
+    )  # fmt: skip
     got = out[rows].float()
     assert not got.isnan().any()
     err = ((got - ref).norm() / ref.norm()).item()

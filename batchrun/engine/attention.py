@@ -18,8 +18,7 @@ What a layer computes beyond plain causal attention arrives with its call and is
 a sliding window (`sliding_window`: Mistral, Gemma 2/3, gpt-oss, ...), chunked attention (Llama 4's local
 layers, from the config's `layer_types`), logit soft-capping (`softcap`: Gemma 2) and attention sinks (`s_aux`:
 gpt-oss). Terms of each query token's own (`TokenScores`: Inkling 2's sink logits and relative position bias,
-computed from the token's hidden state) are honoured by `gather` and the Triton kernels (`torch` sends such
-layers through `gather`: its C++ decode does not take them). An argument batchrun does not know is an error (`UnsupportedModel`),
+computed from the token's hidden state) are honoured by every backend too. An argument batchrun does not know is an error (`UnsupportedModel`),
 never ignored: the engine's load probe (architecture.py) meets it before any row runs.
 """
 
@@ -678,8 +677,7 @@ class TorchPlan:
 
 class TorchAttention:
     """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
-    through SDPA, as in GatherAttention. A layer with terms of each query token (TokenScores), which the
-    kernel does not take, runs on GatherAttention whole."""
+    through SDPA, as in GatherAttention."""
 
     name = "torch"
 
@@ -687,7 +685,6 @@ class TorchAttention:
         self.page_size = page_size
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
         self.device = torch.device("cpu")
-        self.gather = GatherAttention(page_size, self.device)
 
     def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> TorchPlan:
         rows, prefills = split_step(layout, kind, self.page_size, self.device)
@@ -708,8 +705,6 @@ class TorchAttention:
         return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
-        if call.token_scores is not None:
-            return self.gather.forward(meta, layer, call, q, k, v, scale)
         times = meta.services.times  # its parts, for bench/micro/profile_step.py attention
         group, k_cache, v_cache, writes = meta.layer(layer)
         plan: TorchPlan = meta.plan(self, group, call.kind)
@@ -721,11 +716,14 @@ class TorchAttention:
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
-            sinks = None if call.sinks is None else call.sinks.detach().float().contiguous()
+            token = call.token_scores or TokenScores(None, None)
+            sinks = call.sinks if token.sinks is None else token.sinks  # [Hq], or [T, Hq]
+            sinks = None if sinks is None else sinks.detach().float().contiguous()
+            bias = None if token.relative_bias is None else token.relative_bias.detach().float()
             with times.part("C++ decode"):
                 self.kernel.paged_decode_attention(
                     out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
-                    d.first_keys, call.softcap or 0.0, sinks,
+                    d.first_keys, call.softcap or 0.0, sinks, bias,
                 )  # fmt: skip
             times.count(
                 "C++ decode: K/V bytes read", d.num_keys_read * (k_cache[0, 0].nbytes + v_cache[0, 0].nbytes)

@@ -8,13 +8,15 @@
 // scored at once: 16 lane-wise partial dot products, then their 16 horizontal sums together (sum_lanes16);
 // a horizontal sum per key made the kernel compute-bound (bench/micro/profile_step.py attention measures
 // it; figures in bench/RESULTS.md). What a layer asks beyond full causal attention: the first key each sequence
-// sees (a sliding window or a chunk: the pages wholly before it are not read), logit soft-capping, and one
-// attention-sink logit per query head in the softmax's denominator. Shapes:
+// sees (a sliding window or a chunk: the pages wholly before it are not read), logit soft-capping, an
+// attention-sink logit per query head (or per query token and head) in the softmax's denominator, and a relative
+// bias per query token and head by the key's backward distance (Inkling 2's). Shapes:
 //   query [T, Hq, Dk], out [T, Hq, Dv] (any strides but a unit last one)
 //   k_cache [num_pages, P, Hkv, Dk], v_cache [num_pages, P, Hkv, Dv] (Dk != Dv: MLA)
 //   block_tables [G, max_blocks] int32   seq_lens [G] int32 (context, the new token included)
 //   token_index [G] int64: the packed row of each decoding sequence's query (and output)
-//   first_keys [G] int32 or None (0)   softcap: 0 = off   sinks [Hq] fp32 or None
+//   first_keys [G] int32 or None (0)   softcap: 0 = off   sinks [Hq] or [T, Hq] fp32, or None
+//   relative_bias [T, Hq, R] fp32 (unit stride in R) or None: added to the score of the key d = p - k < R back
 //
 // 2. Greedy argmax over rows of logits [N, V] (fp32 or bf16), as torch.argmax decides it (the first index of the
 // largest value; a NaN counts as the largest), at the speed of a plain reduction, where torch's argmax ran
@@ -172,9 +174,12 @@ inline void sum_values(const float* weights, const T* vh, const int32_t* table, 
 }
 
 struct LayerExtras {
-  const int32_t* first_keys;  // nullptr: every sequence sees its whole context
-  float softcap;              // 0: off
-  const float* sinks;         // nullptr: none
+  const int32_t* first_keys = nullptr;  // nullptr: every sequence sees its whole context
+  float softcap = 0.f;                  // 0: off
+  const float* sinks = nullptr;         // nullptr: none; else row t's sink of a head at t * sink_stride + head
+  int64_t sink_stride = 0;              // 0: one per head
+  const float* rel = nullptr;           // nullptr: none; else row t's bias of a head at t * rel_st + head * rel_sh
+  int64_t rel_extent = 0, rel_st = 0, rel_sh = 0;
 };
 
 template <int kD, typename T>
@@ -220,9 +225,15 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           const float cap = extras.softcap, inv_cap = 1.f / extras.softcap;
           for (int64_t j = hidden; j < n; ++j) scores[j] = cap * std::tanh(scores[j] * inv_cap);
         }
-        float m = extras.sinks ? extras.sinks[head] : -INFINITY;
+        if (extras.rel) {  // key j is at position base + j, the query at ctx - 1: distance back = ctx - 1 - base - j
+          const float* bias = extras.rel + t * extras.rel_st + head * extras.rel_sh;
+          const int64_t last = ctx - 1 - first_page * P;  // the query's own j
+          for (int64_t j = std::max(hidden, last - extras.rel_extent + 1); j < n; ++j) scores[j] += bias[last - j];
+        }
+        const float* sink = extras.sinks ? extras.sinks + t * extras.sink_stride + head : nullptr;
+        float m = sink ? *sink : -INFINITY;
         for (int64_t j = hidden; j < n; ++j) m = scores[j] > m ? scores[j] : m;
-        float total = extras.sinks ? exp_nonpositive(extras.sinks[head] - m) : 0.f;
+        float total = sink ? exp_nonpositive(*sink - m) : 0.f;
         for (int64_t j = 0; j < hidden; ++j) scores[j] = 0.f;  // before the window or the chunk
 #pragma omp simd reduction(+ : total)
         for (int64_t j = hidden; j < n; ++j) {
@@ -258,7 +269,8 @@ void decode_any(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_ca
 
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor seq_lens, at::Tensor token_index, double scale,
-                            c10::optional<at::Tensor> first_keys, double softcap, c10::optional<at::Tensor> sinks) {
+                            c10::optional<at::Tensor> first_keys, double softcap, c10::optional<at::Tensor> sinks,
+                            c10::optional<at::Tensor> relative_bias) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "unit stride in the head dimension");
@@ -268,7 +280,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
                   token_index.scalar_type() == at::kLong,
               "int32 block tables and lengths, int64 token index");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && out.size(2) == v_cache.size(3), "head dims: query = K, out = V");
-  LayerExtras extras{nullptr, static_cast<float>(softcap), nullptr};
+  LayerExtras extras;
+  extras.softcap = static_cast<float>(softcap);
   if (first_keys.has_value()) {
     TORCH_CHECK(first_keys->scalar_type() == at::kInt && first_keys->is_contiguous() &&
                     first_keys->size(0) == seq_lens.size(0),
@@ -276,9 +289,22 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
     extras.first_keys = first_keys->data_ptr<int32_t>();
   }
   if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == query.size(1),
-                "sinks: [Hq] float32");
+    const bool per_token = sinks->dim() == 2;
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->size(-1) == query.size(1) && (!per_token || sinks->size(0) == query.size(0)),
+                "sinks: [Hq] or [T, Hq] float32");
     extras.sinks = sinks->data_ptr<float>();
+    extras.sink_stride = per_token ? query.size(1) : 0;
+  }
+  if (relative_bias.has_value()) {
+    TORCH_CHECK(relative_bias->scalar_type() == at::kFloat && relative_bias->dim() == 3 &&
+                    relative_bias->size(0) == query.size(0) && relative_bias->size(1) == query.size(1) &&
+                    relative_bias->stride(2) == 1,
+                "relative_bias: [T, Hq, R] float32, unit stride in R");
+    extras.rel = relative_bias->data_ptr<float>();
+    extras.rel_extent = relative_bias->size(2);
+    extras.rel_st = relative_bias->stride(0);
+    extras.rel_sh = relative_bias->stride(1);
   }
   switch (query.scalar_type()) {
     case at::kFloat:
@@ -397,6 +423,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("token_index"), py::arg("scale"), py::arg("first_keys") = py::none(),
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("relative_bias") = py::none());
   m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
 }
