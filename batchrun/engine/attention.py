@@ -17,9 +17,9 @@ forward waits on the device to learn a shape), and every layer of that kind runs
 What a layer computes beyond plain causal attention arrives with its call and is honoured by every backend:
 a sliding window (`sliding_window`: Mistral, Gemma 2/3, gpt-oss, ...), chunked attention (Llama 4's local
 layers, from the config's `layer_types`), logit soft-capping (`softcap`: Gemma 2) and attention sinks (`s_aux`:
-gpt-oss). Terms of each query token's own (`TokenScores`: Inkling 2's sink logits and relative position bias,
-computed from the token's hidden state) are honoured by every backend too. An argument batchrun does not know is an error (`UnsupportedModel`),
-never ignored: the engine's load probe (architecture.py) meets it before any row runs.
+gpt-oss), and terms of each query token's own (`TokenScores`: Inkling 2's sink logits and relative position
+bias, computed from the token's hidden state). An argument batchrun does not know is an error
+(`UnsupportedModel`), never ignored: the engine's load probe (architecture.py) meets it before any row runs.
 """
 
 from __future__ import annotations
