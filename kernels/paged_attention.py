@@ -6,16 +6,17 @@ sequence and the GQA query heads that share one KV head, packed as BLOCK_M = BLO
 tile loaded from the pages serves every one of them. It walks the sequence's block table tile by tile (a tile
 is BLOCK_N keys, within one page, or across two pages of 8), with an online softmax accumulated in fp32, and stops at
 the last key its latest query may see (causal: a query at position p sees context positions <= p). A layer's
-mask kind, soft-capping, sinks and a relative bias are run-time arguments: a sliding window (p - window < k) or a
-chunk (k // chunk == p // chunk) also moves the first tile read, so pages wholly outside it are never loaded;
-sinks (one per head, or per query token and head) start each row's online softmax at the sink logit (so it
-counts in the denominator and in nothing else); a relative bias (Inkling 2's, per query token and head, by
-backward distance p - k < R) is added to each score the query sees.
+mask kind, soft-capping and sinks are run-time arguments: a sliding window (p - window < k) or a chunk
+(k // chunk == p // chunk) also moves the first tile read, so pages wholly outside it are never loaded; sinks
+(one per head, or per query token and head) start each row's online softmax at the sink logit (so it counts in
+the denominator and in nothing else). A relative bias (Inkling 2's, per query token and head, by backward
+distance p - k < R), added to each score the query sees, is a compile-time one (`REL_BIAS`).
 
-Specializations: the dtype, the head dim and the rows of a program are compile-time arguments; the GQA ratio,
-the tokens per program and the page size are run-time ones, so one compiled kernel serves every model and
-page size of a head dim. `specializations()` lists every one the launchers can produce, and
-`make kernels-check` (batchrun_kernels.check) compiles each for sm_80 and sm_90 ahead of time.
+Specializations: the dtype, the head dim, the rows of a program and whether a relative bias is added are
+compile-time arguments; the GQA ratio, the tokens per program and the page size are run-time ones, so one
+compiled kernel serves every model and page size of a head dim. `specializations()` lists every one the
+launchers can produce, and `make kernels-check` (batchrun_kernels.check) compiles each for sm_80 and sm_90
+ahead of time.
 """
 
 from __future__ import annotations
@@ -316,8 +317,8 @@ def unsupported_reason(dtype: torch.dtype, page_size: int, head_dim: int, v_head
 
 def attention_constexprs(dtype: torch.dtype, head_dim: int, block_m: int, rel_bias: bool = False) -> dict:
     """The compile-time arguments of `_paged_attention_kernel` for one launch. A relative bias is one (a kernel
-    of its own): its loads in the inner loop cost every other model registers (`make kernels-check` showed the
-    decode kernel of head dim 128 in fp16 at 212 registers against 168 when it was a run-time branch)."""
+    of its own): as a run-time branch, its loads in the inner loop cost every other model registers
+    (`make kernels-check`, bench/RESULTS.md)."""
     fp32 = dtype == torch.float32
     return dict(
         HEAD_DIM=head_dim,

@@ -123,6 +123,19 @@ def wait_for_parts(
     raise AssertionError("no part files appeared")
 
 
+def save_vlm(cfg, target: Path, perturbed: bool = False) -> None:
+    """A tiny vision-language model of `cfg`, random weights from seed 0 (biases and norm weights perturbed
+    where a family repeats its last token otherwise), saved in target."""
+    from model_families import perturb
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg)
+    if perturbed:
+        perturb(model, 0)
+    model.save_pretrained(target)
+
+
 def read_outputs(out_dir: Path) -> dict:
     """(id, sample) -> row dict, asserting no pair appears twice."""
     rows = {}

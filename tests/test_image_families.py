@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_vlm
 from test_images import picture
 
 from batchrun import LLM, SamplingParams
@@ -59,19 +60,6 @@ CHAT = (  # a chat template that places an image part as `image` (each family's 
     "{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def save_model(cfg, target: Path, perturbed: bool = False) -> None:
-    """The tiny model of `cfg`, random weights from seed 0 (biases and norm weights perturbed where a family
-    repeats its last token otherwise), saved in target."""
-    from model_families import perturb
-    from transformers import AutoModelForImageTextToText
-
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(cfg)
-    if perturbed:
-        perturb(model, 0)
-    model.save_pretrained(target)
 
 
 def save_parts(target: Path, tok, image_marker: str, processor_options: dict | None = None) -> None:
@@ -126,7 +114,7 @@ def make_qwen_vl(family: str, target: Path, tokenizer_from: Path) -> None:
         text.update(moe, decoder_sparse_step=1)
     text["rope_parameters"] = rope
     cfg = AutoConfig.for_model(family, text_config=text, vision_config=vision, **ids)
-    save_model(cfg, target)
+    save_vlm(cfg, target)
     side = vision["patch_size"] * 2  # a merged patch
     Qwen2VLImageProcessorPil(
         patch_size=vision["patch_size"], min_pixels=side * side * 4, max_pixels=side * side * 16
@@ -162,7 +150,7 @@ def make_gemma3(target: Path, tokenizer_from: Path) -> None:
         eoi_token_id=tok.eoi_token_id,
         tie_word_embeddings=False,
     )
-    save_model(cfg, target, perturbed=True)
+    save_vlm(cfg, target, perturbed=True)
     Gemma3Processor(
         image_processor=Gemma3ImageProcessorPil(size={"height": 64, "width": 64}),
         tokenizer=tok,
@@ -210,7 +198,7 @@ def make_gemma4(target: Path, tokenizer_from: Path) -> None:
         video_token_id=tok.convert_tokens_to_ids("<|video|>"),
         tie_word_embeddings=False,
     )
-    save_model(cfg, target, perturbed=True)
+    save_vlm(cfg, target, perturbed=True)
     Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70).save_pretrained(target)
     save_parts(target, tok, "<image_soft_token>")
 
@@ -237,7 +225,7 @@ def make_mistral3(target: Path, tokenizer_from: Path) -> None:
         spatial_merge_size=2,
         vision_feature_layer=-1,
     )
-    save_model(cfg, target)
+    save_vlm(cfg, target)
     PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size=8).save_pretrained(target)
     options = {"patch_size": 8, "spatial_merge_size": 2, "processor_class": "PixtralProcessor"}
     save_parts(target, tok, "[IMG]", options)
@@ -268,7 +256,7 @@ def make_inkling2(target: Path, tokenizer_from: Path) -> None:
     cfg = AutoConfig.for_model(
         "inkling2", text_config=text, vision_config=vision, image_token_id=image_token_id
     )
-    save_model(cfg, target)
+    save_vlm(cfg, target)
     save_parts(target, tok, "<|image|>", {"processor_class": "Inkling2Processor", "image_token": "<|image|>"})
     image_processor = {
         "image_processor_type": "Inkling2ImageProcessor",
@@ -336,9 +324,10 @@ def test_a_processor_that_needs_torchvision_leaves_text_rows_running(family, tmp
 
 def make_smolvlm(target: Path, tokenizer_from: Path) -> None:
     """A tiny random-weight SmolVLM (Idefics3's architecture: each image in 16-pixel tiles, 2 x 2 of them, plus a
-    global view, 1 token a tile after its pixel shuffle). Its processor is saved as its parts (the PIL image processor, the
-    tokenizer with the chat template, the processor's options): its video processor needs torchvision, so
-    `AutoProcessor` cannot build it here, and batchrun builds it without one (loading.load_processor)."""
+    global view, 1 token a tile after its pixel shuffle). Its processor is saved as its parts (the PIL image
+    processor, the tokenizer with the chat template, the processor's options): its video processor needs
+    torchvision, so `AutoProcessor` cannot build it here, and batchrun builds it without one
+    (loading.load_processor)."""
 
     from model_families import TINY_VISION, tiny_text
     from transformers import AutoConfig, AutoTokenizer
@@ -356,7 +345,7 @@ def make_smolvlm(target: Path, tokenizer_from: Path) -> None:
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    save_model(cfg, target)
+    save_vlm(cfg, target)
     SmolVLMImageProcessorPil(
         size={"longest_edge": 32}, max_image_size={"longest_edge": 16}, do_image_splitting=True
     ).save_pretrained(target)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_outputs, run_cli, start_submit, wait_for_parts, write_job
+from helpers import read_outputs, run_cli, save_vlm, start_submit, wait_for_parts, write_job
 
 from batchrun import LLM, SamplingParams
 
@@ -270,7 +270,7 @@ def idefics3_dir(tmp_path_factory, model_dir, llava_dir):
     """A tiny Idefics3 (SmolVLM's and Granite Docling's architecture): images split into tiles plus a global
     view, a pixel-shuffle connector; its processor gives one prompt's images as one tensor of tiles."""
     from model_families import TINY_VISION, tiny_text
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
     from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
 
@@ -286,9 +286,8 @@ def idefics3_dir(tmp_path_factory, model_dir, llava_dir):
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    torch.manual_seed(0)
     target = tmp_path_factory.mktemp("idefics3")
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(target)
+    save_vlm(cfg, target)
     images = Idefics3ImageProcessorPil(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True
     )

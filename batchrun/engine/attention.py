@@ -135,13 +135,14 @@ class TokenScores:
     relative_bias: torch.Tensor | None  # [T, Hq, R]: at the key d = q_pos - k_pos back, for 0 <= d < R
     sinks: torch.Tensor | None  # [T, Hq]: a logit in the softmax's denominator, per token and head
 
-    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> ScoreTerms:
-        """For a batch of B sequences of n queries each, at packed rows and positions [B, n], over keys at
-        positions key_pos [m]: the bias [B, Hq, n, m] and the sinks [B, Hq, n, 1]."""
+    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, num_keys: int) -> ScoreTerms:
+        """For a batch of B sequences of n queries each, at packed rows and positions [B, n], over the keys at
+        positions 0..num_keys-1 (m): the bias [B, Hq, n, m] and the sinks [B, Hq, n, 1]."""
         bias = sinks = None
         if self.relative_bias is not None:
             rel = self.relative_bias[rows]  # [B, n, Hq, R]
             R = rel.shape[-1]
+            key_pos = torch.arange(num_keys, device=query_pos.device)
             back = query_pos[:, :, None] - key_pos[None, None, :]  # [B, n, m]
             index = back.clamp(0, R - 1)[:, :, None, :].expand(-1, -1, rel.shape[2], -1)
             bias = rel.gather(-1, index).masked_fill(((back < 0) | (back >= R))[:, :, None, :], 0.0)
@@ -165,9 +166,20 @@ class LayerCall:
         """SDPA computes it (no soft-capping, no sinks, nothing per token)."""
         return self.softcap is None and self.sinks is None and self.token_scores is None
 
-    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> ScoreTerms | None:
+    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, num_keys: int) -> ScoreTerms | None:
         """These queries' per-token terms (TokenScores.terms); None for a layer without any."""
-        return None if self.token_scores is None else self.token_scores.terms(rows, query_pos, key_pos)
+        return None if self.token_scores is None else self.token_scores.terms(rows, query_pos, num_keys)
+
+    @property
+    def sink_logits(self) -> torch.Tensor | None:
+        """The sinks as the paged kernels take them: [Hq] (one per head) or [T, Hq] (per query token)."""
+        token = self.token_scores
+        return self.sinks if token is None or token.sinks is None else token.sinks
+
+    @property
+    def relative_bias(self) -> torch.Tensor | None:
+        """[T, Hq, R] (TokenScores), as the paged kernels take it."""
+        return None if self.token_scores is None else self.token_scores.relative_bias
 
 
 @dataclass
@@ -389,8 +401,7 @@ def gathered_decode_attention(
                 q, k, v, attn_mask=batch.mask, scale=scale
             )  # [G, Hkv, gqa, Dv]
         else:  # the eager path wants query heads as heads: [G, Hq, 1, Dk]
-            key_pos = torch.arange(ctx, device=query.device)
-            terms = call.terms(batch.token_index[:, None], batch.query_pos[:, None], key_pos)
+            terms = call.terms(batch.token_index[:, None], batch.query_pos[:, None], ctx)
             o = eager_attention(q.reshape(G, num_heads, 1, head_dim), k, v, batch.mask, scale, call, terms)
         out[batch.token_index] = o.reshape(G, num_heads, v_dim)
 
@@ -422,9 +433,7 @@ def prefill_attention(
         if call.token_scores is not None:
             query_pos = torch.arange(p.context_len - p.num_tokens, p.context_len, device=query.device)
             rows_index = torch.arange(p.start, p.start + p.num_tokens, device=query.device)
-            terms = call.terms(
-                rows_index[None], query_pos[None], torch.arange(k.shape[2], device=query.device)
-            )
+            terms = call.terms(rows_index[None], query_pos[None], k.shape[2])
         o = attend(q, k, v, p.mask, scale, call, causal=p.mask is None, terms=terms)
         out[rows] = o[0].transpose(0, 1)
 
@@ -499,12 +508,12 @@ class AttentionMetadata:
         """A layer's place in the pages (kv_cache.LayerPages: its group, K and V views, whether it writes)."""
         return self.services.kv_cache.layer(layer)
 
-    def plan(self, backend, group: int, kind: MaskKind):
+    def plan(self, group: int, kind: MaskKind):
         """The backend's plan for a group's layers of a mask kind, made by the first of them."""
-        key = (backend.name, group, kind)
+        key = (group, kind)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = backend.prepare(self.layouts[group], kind, group)
+            plan = self._plans[key] = self.services.backend.prepare(self.layouts[group], kind, group)
         return plan
 
     def query_scale_fix(self, fix, like: torch.Tensor) -> torch.Tensor:
@@ -651,7 +660,7 @@ class GatherAttention:
         group, k_cache, v_cache, writes = meta.layer(layer)
         if writes:
             write_kv(k, v, k_cache, v_cache, meta.layouts[group])
-        plan: GatherPlan = meta.plan(self, group, call.kind)
+        plan: GatherPlan = meta.plan(group, call.kind)
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         gathered_decode_attention(out, q, k_cache, v_cache, plan.decode, scale, call, self.workspace)
         prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
@@ -707,7 +716,7 @@ class TorchAttention:
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         times = meta.services.times  # its parts, for bench/micro/profile_step.py attention
         group, k_cache, v_cache, writes = meta.layer(layer)
-        plan: TorchPlan = meta.plan(self, group, call.kind)
+        plan: TorchPlan = meta.plan(group, call.kind)
         if writes:
             with times.part(
                 "write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"
@@ -716,10 +725,9 @@ class TorchAttention:
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
-            token = call.token_scores or TokenScores(None, None)
-            sinks = call.sinks if token.sinks is None else token.sinks  # [Hq], or [T, Hq]
+            sinks, bias = call.sink_logits, call.relative_bias
             sinks = None if sinks is None else sinks.detach().float().contiguous()
-            bias = None if token.relative_bias is None else token.relative_bias.detach().float()
+            bias = None if bias is None else bias.detach().float()
             with times.part("C++ decode"):
                 self.kernel.paged_decode_attention(
                     out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
@@ -771,10 +779,9 @@ class TritonAttention:
 
     def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
         group, k_cache, v_cache, writes = meta.layer(layer)
-        plan: TritonPlan = meta.plan(self, group, call.kind)
+        plan: TritonPlan = meta.plan(group, call.kind)
         if writes:
             self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.layouts[group].slot_mapping)
-        token = call.token_scores
         return self.kernels.paged_attention(
             q.contiguous(),
             k_cache,
@@ -787,8 +794,8 @@ class TritonAttention:
             window=call.kind.window or 0,
             chunk=call.kind.chunk or 0,
             softcap=call.softcap or 0.0,
-            sinks=call.sinks if token is None or token.sinks is None else token.sinks,
-            relative_bias=None if token is None else token.relative_bias,
+            sinks=call.sink_logits,
+            relative_bias=call.relative_bias,
         )
 
 

@@ -50,7 +50,7 @@ def load_processor(model_dir: Path, config):
     except Exception as e:  # noqa: BLE001 - the model's own processor files
         _unless_for_torchvision(e, where)
     try:
-        return _processor_without_torchvision(model_dir, config, where)
+        return _processor_without_torchvision(model_dir, config)
     except Exception as e:  # noqa: BLE001 - its own module or a part needs torchvision (Pixtral's, Inkling 2's)
         _unless_for_torchvision(e, where)
         first = " ".join(str(e).split()).split(". ")[0]  # transformers' first sentence
@@ -75,12 +75,12 @@ class ProcessorUnavailable(BadInput):
     image is that row's error, naming this (llm.LLM)."""
 
 
-def _processor_without_torchvision(model_dir: Path, config, where: str):
+def _processor_without_torchvision(model_dir: Path, config):
     """The model's own processor class, given its image processor's PIL path, its tokenizer and no video
     processor (a NoVideo in its place). The CPU torch wheel has no torchvision on the registry that imports
     beside it (PyPI's is built for CUDA torch), and transformers' video processors need it even where no video
-    is ever given; image processors have a PIL path that needs none. A processor whose other parts need torchvision is a bad model
-    path, naming the part."""
+    is ever given; image processors have a PIL path that needs none. A processor whose other parts need
+    torchvision raises, naming the part (load_processor makes it ProcessorUnavailable)."""
     import json
 
     import transformers
@@ -90,7 +90,7 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
     name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if cls is None:
-        raise ProcessorUnavailable(f"{where}: it needs torchvision, which is not installed")
+        raise ProcessorUnavailable("its processor class needs torchvision, which is not installed")
     parts = {}
     for attribute in cls.get_attributes():
         if attribute == "image_processor":
@@ -102,7 +102,7 @@ def _processor_without_torchvision(model_dir: Path, config, where: str):
         elif attribute == "feature_extractor":
             parts[attribute] = None  # nor audio
         else:
-            raise ProcessorUnavailable(f"{where}: its {attribute} needs torchvision, which is not installed")
+            raise ProcessorUnavailable(f"its {attribute} needs torchvision, which is not installed")
     options = {}
     config_file = model_dir / "processor_config.json"
     if config_file.exists():

@@ -156,8 +156,8 @@ class ImageBlocks:
     """Bidirectional image attention: during prefill, one image's tokens see each other, the later ones
     included, on top of what the layer's mask shows (for a sliding layer, within its window: transformers'
     AND(window, OR(causal, same image))). Gemma 3 opens every layer (`sliding_only` False); Gemma 4 opens
-    its sliding layers only (with use_bidirectional_attention "vision"). A prefill chunk then never splits an image's tokens (`ImageInputs.keep_whole`); a
-    decoding token, never an image token, is causal as ever."""
+    its sliding layers only (with use_bidirectional_attention "vision"). A prefill chunk then never splits an
+    image's tokens (`ImageInputs.keep_whole`); a decoding token, never an image token, is causal as ever."""
 
     sliding_only: bool
 
