@@ -2,7 +2,7 @@
 alone. Runs in vLLM's own virtual environment (bench/vs_vllm.py says how to make it), never in batchrun's.
 
 Usage: VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 /tmp/vllm-venv/bin/python bench/vllm_peer.py \
-           MODEL_DIR PROMPTS.json DTYPE on|off MAX_NEW_TOKENS RESULT.json
+           MODEL_DIR PROMPTS.json DTYPE on|off MAX_NEW_TOKENS RESULT.json [ignore_eos]
 Writes RESULT.json (vLLM prints its own lines): generated tokens, generate seconds, start-up seconds (imports and load), each
 row's completion token ids.
 """
@@ -22,7 +22,8 @@ def main() -> None:
         model_dir, dtype=dtype, enforce_eager=True, enable_prefix_caching=sharing == "on", max_model_len=2048
     )
     t_ready = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=int(max_new))
+    ignore_eos = sys.argv[7:8] == ["ignore_eos"]  # every row generates MAX_NEW_TOKENS (bench/host.py)
+    params = SamplingParams(temperature=0.0, max_tokens=int(max_new), ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     gen_s = time.perf_counter() - t0

@@ -78,7 +78,7 @@ def test_the_kv_pool_grows_by_the_pages_written():
     groups = KVGroups.of_layers([("full", KVShape(num_kv_heads=2, head_dim=64, v_head_dim=64))] * 4)
     spec = KVCacheSpec(groups, page_size=16, dtype=torch.float32)
     cache = KVCache(spec, num_pages=4096, num_cpu_pages=0, device=torch.device("cpu"))  # 256 MiB
-    _, k, v, _ = cache.layer(1)
+    k, v = cache.layer(1)
     k[100].fill_(1.0)  # one page of one layer's keys: 8 KiB
     pool = cache.pages
     start = pool.data_ptr()

@@ -134,21 +134,28 @@ def test_family_equals_hf_generate_under_preemption(family):
 def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
     """The matrix can fail: attention that drops the layer's window, chunk, soft-capping and sinks (plain causal
     attention, what batchrun computed before) differs from the reference on these families."""
-    from batchrun.engine import attention
+    import dataclasses
+
+    from batchrun.engine.attention import interface
 
     model, expected = model_and_reference(family)
-    monkeypatch.setattr(attention, "layer_call", lambda *a, **k: attention.LayerCall(attention.FULL))
+    real = interface.read_call
+    monkeypatch.setattr(
+        interface,
+        "read_call",
+        lambda *a: dataclasses.replace(real(*a), kind=FULL, softcap=None, sinks=None),
+    )
     got, _, _ = run(model, family, "gather")
     assert got != expected
 
 
 def test_llama4_query_temperature_needs_true_positions(monkeypatch):
     """Llama 4's NoRoPE layers scale queries by position; the packed row's indices are not the positions."""
-    from batchrun.engine import attention
+    from batchrun.engine import architecture
 
     model, expected = model_and_reference("llama4_text")
     assert 0 in model.config.no_rope_layers and model.config.floor_scale < 40, "no layer's scale varies here"
-    monkeypatch.setattr(attention.AttentionMetadata, "query_scale_fix", lambda self, fix, like: 1.0)
+    monkeypatch.setattr(architecture.QueryScaleFix, "factor", lambda self, pos: torch.ones(len(pos)))
     got, _, _ = run(model, "llama4_text", "gather")
     assert got != expected
 
@@ -159,11 +166,11 @@ def test_inklings_terms_of_each_query_count(term, monkeypatch):
     backend that drops either differs from HF `generate`."""
     import dataclasses
 
-    from batchrun.engine import attention
+    from batchrun.engine.attention import interface
 
     model, expected = model_and_reference("inkling2_text")
-    real = attention._token_scores
-    monkeypatch.setattr(attention, "_token_scores", lambda *a: dataclasses.replace(real(*a), **{term: None}))
+    real = interface.token_scores
+    monkeypatch.setattr(interface, "token_scores", lambda *a: dataclasses.replace(real(*a), **{term: None}))
     got, _, _ = run(model, "inkling2_text", "gather")
     assert got != expected
 
@@ -332,16 +339,18 @@ def test_prefix_sharing_and_copy_on_write_per_group(family):
 def test_kv_shared_layers_write_nothing(monkeypatch):
     """Gemma 4's KV-shared layers are handed their source layer's very K/V, which that layer wrote into the same
     pages earlier in the step: they write nothing (6 of its 8 layers write each step), and it still equals HF."""
-    from batchrun.engine import attention
+    from batchrun.engine.attention.backends import gather
 
     model, expected = model_and_reference("gemma4_text")
     writes = []
-    real = attention.write_kv
-    monkeypatch.setattr(attention, "write_kv", lambda *a: (writes.append(1), real(*a))[1])
+    real = gather.write_kv
+    monkeypatch.setattr(gather, "write_kv", lambda *a: (writes.append(1), real(*a))[1])
     got, steps, engine = run(model, "gemma4_text", "gather")
     assert got == expected
     assert len(engine.kv_groups.readers) == 2
     assert len(writes) == (8 - 2) * len(steps)
+    specs = engine.runner.services.specs
+    assert [s.layer for s in specs if not s.writes] == sorted(engine.kv_groups.readers)
 
 
 def test_weight_packing_leaves_the_linears_a_model_reads_itself():
@@ -418,9 +427,9 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
     cache = KVCache(spec, num_pages=3, num_cpu_pages=0, device=torch.device("cpu"))
     owners = torch.zeros(groups.num_groups, 3, spec.page_elements)  # a page is one group's at a time
     for layer in range(42):
-        group, k, v, writes = cache.layer(layer)
-        assert group == groups.layer_group[layer] and k.shape[1:] == (4, 1, layers[layer][1].head_dim)
-        assert writes == (layer not in reads)
+        group = groups.layer_group[layer]
+        k, v = cache.layer(layer)
+        assert k.shape[1:] == (4, 1, layers[layer][1].head_dim)
         if layer in reads:
             source = cache.layer(reads[layer])
             assert (k.data_ptr(), v.data_ptr()) == (source.k.data_ptr(), source.v.data_ptr())

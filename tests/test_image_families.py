@@ -511,20 +511,11 @@ def test_the_comparison_sees_what_the_model_needs(vlm):
         assert outs[1].outputs[0].token_ids != expected[1], what
 
 
-# Qwen2.5-VL's positions, Qwen 3.5's state, Gemma's image attention (Qwen3-VL's and Mistral 3's add nothing here)
-@pytest.mark.parametrize("vlm", ["qwen2_5_vl", "qwen3_5", "gemma3"], indirect=True)
-def test_prefix_sharing_of_an_image(vlm):
-    """Rows with one system prompt and the same image share the image's pages (their 3-D positions, and on Qwen
-    3.5 the state snapshot at a page boundary past the image, kept because the next waiting row shares it); a
-    row with another image (the same placeholder tokens) must not take them. Each equals HF."""
-    family, target, reference = vlm
-    a, b = picture(5, 60, 60), picture(6, 60, 60)
-    system = "You describe pictures for a catalogue. " * 3
-    ask = "Answer in one short sentence, naming what you see. " * 2  # a page of text shared after the image
-    rows = [(a, "Colours?"), (a, "Shapes?"), (b, "Colours?")]
-    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=128, max_num_seqs=1)
-    convs, expected = [], []
+def rows_behind_a_system_prompt(reference, rows, system: str, ask: str) -> tuple[list, list[list[int]]]:
+    """Conversations of a system prompt and a user turn of (image, `ask` + question) per row, and each one's
+    HF `generate` tokens."""
     processor, model = reference
+    convs, expected = [], []
     for image, question in rows:
         content = [{"type": "image"}, {"type": "text", "text": ask + question}]
         convs.append(
@@ -542,11 +533,56 @@ def test_prefix_sharing_of_an_image(vlm):
         with torch.inference_mode():
             ref = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
         expected.append(ref[0, enc["input_ids"].shape[1] :].tolist())
+    return convs, expected
+
+
+SYSTEM = "You describe pictures for a catalogue. " * 3
+ASK = "Answer in one short sentence, naming what you see. " * 2  # a page of text shared after the image
+
+
+# Qwen2.5-VL's positions, Qwen 3.5's state, Gemma's image attention (Qwen3-VL's and Mistral 3's add nothing here)
+@pytest.mark.parametrize("vlm", ["qwen2_5_vl", "qwen3_5", "gemma3"], indirect=True)
+def test_prefix_sharing_of_an_image(vlm):
+    """Rows with one system prompt and the same image share the image's pages (their 3-D positions, and on Qwen
+    3.5 the state snapshot at a page boundary past the image, kept because the next waiting row shares it); a
+    row with another image (the same placeholder tokens) must not take them. Each equals HF."""
+    family, target, reference = vlm
+    a, b = picture(5, 60, 60), picture(6, 60, 60)
+    rows = [(a, "Colours?"), (a, "Shapes?"), (b, "Colours?")]
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=128, max_num_seqs=1)
+    convs, expected = rows_behind_a_system_prompt(reference, rows, SYSTEM, ASK)
     outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    ids = enc["input_ids"][0].tolist()
+    ids = llm.encode_chat(convs[-1]).token_ids
     last_image = len(ids) - 1 - ids[::-1].index(llm.engine.image_token_id)
     assert llm.engine.block_manager.prefix_cache.hit_tokens > last_image  # the second row's image was shared
+
+
+@pytest.mark.parametrize("vlm", ["qwen3_5"], indirect=True)
+def test_a_hybrid_row_admitted_at_a_shared_prefix_keeps_the_encoder_budget(vlm):
+    """Qwen 3.5 rows sharing a system prompt and an image, two running at a time in chunks of 16 tokens: a row
+    admitted with a state snapshot planned at the prefix it shares with the next waiting row has its first chunk
+    cut by the same rules as every other chunk (one chunk policy), the encoder's budget included, so the image
+    features waiting for prefill stay within it (or one prompt's own, when larger); every row equals HF."""
+    _, target, reference = vlm
+    a, b = picture(5, 60, 60), picture(6, 60, 60)
+    rows = [(a, "Colours?"), (a, "Shapes?"), (b, "Colours?"), (b, "Shapes?"), (a, "Size?")]
+    convs, expected = rows_behind_a_system_prompt(reference, rows, SYSTEM, ASK)
+    llm = LLM(
+        model=str(target),
+        dtype="float32",
+        device="cpu",
+        num_pages=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+    )
+    outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.state_slots.snapshots_taken > 0, "no row was admitted with a snapshot planned"
+    counts = llm.engine.image_counts()
+    per_token = counts["encoder_budget_bytes"] // 16
+    largest = max(len(llm.encode_chat(c).images.positions) for c in convs)
+    assert 0 < counts["encoder_peak_bytes"] <= max(16, largest) * per_token
 
 
 @pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)

@@ -2,7 +2,7 @@
 
 batchrun runs the stock `transformers` model code and replaces only its attention function. That computes what
 the model computes when (a) every layer's attention goes through transformers' attention interface, passing on
-the step's keyword arguments, (b) every argument of those calls is one batchrun honours (attention.layer_call),
+the step's keyword arguments, (b) every argument of those calls is one batchrun honours (attention.interface.read_call),
 and (c) every layer that keeps a state from one step to the next keeps it where batchrun can give it a state
 slot (below). A model that fails any of these is refused here, naming the architecture and the reason, before
 any row runs: never a row error later, never a silent difference.
@@ -30,6 +30,7 @@ sequence's tokens runs its model's own eager attention (OWN_ATTENTION). Both are
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -40,13 +41,13 @@ from .attention import (
     AttentionMetadata,
     AttentionServices,
     LayerCall,
+    LayerSpec,
     MaskKind,
     RelativeBias,
-    StepLayout,
+    StepMetadata,
     UnsupportedModel,
-    attend,
-    int_tensor,
 )
+from .attention.reference import attend
 from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
 from .state_cache import AttributeStates, StatefulCall, StateProbe, StateSpec
 
@@ -75,9 +76,9 @@ class QueryScaleFix:
     def _scale(self, pos: torch.Tensor) -> torch.Tensor:
         return torch.log1p(torch.floor((pos.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
 
-    def factor(self, positions: list[int]) -> torch.Tensor:
-        """[T]: true scale / applied scale of each packed token."""
-        return self._scale(torch.tensor(positions)) / self._scale(torch.arange(len(positions)))
+    def factor(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T]: true scale / applied scale of each packed token, from their positions [T]."""
+        return self._scale(positions) / self._scale(torch.arange(len(positions), device=positions.device))
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class ModelAttention:
     num_layers: int
     num_heads: int  # query heads (of every attention layer)
     layer_kv: tuple[tuple[MaskKind, KVShape] | None, ...]  # per layer; None: a layer without attention
+    calls: tuple[LayerCall | None, ...]  # per layer: its call as the probe read it
     kv_reads: tuple[tuple[int, int], ...] = ()  # (layer, earlier layer whose K/V it was given: KV sharing)
     states: StateSpec | None = None  # what a hybrid model's stateful layers keep per sequence
 
@@ -122,6 +124,25 @@ class ModelAttention:
     def kv_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The pages: P tokens of one KV cache group's layers each."""
         return KVCacheSpec(self.groups, page_size, dtype)
+
+    def layer_specs(self) -> tuple[LayerSpec | None, ...]:
+        """Each attention layer's spec, fixed from now on (None for a layer without attention)."""
+        groups = self.groups
+        return tuple(
+            None
+            if call is None
+            else LayerSpec(
+                layer=i,
+                group=groups.layer_group[i],
+                writes=i not in groups.readers,
+                call=dataclasses.replace(
+                    call, token_scores=None
+                ),  # the probe's terms: each call brings its own
+                token_terms=call.token_scores is not None,
+                scale_fix=self.layers.query_scale_fix(i),
+            )
+            for i, call in enumerate(self.calls)
+        )
 
 
 class ProbeAttention:
@@ -134,10 +155,11 @@ class ProbeAttention:
         # each layer's K/V, held so that no address is reused within the probe (kv_reads)
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def prepare(self, layout: StepLayout, kind: MaskKind, group: int) -> None:
+    def build(self, step, group) -> None:
         return None
 
-    def forward(self, meta: AttentionMetadata, layer: int, call: LayerCall, q, k, v, scale: float):
+    def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
+        layer = spec.layer
         if layer in self.calls:
             raise UnsupportedModel(
                 f"the attention of layer {layer} is called twice in one forward (a module shared by several "
@@ -397,10 +419,10 @@ def inspect_model(model) -> ModelAttention:
     T = 5
     vocab = text_config(model.config).vocab_size
     ids = [(7 * i + 3) % vocab for i in range(T)]
-    layout = StepLayout([T], [T], [[0]], int_tensor(list(range(T))), T)
-    services = AttentionServices(probe, None, None, layers)
-    meta = AttentionMetadata(services, [layout], list(range(T)), states=states)
     device = next(model.parameters()).device
+    services = AttentionServices(probe, None, None, specs=None, layers=layers)  # specs None: read every call
+    step = StepMetadata([T], [T], torch.arange(T, device=device), device)
+    meta = AttentionMetadata(services, step, [], states=states)
     try:
         with torch.inference_mode(), meta.running():
             model(
@@ -453,15 +475,17 @@ def inspect_model(model) -> ModelAttention:
         if num_heads % num_kv_heads:
             raise refusal(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     num_layers = max(expected, 1 + max(seen))  # attention and state indices may outnumber decoder layers
-    layer_kv = [None] * num_layers
+    layer_kv, layer_calls = [None] * num_layers, [None] * num_layers
     for i, (_, num_kv_heads, head_dim, v_head_dim, call) in calls.items():
         layer_kv[i] = (call.kind, KVShape(num_kv_heads, head_dim, v_head_dim))
+        layer_calls[i] = call
     return ModelAttention(
         architecture=arch,
         layers=layers,
         num_layers=num_layers,
         num_heads=num_heads,
         layer_kv=tuple(layer_kv),
+        calls=tuple(layer_calls),
         kv_reads=kv_reads(probe, layer_kv),
         states=state_spec if state_spec.layers else None,
     )

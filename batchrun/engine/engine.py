@@ -120,9 +120,10 @@ class Engine:
         self.image_token_id = image_token_id(model.config)
         image_blocks = ImageBlocks.of(model) if self.images_refusal is None else None
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
-        if image_blocks is not None and self.attention.name == "triton":
+        if image_blocks is not None and not self.attention.capabilities.image_blocks:
             self.images_refusal = (
-                "one image's tokens attend to each other, which the Triton kernels do not compute"
+                f"one image's tokens attend to each other, which attention `{self.attention.name}` does not "
+                "compute"
             )
             image_blocks = None
         self.mrope = MRope.of(model) if self.images_refusal is None else None
@@ -173,11 +174,25 @@ class Engine:
             else None
         )
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
-        services = AttentionServices(self.attention, self.kv_cache, self.times, self.model_attention.layers)
+        services = AttentionServices(
+            self.attention,
+            self.kv_cache,
+            self.times,
+            specs=self.model_attention.layer_specs(),  # each attention layer, fixed from now on
+            layers=self.model_attention.layers,
+        )
         # a vision-language model's image encoder outputs, while prompts with images are prefilled
         self.encoder = EncoderCache(model, device) if self.images_refusal is None else None
         self.runner = ModelRunner(
-            model, services, device, self.times, self.state_cache, self.encoder, self.mrope, image_blocks
+            model,
+            services,
+            device,
+            self.times,
+            config.max_num_seqs,
+            self.state_cache,
+            self.encoder,
+            self.mrope,
+            image_blocks,
         )
         self.outputs = OutputProcessor(
             tokenizer,
@@ -338,8 +353,8 @@ class Engine:
             "encoder_budget_bytes": self.encoder_budget_bytes,
         }
 
-    def running_sequences(self) -> list[Sequence]:
-        """Sequences holding accelerator pages, in admission order (do not modify the list)."""
+    def running_sequences(self) -> dict[Sequence, None]:
+        """Sequences holding accelerator pages, in admission order (the scheduler's own: read, do not modify)."""
         return self.scheduler.running
 
     def live_sequences(self) -> list[Sequence]:

@@ -190,14 +190,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class LayerPages(NamedTuple):
-    """One layer's place in the pages."""
+    """One layer's place in the pages: views of the pool, [num_pages, page_size, num_kv_heads, head_dim] (a
+    KV-shared layer's are its source layer's)."""
 
-    group: int  # its KV cache group
-    k: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]: a view of the pool
-    v: torch.Tensor  # [num_pages, page_size, num_kv_heads, v_head_dim]
-    # whether the layer writes its new K/V there: not a KV-shared layer, whose K/V are the very tensors an earlier
-    # layer of the same step wrote into the same place
-    writes: bool
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class KVCache:
@@ -210,10 +207,14 @@ class KVCache:
         # pool is zeroed: masked-out slots of a page are still multiplied by zero, and garbage could be NaN
         self.cpu_pages = torch.empty(num_cpu_pages, E, dtype=spec.dtype, pin_memory=device.type == "cuda")
         groups = spec.groups
-        self._layers = {}  # (group, slot) -> K and V views
+        views = {}  # (group, slot) -> K and V views
         for g, (shape, size) in enumerate(zip(groups.shapes, groups.sizes)):
             for slot in range(size):
-                self._layers[g, slot] = self._views(shape, slot * spec.page_size * shape.elements)
+                views[g, slot] = LayerPages(*self._views(shape, slot * spec.page_size * shape.elements))
+        # per model layer (None: no attention), made once: every layer call of every step looks its pages up
+        self._layers = [
+            views[g, slot] if g >= 0 else None for g, slot in zip(groups.layer_group, groups.layer_slot)
+        ]
 
     def _views(self, shape: KVShape, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V pages, [num_pages, P, Hkv, Dk|Dv]: columns of the pool, from `start`."""
@@ -227,11 +228,8 @@ class KVCache:
         )
 
     def layer(self, layer: int) -> LayerPages:
-        """A model layer's place in the pages: its KV cache group and its K and V views (KVGroups.layer_slot)."""
-        groups = self.spec.groups
-        group = groups.layer_group[layer]
-        k, v = self._layers[group, groups.layer_slot[layer]]
-        return LayerPages(group, k, v, writes=layer not in groups.readers)
+        """A model layer's K and V pages (KVGroups.layer_group and layer_slot)."""
+        return self._layers[layer]
 
     def apply(self, swap_out: list[PageCopy], swap_in: list[PageCopy], copy_on_write: list[PageCopy]) -> None:
         """Carry out a step's page copies, in the only safe order: out, in, copy-on-write."""

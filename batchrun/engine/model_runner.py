@@ -1,16 +1,19 @@
 """Turns a scheduler plan into tensors, runs the stock `transformers` model on them, returns logits.
 
-One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], the slot mapping of
-each KV cache group (where each token's K/V goes in that group's pages), the attention backend's metadata (built once here, before the forward, and
-shared by every layer), and the indices of the tokens whose logits are needed (the last token of each sequence
-that samples this step, and the prompt positions of sequences that asked for prompt logprobs).
+One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], and the step's
+attention metadata, built here before the forward and shared by every layer (attention/metadata.py): what the
+KV cache groups share once (query and context lengths, positions), then each group's block tables (from the
+persistent rows of block_table_buffer.py) and slot mapping (where each token's K/V goes in that group's pages),
+then each group's backend plan. Also the indices of the tokens whose logits are needed (the last token of each
+sequence that samples this step, and the prompt positions of sequences that asked for prompt logprobs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, AttentionServices, StepLayout, int_tensor
+from .attention import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
+from .block_table_buffer import BlockTableBuffer, slot_mapping
 from .kv_cache import text_config
 from .multimodal import EncoderCache, ImageBlocks, MRope
 from .scheduler import ScheduledSequence
@@ -25,6 +28,7 @@ class ModelRunner:
         services: AttentionServices,
         device: torch.device,
         times: PhaseTimes,
+        max_num_seqs: int,
         state_cache: StateCache | None = None,
         encoder: EncoderCache | None = None,
         mrope: MRope | None = None,
@@ -36,9 +40,21 @@ class ModelRunner:
         self.encoder = encoder  # a vision-language model's image features (multimodal.py); None: text only
         self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
         self.times = times
-        self.services = services  # the backend (make_backend), the KV cache, the per-layer facts
-        self.page_size = services.kv_cache.spec.page_size
-        self.num_groups = services.kv_cache.spec.groups.num_groups
+        self.services = services  # the backend (make_backend), the KV cache, the layers' specs
+        spec = services.kv_cache.spec
+        self.page_size = spec.page_size
+        self.dtype = spec.dtype
+        # per KV cache group: its layers' mask kind, and whether they add per-token terms (their prompts then
+        # need each query's row and position)
+        self.kinds, self.token_terms = [], []
+        for g in range(spec.groups.num_groups):
+            members = [s for s in services.specs if s is not None and s.group == g]
+            (kind,) = {s.kind for s in members}  # one kind a group (KVGroups)
+            self.kinds.append(kind)
+            self.token_terms.append(any(s.token_terms for s in members))
+        self.block_tables = BlockTableBuffer(
+            spec.groups.num_groups, 2 * max_num_seqs, pin=device.type == "cuda"
+        )
         self.device = device
 
     def prepare(
@@ -46,14 +62,10 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's tensors and metadata; `chunks`: each sequence's (sequence, start, end), for a
         vision-language model (execute makes them once)."""
-        P = self.page_size
-        num_groups = self.num_groups
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV cache group
-        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         query_lens, context_lens, logits_index = [], [], []
-        # every step, for every sequence: kept lean (host time per step, bench/vs_vllm.py)
+        # every step, for every sequence: kept lean (host time per step, bench/host.py)
         for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
@@ -62,40 +74,42 @@ class ModelRunner:
             if n == 1:  # a decode
                 input_ids.append(seq.token_at(start))
                 positions.append(start)
-                for g, bt in enumerate(seq.block_tables):
-                    slots[g].append(bt[start // P] * P + start % P)
-                    tables[g].append(bt)
             else:
                 input_ids += seq.token_slice(start, end)
                 positions += range(start, end)
-                for g, bt in enumerate(seq.block_tables):
-                    slots[g] += [bt[p // P] * P + p % P for p in range(start, end)]
-                    tables[g].append(bt)
             query_lens.append(n)
             context_lens.append(end)
             if s.needs_sample_logits:
                 logits_index.append(len(input_ids) - 1)
         dev = self.device
+        host_positions = int_tensor(positions)
+        step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
+        _, tables = self.block_tables.step_tables([s.seq for s in scheduled])
+        if len(input_ids) == len(scheduled):  # decode-only: token i is sequence i's
+            token_seq = torch.arange(len(scheduled))
+        else:
+            token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
         images = self._image_blocks(scheduled)
-        kinds = self.services.kv_cache.spec.groups.kinds
-        layouts = [
-            StepLayout(
-                query_lens,
-                context_lens,
-                tables[g],
-                int_tensor(slots[g], device=dev),
+        P = self.page_size
+        groups = [
+            GroupMetadata(
+                g,
+                self.kinds[g],
                 P,
-                images if images and self.image_blocks.applies(kinds[g]) else None,
+                table,
+                slot_mapping(table, token_seq, host_positions, P).to(dev),
+                images if images and self.image_blocks.applies(self.kinds[g]) else None,
+                self.token_terms[g],
             )
-            for g in range(num_groups)
+            for g, table in enumerate(tables)
         ]
         states = None
         if self.state_cache is not None:
             slots = [s.seq.state_slot for s in scheduled]
             states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
-        meta = AttentionMetadata(self.services, layouts, positions, states)
+        meta = AttentionMetadata(self.services, step, groups, states, self.dtype)
         ids = int_tensor(input_ids, device=dev)[None]
-        pos = int_tensor(positions, device=dev)[None]
+        pos = step.positions[None]
         if self.mrope is not None:  # [3, 1, T]
             pos = self.mrope.step_positions(pos[0], chunks)
         return ids, pos, meta, int_tensor(logits_index, device=dev)

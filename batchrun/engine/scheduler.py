@@ -105,7 +105,8 @@ class Scheduler:
         # free pages admission leaves untouched, so decodes do not preempt at once
         self.watermark_pages = watermark_pages
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        # in admission order: a dict as an ordered set, so that a finished or preempted sequence leaves in O(1)
+        self.running: dict[Sequence, None] = {}
         self.swapped: deque[Sequence] = deque()  # in preemption order
 
     # ---- queues ---------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.bm.free_sequence(seq)
         self.states.free(seq)
-        self.running.remove(seq)
+        del self.running[seq]
 
     def abort_all(self) -> None:
         """Drop every request and free its pages and state slots (the caller gave up on them)."""
@@ -151,19 +152,25 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
-    def _tokens(self, seq: Sequence, budget: int, out: SchedulerOutput, start: int | None = None) -> int:
-        """The tokens `seq` computes this step from `start` (its computed tokens, unless given) within `budget`:
-        1 for a decode, a chunk of a long prompt (0: none this step, a whole prompt or image that does not fit
-        a step already begun)."""
+    def _chunk(self, seq: Sequence, budget: int, out: SchedulerOutput, start: int | None = None) -> int:
+        """The tokens `seq` computes this step from `start` (its computed tokens, unless given): 1 for a decode,
+        a chunk of a long prompt, 0 for none this step. The one chunk policy of every call site: each resource
+        in turn takes its limit: the step's token budget (a prompt computed whole instead, by a hybrid that
+        cannot continue a state over several tokens, when it fits or begins the step), whole images (when the
+        model's image tokens see each other), the encoder's budget for features waiting for prefill, and the
+        prefix whose state a hybrid keeps (the step stops there)."""
         start = seq.num_computed_tokens if start is None else start
         n = seq.num_tokens - start
         if self.whole_prompts:
-            return n if n <= budget or not out.scheduled else 0
-        n = min(n, budget)
-        if self.whole_images and seq.images is not None:
-            n = seq.images.keep_whole(start, n, first=not out.scheduled)
-        if self.encoder_budget is not None:
-            n = self.encoder_budget.fit(seq, start, n)
+            n = n if n <= budget or not out.scheduled else 0
+        else:
+            n = min(n, budget)
+            if self.whole_images and seq.images is not None:
+                n = seq.images.keep_whole(start, n, first=not out.scheduled)
+            if self.encoder_budget is not None:
+                n = self.encoder_budget.fit(seq, start, n)
+        if n and seq.state_snapshot_blocks:
+            n = self.states.limit(seq, start, n, self.bm.page_size)
         return n
 
     def max_chunk_of(self, images) -> int | None:
@@ -174,19 +181,18 @@ class Scheduler:
         return max([self.max_chunk] + [b - a for a, b in images.blocks])
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._tokens(seq, budget, out)
+        for seq in list(self.running):  # a copy: preemption takes sequences off the end
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                break  # preempted for an older one: so is every sequence after it
+            n = self._chunk(seq, budget, out)
             if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
-                i += 1
                 continue
-            if seq.state_snapshot_blocks:  # a hybrid's prefill stops once where its prefix's state is kept
-                n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             self.bm.trim(seq)  # pages behind a window go back before anything new is taken
             need = self.bm.num_pages_to_grow(seq, n)
             while need > self.bm.num_free_pages:
-                victim = self.running[-1]
+                victim = next(reversed(self.running))  # the most recently admitted
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget  # it preempted itself: every sequence after it is gone already
@@ -196,7 +202,6 @@ class Scheduler:
             else:
                 self._planned(seq, n, out)
             budget -= n
-            i += 1
         return budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -213,7 +218,7 @@ class Scheduler:
             _add(self._pending_forks, self.states.reached(seq, end, self.bm.page_size, hashes))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
+        del self.running[seq]
         seq.num_preemptions += 1
         out.preempted.append(seq)
         if self.config.preemption == "swap" and self.bm.can_swap_out(seq) and self.states.num_free_cpu:
@@ -230,11 +235,9 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = self._tokens(seq, budget, out)
+            n = self._chunk(seq, budget, out)
             if not n:
                 break
-            if seq.state_snapshot_blocks:
-                n = self.states.limit(seq, seq.num_computed_tokens, n, self.bm.page_size)
             # its pages come back, plus what its next tokens need
             need = self.bm.num_pages_to_swap_in(seq, n)
             if need > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
@@ -242,7 +245,7 @@ class Scheduler:
             self.swapped.popleft()
             out.swap_in.extend(self.bm.swap_in(seq))
             _add(out.state_swap_in, self.states.swap_in(seq))
-            self.running.append(seq)
+            self.running[seq] = None
             self._schedule(seq, n, out)
             budget -= n
         return budget
@@ -255,7 +258,7 @@ class Scheduler:
                 break
             # a hybrid matches only prefixes whose state is kept (a snapshot); the page hashes are kept on seq
             match = self.prefix_cache.match(seq, self.states.usable)
-            if not self._tokens(seq, budget, out, match.num_blocks * self.bm.page_size):
+            if not self._chunk(seq, budget, out, match.num_blocks * self.bm.page_size):
                 break  # a prompt or image to compute whole that does not fit this step, images' features held
             if self.states.snapshot_coming(match.prompt_hashes, match.num_blocks):
                 break  # the state of a longer prefix of it is being kept this step: computed once, not twice
@@ -269,15 +272,11 @@ class Scheduler:
                 for other in islice(self.waiting, self.states.LOOKAHEAD):
                     self.prefix_cache.page_hashes(other)
                 self.states.choose_snapshot(seq, match.prompt_hashes, match.num_blocks, self.waiting)
-            start = match.num_blocks * self.bm.page_size
-            limit = (
-                self.states.limit(seq, start, budget, self.bm.page_size)
-                if seq.state_snapshot_blocks
-                else self._tokens(seq, budget, out, start)
-            )
+            # again: the snapshot it may have been given ends its first chunk
+            limit = self._chunk(seq, budget, out, match.num_blocks * self.bm.page_size)
             n = self.bm.allocate_sequence(seq, limit, match)
             _add(out.state_forks, self.states.restore(seq, match.hashes, match.num_blocks))
-            self.running.append(seq)
+            self.running[seq] = None
             self._planned(seq, n, out)
             budget -= n
 
@@ -287,7 +286,7 @@ class Scheduler:
         before the next step)."""
         self.bm.fork(parent, child)
         _add(self._pending_forks, self.states.fork(parent, child))
-        self.running.append(child)
+        self.running[child] = None
 
 
 def _add(copies: list[StateCopy], copy: StateCopy | None) -> None:

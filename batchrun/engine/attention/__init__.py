@@ -1,0 +1,46 @@
+"""batchrun's attention inside stock `transformers` models.
+
+The model runs on one packed row of every token scheduled this step. `transformers` calls batchrun's attention
+function (interface.py) once per layer, with q/k/v after RoPE and the step's `AttentionMetadata` as a keyword
+argument. The function writes the new K/V into their page slots and attends through the block tables with the
+backend chosen once per engine (backends/). The package, by concept:
+
+- masks.py: which earlier keys a query sees (full causal, a sliding window, chunks, one image's tokens);
+- layers.py: what one layer computes, frozen at load (LayerSpec), and the terms a call adds per query token;
+- metadata.py: a step's metadata, built once before the forward (common parts once, each KV cache group's
+  block tables and slot mapping, each group's backend plan), and the step the forward is running;
+- interface.py: the function transformers calls, which reads and checks the layer's arguments;
+- reference.py: the models' own eager attention, and SDPA where it computes the same;
+- backends/: `torch` (CPU: batchrun's C++ paged decode), `gather` (plain PyTorch), `triton` (GPU), behind a
+  registry whose entries declare their capabilities.
+
+What a layer computes beyond plain causal attention arrives with its call and is honoured by every backend: a
+sliding window (Mistral, Gemma 2/3, gpt-oss, ...), chunked attention (Llama 4's local layers), logit
+soft-capping (Gemma 2), attention sinks (gpt-oss), and terms of each query token's own (Inkling 2's sink logits
+and relative position bias). An argument batchrun does not know is an error (`UnsupportedModel`), never
+ignored: the engine's load probe (architecture.py) meets it before any row runs.
+"""
+
+from .backends import Capabilities, make_backend
+from .interface import ATTENTION_NAME, register
+from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel
+from .masks import FULL, MaskKind
+from .metadata import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
+
+__all__ = [
+    "ATTENTION_NAME",
+    "FULL",
+    "AttentionMetadata",
+    "AttentionServices",
+    "Capabilities",
+    "GroupMetadata",
+    "LayerCall",
+    "LayerSpec",
+    "MaskKind",
+    "RelativeBias",
+    "StepMetadata",
+    "UnsupportedModel",
+    "int_tensor",
+    "make_backend",
+    "register",
+]

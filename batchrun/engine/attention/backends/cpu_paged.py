@@ -1,0 +1,93 @@
+"""`torch`, the CPU default: decodes through batchrun's C++ paged-decode kernel (engine/cpu_kernels.cpp), which
+reads K/V in the pages with no copy; prompts through SDPA (prompts.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers import LayerCall, LayerSpec
+from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
+from . import Capabilities
+from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
+
+
+@dataclass
+class PagedDecode:
+    """The step's decoding sequences in one group, for the kernel."""
+
+    token_index: torch.Tensor  # [G] int64: packed row of each one's query
+    block_tables: torch.Tensor  # [G, max_blocks] int32
+    seq_lens: torch.Tensor  # [G] int32: context, the new token included
+    first_keys: torch.Tensor | None  # [G] int32: the first key each one sees (window, chunk); None: 0
+    num_keys_read: int  # keys the kernel reads per layer and KV head (from each first visible key's page)
+
+
+@dataclass
+class TorchPlan:
+    decode: PagedDecode | None
+    prefills: list[PrefillSequence]
+
+
+class TorchAttention:
+    """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
+    through SDPA, as in GatherAttention."""
+
+    name = "torch"
+    capabilities = Capabilities(image_blocks=True)
+
+    def __init__(self, page_size: int, kernel):
+        self.page_size = page_size
+        self.kernel = kernel  # cpu_kernels.load(): the compiled module
+
+    def build(self, step: StepMetadata, group: GroupMetadata) -> TorchPlan:
+        group.slot_index  # noqa: B018 - made now, before the forward
+        prefills = prompt_plans(step, group)
+        if not step.decodes:
+            return TorchPlan(None, prefills)
+        kind, P = group.kind, self.page_size
+
+        def first_keys():  # shared by every group of the kind
+            ctx = step.decode_context_lens
+            if kind.is_full:
+                return None, int(ctx.sum())
+            first = kind.first_keys(ctx - 1)
+            return first, int((ctx - first // P * P).sum())
+
+        first, num_keys_read = step.shared_product(("decode first keys", kind), first_keys)
+        decode = PagedDecode(
+            token_index=step.decode_tokens,
+            block_tables=group.block_tables.index_select(0, step.decode_index),
+            seq_lens=step.decode_context_lens,
+            first_keys=first,
+            num_keys_read=num_keys_read,
+        )
+        return TorchPlan(decode, prefills)
+
+    def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
+        times = meta.services.times  # its parts, for bench/micro/profile_step.py attention
+        k_cache, v_cache = meta.services.kv_cache.layer(spec.layer)
+        plan: TorchPlan = meta.plans[spec.group]
+        if spec.writes:
+            with times.part(
+                "write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"
+            ):
+                write_kv(k, v, k_cache, v_cache, meta.groups[spec.group])
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        if plan.decode is not None:
+            d = plan.decode
+            bias = call.relative_bias  # per token: made by this call
+            bias = None if bias is None else bias.detach().float()
+            with times.part("C++ decode"):
+                self.kernel.paged_decode_attention(
+                    out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
+                    d.first_keys, call.softcap or 0.0, call.kernel_sinks, bias,
+                )  # fmt: skip
+            times.count(
+                "C++ decode: K/V bytes read", d.num_keys_read * (k_cache[0, 0].nbytes + v_cache[0, 0].nbytes)
+            )
+        if plan.prefills:
+            with times.part("prompts' attention"):
+                prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
+        return out

@@ -1,0 +1,109 @@
+"""The sequences of a step that compute several tokens (a prompt, a chunk of one, a prompt behind cached pages),
+attended one by one with SDPA or the eager reference, and the K/V writes into the pages: what the CPU backends
+(gather, torch) share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...page_pool import cdiv
+from ..layers import LayerCall
+from ..metadata import GroupMetadata, StepMetadata
+from ..reference import attend
+
+
+@dataclass
+class PrefillSequence:
+    """One sequence computing several tokens, with what its attention reads."""
+
+    start: int  # first packed-token index of its queries
+    num_tokens: int
+    context_len: int  # tokens it attends to, its new ones included
+    pages: torch.Tensor | None  # [num_blocks] int64: its block table, when earlier tokens live in the cache
+    mask: torch.Tensor | None  # [1, 1, num_tokens, num_blocks * page_size], causal at the right offset
+    rows: torch.Tensor | None  # [num_tokens] packed rows of its queries (layers with per-token terms)
+    query_pos: torch.Tensor | None  # [num_tokens] their positions (layers with per-token terms)
+
+
+def prompt_masks(step: StepMetadata, group: GroupMetadata) -> list[torch.Tensor | None]:
+    """Each prompt's mask for layers of this group's kind: None where a whole prompt attends causally to its
+    own K/V (SDPA's is_causal); shared by every group of the same kind and images."""
+
+    def make() -> list[torch.Tensor | None]:
+        masks = []
+        for i in step.prompts:
+            q, c = step.query_lens[i], step.context_lens[i]
+            images = group.image_blocks[i] if group.image_blocks is not None else None
+            query_pos = torch.arange(c - q, c, device=step.device)
+            key_pos = None
+            if c > q:  # earlier tokens are in the cache: read through the block table
+                key_pos = torch.arange(cdiv(c, group.page_size) * group.page_size, device=step.device)
+            elif images or not group.kind.is_full:  # a whole prompt, under a window, chunks or images
+                key_pos = query_pos
+            masks.append(
+                None if key_pos is None else group.kind.visible(query_pos, key_pos, images)[None, None]
+            )
+        return masks
+
+    return step.shared_product(("prompt masks", group.kind, group.image_blocks is not None), make)
+
+
+def prompt_plans(step: StepMetadata, group: GroupMetadata) -> list[PrefillSequence]:
+    """A PrefillSequence for every sequence of the step computing several tokens, in this group (with each
+    query's row and position where the group's layers add per-token terms)."""
+    out = []
+    for i, mask in zip(step.prompts, prompt_masks(step, group)):
+        q, c, start = step.query_lens[i], step.context_lens[i], step.starts[i]
+        pages = None
+        if c > q:  # a page behind the window (NULL) is masked: page 0 stands in for it
+            pages = group.block_tables[i, : cdiv(c, group.page_size)].clamp(min=0).long().to(step.device)
+        rows = query_pos = None
+        if group.token_terms:
+            rows = torch.arange(start, start + q, device=step.device)
+            query_pos = torch.arange(c - q, c, device=step.device)
+        out.append(PrefillSequence(start, q, c, pages, mask, rows, query_pos))
+    return out
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefills: list[PrefillSequence],
+    scale: float,
+    call: LayerCall,
+) -> None:
+    """Rows of sequences computing several tokens into out, one attention call each: a whole prompt on its own
+    new K/V (causal, or the mask of its kind), a later chunk or a prompt behind cached pages over its pages
+    (gathered) with its mask."""
+    for p in prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        q = query[rows].transpose(0, 1)[None]  # [1, Hq, n, Dk]
+        if p.pages is None:
+            k = key[rows].transpose(0, 1)[None]
+            v = value[rows].transpose(0, 1)[None]
+        else:
+            k = k_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, ctx, Dk]
+            v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
+        terms = None
+        if call.token_scores is not None:
+            terms = call.terms(p.rows[None], p.query_pos[None], k.shape[2])
+        o = attend(q, k, v, p.mask, scale, call, causal=p.mask is None, terms=terms)
+        out[rows] = o[0].transpose(0, 1)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: GroupMetadata
+) -> None:
+    """key/value [T, Hkv, Dk|Dv] into the pages [num_pages, P, Hkv, Dk|Dv] (a view with the pool's page stride,
+    kv_cache.py) at each token's page and offset."""
+    if key.shape[0] > 64:  # a prompt's K/V arrive head-major; the copy is faster from a contiguous tensor
+        key, value = key.contiguous(), value.contiguous()
+    pages, offsets = group.slot_index
+    k_cache.index_put_((pages, offsets), key)
+    v_cache.index_put_((pages, offsets), value)

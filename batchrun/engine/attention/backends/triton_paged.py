@@ -1,0 +1,71 @@
+"""`triton`, the GPU default: the paged kernels in `batchrun_kernels`, which write and read K/V in place. The
+grid mapping is built once per step for each distinct number of query heads per KV head; the mask kind,
+soft-capping, sinks and relative bias are arguments of the kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..layers import LayerCall, LayerSpec
+from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
+from . import Capabilities
+
+
+@dataclass
+class TritonPlan:
+    block_tables: torch.Tensor  # [S, max_blocks] int32, on the device
+    query_start_loc: torch.Tensor  # [S + 1] int32: packed offsets of each sequence's query tokens
+    seq_lens: torch.Tensor  # [S] int32
+    query_blocks: Any  # batchrun_kernels.QueryBlocks: the grid mapping
+
+
+class TritonAttention:
+    """The paged Triton kernels: K/V written and read in place (a group's query heads per KV head, of its
+    layers' shape, set the grid)."""
+
+    name = "triton"
+    # one image's tokens seeing each other (Gemma's image blocks) is a mask the kernels do not compute
+    capabilities = Capabilities(image_blocks=False)
+
+    def __init__(self, gqa: tuple[int, ...], device: torch.device):
+        import batchrun_kernels
+
+        self.kernels = batchrun_kernels
+        self.gqa = gqa  # per KV cache group
+        self.device = device
+
+    def build(self, step: StepMetadata, group: GroupMetadata) -> TritonPlan:
+        gqa = self.gqa[group.group]
+        return TritonPlan(
+            block_tables=group.block_tables.to(self.device, non_blocking=True),
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            query_blocks=step.shared_product(
+                ("query blocks", gqa),
+                lambda: self.kernels.plan_query_blocks(step.query_lens, gqa, self.device),
+            ),
+        )
+
+    def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
+        k_cache, v_cache = meta.services.kv_cache.layer(spec.layer)
+        plan: TritonPlan = meta.plans[spec.group]
+        if spec.writes:
+            self.kernels.write_kv_cache(k, v, k_cache, v_cache, meta.groups[spec.group].slot_mapping)
+        return self.kernels.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            plan.block_tables,
+            plan.query_start_loc,
+            plan.seq_lens,
+            scale,
+            plan.query_blocks,
+            window=call.kind.window or 0,
+            chunk=call.kind.chunk or 0,
+            softcap=call.softcap or 0.0,
+            sinks=call.sink_logits,
+            relative_bias=call.relative_bias,
+        )

