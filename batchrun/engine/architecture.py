@@ -19,13 +19,11 @@ layers. A module that keeps it through transformers' cache interface (`get_conv_
 `update_recurrent_state`, or MiniMax's `set_linear_cache`) is run by batchrun on a state slot of its own
 (state_cache.py): `prepare_stateful_layers` routes its calls through the running step's `StepStates`, and the
 probe records the state shapes the module creates and whether its prompt form continues a state it is given. A
-module that keeps its states in attributes of its own is run alike where ATTRIBUTE_STATES names them
+module that keeps its states in attributes of its own is run alike where families.ATTRIBUTE_STATES names them
 (RecurrentGemma's); one that keeps a state any other way is refused.
 
-Two more adapters, by class name, for what a model computes around its attention (`adapt_modules`): a relative
-position bias module is asked for the bias at every backward distance (RELATIVE_BIAS), which the attention places
-by the tokens' true positions, and a module that calls the attention interface over something other than the
-sequence's tokens runs its model's own eager attention (OWN_ATTENTION). Both are Inkling 2's.
+What particular families compute around their attention (Llama 4's query scale, Inkling 2's relative bias and
+its attention over earlier blocks) is adapted by the rules in families.py, installed here before the probe.
 """
 
 from __future__ import annotations
@@ -43,11 +41,17 @@ from .attention import (
     LayerCall,
     LayerSpec,
     MaskKind,
-    RelativeBias,
     StepMetadata,
     UnsupportedModel,
+    refusal,
 )
 from .attention.reference import attend
+from .families import (
+    ATTRIBUTE_STATES,
+    QueryScaleFix,
+    adapt_modules,
+    query_scale_fixes,
+)
 from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
 from .state_cache import AttributeStates, StatefulCall, StateProbe, StateSpec
 
@@ -61,24 +65,6 @@ SPARSE_MODULE = re.compile(r"Indexer|Compressor")
 SPARSE_LAYER_TYPE = re.compile(r"index|compress|sparse")
 # how a module keeps that state through transformers' cache interface
 CACHE_INTERFACE = re.compile(r"\.update_conv_state\(|\.update_recurrent_state\(|\.set_linear_cache\(")
-
-
-@dataclass(frozen=True)
-class QueryScaleFix:
-    """Llama 4's attention temperature tuning (its NoRoPE layers) scales the queries by
-    log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 of the position p, but takes p as the token's index in
-    the row: right for one sequence per row, wrong for batchrun's packed row. `factor` turns the scale it applied
-    into the one of each token's true position."""
-
-    floor_scale: float
-    attn_scale: float
-
-    def _scale(self, pos: torch.Tensor) -> torch.Tensor:
-        return torch.log1p(torch.floor((pos.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-
-    def factor(self, positions: torch.Tensor) -> torch.Tensor:
-        """[T]: true scale / applied scale of each packed token, from their positions [T]."""
-        return self._scale(positions) / self._scale(torch.arange(len(positions), device=positions.device))
 
 
 @dataclass(frozen=True)
@@ -175,10 +161,6 @@ class ProbeAttention:
         return o[0].transpose(0, 1)
 
 
-def refusal(architecture: str, reason: str) -> UnsupportedModel:
-    return UnsupportedModel(f"model {architecture!r} cannot run on batchrun: {reason}")
-
-
 def uses_cache_interface(module: torch.nn.Module) -> bool:
     """The module's class keeps its state through transformers' cache interface (its source calls it)."""
     return _class_uses_cache_interface(type(module))
@@ -193,12 +175,6 @@ def _class_uses_cache_interface(cls: type) -> bool:
         return bool(CACHE_INTERFACE.search(inspect.getsource(cls)))
     except (OSError, TypeError):
         return False
-
-
-# Stateful modules that keep their states in attributes of their own, not in transformers' cache interface: the
-# attributes (dotted paths from the module) of their convolution and recurrent states, which batchrun moves in
-# and out of the module around each call (state_cache.AttributeStates)
-ATTRIBUTE_STATES = {"RecurrentGemmaRecurrentBlock": ("conv1d_state", "rg_lru.recurrent_states")}
 
 
 def stateful_modules(model) -> list[torch.nn.Module]:
@@ -238,41 +214,6 @@ def _decoder_layer_of(model, module: torch.nn.Module) -> int:
     raise refusal(
         model.config.model_type, f"its stateful module {type(module).__name__} is in no decoder layer"
     )
-
-
-# Relative position bias modules (class -> the attribute holding their extent R): the attention calls them with
-# distances over the packed row's indices, which are not the tokens' positions; batchrun asks the module's own
-# forward for the bias at every backward distance 0..R-1 instead, and the attention puts each at its key
-# (attention.RelativeBias, TokenScores)
-RELATIVE_BIAS = {"Inkling2RelativePositionBias": "rel_extent"}
-# Modules that call the attention interface over something other than the sequence's tokens (Inkling 2's
-# attention over the stack of earlier blocks' outputs, each token on its own): their model's own eager attention
-OWN_ATTENTION = frozenset({"Inkling2BlockAttentionResidual"})
-
-
-def adapt_modules(model) -> None:
-    """Install the RELATIVE_BIAS and OWN_ATTENTION adapters on this model's instances (idempotent)."""
-    import sys
-
-    for m in model.modules():
-        name = type(m).__name__
-        if name in RELATIVE_BIAS and "_batchrun_bias_forward" not in m.__dict__:
-            m._batchrun_bias_forward = m.forward
-            m.forward = _relative_bias_forward.__get__(m)
-        elif name in OWN_ATTENTION:
-            own = getattr(sys.modules[type(m).__module__], "eager_attention_forward", None)
-            if own is None:
-                raise refusal(model.config.model_type, f"{name}'s module has no eager attention of its own")
-            m._batchrun_own_attention = own
-
-
-def _relative_bias_forward(
-    self, hidden_states: torch.Tensor, relative_distance, *args, **kwargs
-) -> RelativeBias:
-    """The bias module's own forward, asked for each of its R backward distances at every token: [1, Hq, T, R]."""
-    T, extent = hidden_states.shape[1], getattr(self, RELATIVE_BIAS[type(self).__name__])
-    every = torch.arange(extent, device=hidden_states.device).expand(T, extent)
-    return RelativeBias(self._batchrun_bias_forward(hidden_states, every, *args, **kwargs))
 
 
 def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
@@ -379,10 +320,7 @@ def check_config(model) -> ModelLayers:
     chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
     if any(t == "chunked_attention" for t in layer_types) and not chunk_size:
         raise refusal(arch, "chunked-attention layers without `attention_chunk_size` in the config")
-    fixes: dict[int, QueryScaleFix] = {}
-    for m in model.modules():
-        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
-            fixes[m.layer_idx] = QueryScaleFix(float(m.floor_scale), float(m.attn_scale))
+    fixes = query_scale_fixes(model)
     num_layers = max([len(layer_types), *[i + 1 for i in fixes]])
     scale_fixes = tuple(fixes.get(i) for i in range(num_layers)) if fixes else ()
     indices = [m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]

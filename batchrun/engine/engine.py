@@ -35,7 +35,8 @@ from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .sizing import model_max_len, pool_sizes
-from .state_cache import NoStateSlots, StateCache, StateSlots
+from .state_cache import StateCache
+from .state_slots import NoStateSlots, StateSlots
 from .timing import PhaseTimes
 
 

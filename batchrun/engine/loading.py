@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput
-from .architecture import UnsupportedModel, not_the_models_fault, refusal
-from .attention import ATTENTION_NAME, register
+from .architecture import not_the_models_fault
+from .attention import ATTENTION_NAME, UnsupportedModel, refusal, register
 from .multimodal import is_vision_language
 
 

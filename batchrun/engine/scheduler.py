@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .multimodal import EncoderBudget
 from .page_pool import PageCopy
 from .sequence import Sequence
-from .state_cache import NoStateSlots, StateCopy, StateSlots
+from .state_slots import NoStateSlots, StateCopy, StateSlots
 
 
 @dataclass

@@ -29,7 +29,7 @@ class Sequence:
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 of each full page, in order
     cpu_block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # CPU pages while swapped
-    # a hybrid model's state slot (state_cache.StateSlots): held while running, with one reserved for each
+    # a hybrid model's state slot (state_slots.StateSlots): held while running, with one reserved for each
     # sample still to fork; a CPU slot while swapped out; -1: none
     state_slot: int = -1
     reserved_state_slots: list[int] = field(default_factory=list)

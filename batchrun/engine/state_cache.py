@@ -8,8 +8,9 @@ holding every stateful layer's states, beside the pages of the attention layers:
 
 - `StateSpec`: what one slot holds, found by the load probe (architecture.py): each stateful layer's conv and
   recurrent state shapes, as the model's own code creates them.
-- `StateSlots`: which slot each sequence holds (pure integers, like page_pool.py): accelerator slots and CPU
-  swap slots, a slot reserved at admission for each parallel sample still to be forked.
+- `StateSlots` (state_slots.py): which slot each sequence holds (pure integers, like page_pool.py):
+  accelerator slots and CPU swap slots, a slot reserved at admission for each parallel sample still to be
+  forked.
 - `StateCache`: the slot tensors and the copies between them (swap out, swap in, a fork's copy).
 - `StepStates`: one step's view, passed to the layers with the attention metadata. Each stateful layer runs its
   own `transformers` code, never a re-implementation: on a `transformers` cache whose layer objects
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from .state_slots import StateCopy
 
 
 class StateShape(NamedTuple):
@@ -72,209 +74,6 @@ class StateSpec:
     @property
     def layer_indices(self) -> tuple[int, ...]:
         return tuple(layer.layer for layer in self.layers)
-
-
-class StateCopy(NamedTuple):
-    src: int
-    dst: int
-
-
-class StateSlots:
-    """The accelerator's and the CPU's state slots: which are free. A sequence holds `state_slot` while it runs
-    (and `reserved_state_slots` for the samples it will fork), `cpu_state_slot` while it is swapped out.
-
-    Prefix sharing: `num_snapshots` more slots keep the state at the end of a shared prefix (a whole number of
-    pages), indexed by the chain hash of the prefix's last page, least recently used first out. A sequence
-    admitted behind cached pages starts from a copy of the snapshot at their end; without one it computes the
-    prefix (its pages are still shared). Which prefix to keep: at admission, the longest run of pages the
-    sequence's prompt shares with a waiting prompt; its prefill stops at that page boundary once, and the state
-    there is copied into a snapshot before the next step. A waiting sequence whose prefix is being snapshotted
-    this step waits for it (one step) rather than compute it again."""
-
-    LOOKAHEAD = 16  # waiting prompts a newly admitted one is compared with, for a prefix they share
-
-    def __init__(self, num_slots: int, num_cpu_slots: int, num_snapshots: int = 0):
-        self.num_slots, self.num_cpu_slots, self.num_snapshots = num_slots, num_cpu_slots, num_snapshots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._free_cpu: deque[int] = deque(range(num_cpu_slots))
-        self._free_snapshots: list[int] = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
-        self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # prefix's last page hash -> slot, LRU first
-        self._taken_now: set[bytes] = set()  # snapshots whose copy is planned: usable from the next step
-        self.snapshots_taken = self.snapshots_restored = 0  # counters for statistics
-
-    # ---- prefix snapshots ----------------------------------------------------------------------------------
-    def new_step(self) -> None:
-        """A plan begins: the snapshots planned in the previous one are copied first thing in this one."""
-        self._taken_now.clear()
-
-    def usable(self, hashes: list[bytes], k: int) -> bool:
-        """A prefix of k pages has its state kept (and copied in already)."""
-        return hashes[k - 1] in self.snapshots and hashes[k - 1] not in self._taken_now
-
-    def snapshot_coming(self, hashes: list[bytes], matched: int) -> bool:
-        """A longer prefix of these pages than `matched` is being snapshotted this step."""
-        return bool(self._taken_now) and any(h in self._taken_now for h in hashes[matched:])
-
-    def restore(self, seq, hashes: list[bytes], k: int) -> StateCopy | None:
-        """seq starts behind k cached pages: the copy of the snapshot at their end into its slot."""
-        if k == 0 or not self.num_snapshots:
-            return None
-        self.snapshots.move_to_end(hashes[k - 1])
-        self.snapshots_restored += 1
-        return StateCopy(self.snapshots[hashes[k - 1]], seq.state_slot)
-
-    def choose_snapshot(self, seq, hashes: list[bytes], computed_blocks: int, waiting) -> None:
-        """The prefix of seq worth keeping a state of: the most pages its prompt shares with one of the next
-        waiting prompts, beyond what it starts with, unless a snapshot of it is kept already."""
-        seq.state_snapshot_blocks = 0
-        if not self.num_snapshots or not hashes:
-            return
-        best = 0
-        for i, other in enumerate(waiting):
-            if i == self.LOOKAHEAD:
-                break
-            theirs = other.page_hash_chain
-            n = 0
-            while n < min(len(hashes), len(theirs)) and hashes[n] == theirs[n]:
-                n += 1
-            best = max(best, n)
-        if best > computed_blocks and hashes[best - 1] not in self.snapshots:
-            seq.state_snapshot_blocks = best
-
-    def limit(self, seq, start: int, n: int, page_size: int) -> int:
-        """Tokens to compute from `start`: at most up to the boundary of the prefix seq keeps a snapshot of."""
-        end = seq.state_snapshot_blocks * page_size
-        return end - start if start < end < start + n else n
-
-    def reached(self, seq, end: int, page_size: int, hashes: list[bytes]) -> StateCopy | None:
-        """Planned up to `end`: at seq's snapshot boundary, the copy of its slot into a snapshot slot (made
-        before the next step, after this step's forward has computed the state there)."""
-        blocks = seq.state_snapshot_blocks
-        if not blocks or end != blocks * page_size:
-            return None
-        seq.state_snapshot_blocks = 0
-        h = hashes[blocks - 1]
-        if h in self.snapshots:
-            return None
-        if not self._free_snapshots:
-            old = next((k for k in self.snapshots if k not in self._taken_now), None)
-            if old is None:
-                return None
-            self._free_snapshots.append(self.snapshots.pop(old))
-        slot = self.snapshots[h] = self._free_snapshots.pop()
-        self._taken_now.add(h)
-        self.snapshots_taken += 1
-        return StateCopy(seq.state_slot, slot)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    @property
-    def num_free_cpu(self) -> int:
-        return len(self._free_cpu)
-
-    def seats(self, seq) -> int:
-        """Slots `seq` takes when it (re)enters the running queue: its own and one per sample still to fork."""
-        return 1 + seq.num_siblings_to_fork
-
-    def allocate(self, seq) -> None:
-        assert seq.state_slot < 0, "a sequence holds one state slot"
-        seq.state_slot = self._free.pop()
-        seq.reserved_state_slots = [self._free.pop() for _ in range(seq.num_siblings_to_fork)]
-
-    def free(self, seq) -> None:
-        for slot in (seq.state_slot, *seq.reserved_state_slots):
-            if slot >= 0:
-                self._free.append(slot)
-        seq.state_slot, seq.reserved_state_slots = -1, []
-
-    def fork(self, parent, child) -> StateCopy:
-        """The child takes a slot its parent reserved; returns the copy of the parent's state into it."""
-        child.state_slot = parent.reserved_state_slots.pop()
-        return StateCopy(parent.state_slot, child.state_slot)
-
-    def swap_out(self, seq) -> StateCopy:
-        """seq's state to a CPU slot; returns the copy (accelerator slot -> CPU slot) to make before the freed
-        slot is reused."""
-        seq.cpu_state_slot = self._free_cpu.popleft()
-        copy = StateCopy(seq.state_slot, seq.cpu_state_slot)
-        self.free(seq)
-        return copy
-
-    def swap_in(self, seq) -> StateCopy:
-        self.allocate(seq)
-        copy = StateCopy(seq.cpu_state_slot, seq.state_slot)
-        self.free_cpu(seq)
-        return copy
-
-    def free_cpu(self, seq) -> None:
-        if seq.cpu_state_slot >= 0:
-            self._free_cpu.append(seq.cpu_state_slot)
-        seq.cpu_state_slot = -1
-
-    def check(self, running, swapped) -> None:
-        """Every slot is free or held by exactly one sequence (AssertionError otherwise)."""
-        held = [s for seq in running for s in (seq.state_slot, *seq.reserved_state_slots)]
-        assert all(s >= 0 for s in held), "a running sequence without a state slot"
-        assert len(held) + len(self._free) == self.num_slots, "state slots lost or held twice"
-        assert not set(held) & set(self._free), "a held state slot is on the free list"
-        cpu = [seq.cpu_state_slot for seq in swapped]
-        assert len(cpu) + len(self._free_cpu) == self.num_cpu_slots, "CPU state slots lost or held twice"
-        assert not set(cpu) & set(self._free_cpu), "a held CPU state slot is on the free list"
-        kept = list(self.snapshots.values())
-        assert len(set(kept)) == len(kept), "two prefixes share a snapshot slot"
-        assert len(kept) + len(self._free_snapshots) == self.num_snapshots, "snapshot slots lost"
-        assert not set(kept) & (set(held) | set(self._free)), "a snapshot slot is also a sequence's"
-
-
-class NoStateSlots:
-    """A model without stateful layers: no slot to take, none to check, every cached prefix usable. (`limit` and
-    `reached` are asked only for a sequence that keeps a snapshot, which only StateSlots chooses.)"""
-
-    num_slots = num_used = num_cpu_slots = num_snapshots = snapshots_taken = snapshots_restored = 0
-    num_free = num_free_cpu = 1 << 62
-    usable = None  # PrefixCache.match: any prefix
-
-    def new_step(self) -> None:
-        return None
-
-    def snapshot_coming(self, hashes, matched: int) -> bool:
-        return False
-
-    def restore(self, seq, hashes, k: int) -> None:
-        return None
-
-    def choose_snapshot(self, seq, hashes, computed_blocks: int, waiting) -> None:
-        return None
-
-    def seats(self, seq) -> int:
-        return 0
-
-    def allocate(self, seq) -> None:
-        return None
-
-    def free(self, seq) -> None:
-        return None
-
-    def fork(self, parent, child) -> None:
-        return None
-
-    def swap_out(self, seq) -> None:
-        return None
-
-    def swap_in(self, seq) -> None:
-        return None
-
-    def free_cpu(self, seq) -> None:
-        return None
-
-    def check(self, running, swapped) -> None:
-        return None
 
 
 class StateCache:

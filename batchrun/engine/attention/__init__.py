@@ -23,7 +23,7 @@ ignored: the engine's load probe (architecture.py) meets it before any row runs.
 
 from .backends import Capabilities, make_backend
 from .interface import ATTENTION_NAME, register
-from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel
+from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel, refusal
 from .masks import FULL, MaskKind
 from .metadata import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
 
@@ -42,5 +42,6 @@ __all__ = [
     "UnsupportedModel",
     "int_tensor",
     "make_backend",
+    "refusal",
     "register",
 ]

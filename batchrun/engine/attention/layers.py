@@ -24,10 +24,15 @@ class UnsupportedModel(BadInput):
     """The model asks of its attention something batchrun does not compute (raised at load by the probe)."""
 
 
+def refusal(architecture: str, reason: str) -> UnsupportedModel:
+    """The error refusing a model at load, naming its architecture and the reason."""
+    return UnsupportedModel(f"model {architecture!r} cannot run on batchrun: {reason}")
+
+
 class RelativeBias(NamedTuple):
     """A relative position bias by backward distance: `logits` [1, Hq, T, R], the bias each query token and head
     adds to the score of the key d = 0..R-1 positions back (none further). The model's own bias module computes
-    it, asked for every distance (architecture.RELATIVE_BIAS), in place of the [T, T] bias it would build from
+    it, asked for every distance (families.RELATIVE_BIAS), in place of the [T, T] bias it would build from
     the packed row's indices, which are not the tokens' positions."""
 
     logits: torch.Tensor
@@ -126,7 +131,7 @@ class LayerSpec:
     writes: bool  # False for a KV-shared layer (it reads the K/V an earlier layer of the step wrote)
     call: LayerCall  # mask kind, soft-capping, sinks, and the keywords the probe read them from
     token_terms: bool = False  # its calls carry per-token terms (TokenScores), read at each call
-    scale_fix: Any = None  # architecture.QueryScaleFix: queries scaled by the packed row's index; None: none
+    scale_fix: Any = None  # families.QueryScaleFix: queries scaled by the packed row's index; None: none
 
     @property
     def kind(self) -> MaskKind:

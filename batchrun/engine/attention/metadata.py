@@ -45,6 +45,12 @@ class AttentionServices:
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
 
+    def __post_init__(self) -> None:
+        # the distinct query-scale fixes of the layers (families.QueryScaleFix): each step computes each once
+        self.scale_fixes = tuple(
+            {s.scale_fix for s in self.specs or () if s is not None and s.scale_fix is not None}
+        )
+
 
 @dataclass
 class StepMetadata:
@@ -150,9 +156,9 @@ class AttentionMetadata:
         self.groups = groups  # per KV cache group
         self.states = states
         self.plans = [services.backend.build(step, g) for g in groups]
-        fixes = {s.scale_fix for s in services.specs or () if s is not None and s.scale_fix is not None}
         self.query_scales = {
-            fix: fix.factor(step.positions).to(step.device, dtype)[:, None, None] for fix in fixes
+            fix: fix.factor(step.positions).to(step.device, dtype)[:, None, None]
+            for fix in services.scale_fixes
         }
         self._shared_calls: dict[int, int] = {}  # id(shared module) -> its calls so far this step
 

@@ -48,12 +48,12 @@ class TorchAttention:
             return TorchPlan(None, prefills)
         kind, P = group.kind, self.page_size
 
-        def first_keys():  # shared by every group of the kind
-            ctx = step.decode_context_lens
+        def first_keys():  # shared by every group of the kind; the keys read counted on the host's integers
+            lens = [step.context_lens[i] for i in step.decodes]
             if kind.is_full:
-                return None, int(ctx.sum())
-            first = kind.first_keys(ctx - 1)
-            return first, int((ctx - first // P * P).sum())
+                return None, sum(lens)
+            read = sum(c - kind.first_key(c - 1) // P * P for c in lens)
+            return kind.first_keys(step.decode_context_lens - 1), read
 
         first, num_keys_read = step.shared_product(("decode first keys", kind), first_keys)
         decode = PagedDecode(
