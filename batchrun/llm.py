@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .engine.pooler import PoolerConfig
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import Placement, place
 from .loop import drive
-from .rows import check_conversation, row_seed
+from .rows import InputRow, OutputRow, check_conversation, row_seed
 
 Conversation = list[dict[str, Any]]
 
@@ -59,6 +60,22 @@ class RequestOutput:
     error: str | None = None  # why this prompt could not run (its outputs then finish with "error")
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One text's vector, in vLLM's shape (`LLM.embed`)."""
+
+    request_id: int  # the text's position in the call
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None  # None when the text could not be embedded (error says why)
+    error: str | None = None
+
+
 class LLM:
     """A model and its paged engine. Keyword arguments beyond model, dtype, device and max_model_len are the
     job file's `engine:` keys (num_pages, kv_cache_memory, max_num_seqs, prefix_sharing, preemption, ...)."""
@@ -69,13 +86,29 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
+        runner: str = "generate",
+        pooler: dict | None = None,
         **engine_options: Any,
     ):
+        """`runner="pooling"`: the model for `embed` (its base model on batchrun's packed attention, pooled as
+        its sentence-transformers files say), with `pooler` the job file's `pooler:` keys; no paged engine."""
         try:
             model_spec = ModelSpec(path=model, dtype=dtype, max_model_len=max_model_len)
             engine_config = EngineConfig(device=device, **engine_options)
+            pooler_config = PoolerConfig(**(pooler or {}))
         except (TypeError, ValueError) as e:  # an unknown keyword, or a value its field's check refuses
             raise BadInput(f"LLM(...): {e}") from None
+        if runner not in ("generate", "pooling"):
+            raise BadInput(f"LLM(...): runner={runner!r}; expected generate or pooling")
+        if pooler is not None and runner != "pooling":
+            raise BadInput("LLM(...): pooler= applies to runner='pooling'")
+        self.pooling = None  # runner="pooling": the pooling runner (engine/pooling.py), in place of an engine
+        if runner == "pooling":
+            from .pooling_worker import load_runner
+
+            self.pooling = load_runner(model_spec, engine_config, pooler_config, "LLM(...)")
+            self.tokenizer, self.engine = self.pooling.tokenizer, None
+            return
         self._load(model_spec, engine_config, "LLM(...)")
 
     @classmethod
@@ -252,6 +285,37 @@ class LLM:
         finally:
             bar.close()
             engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
+        return outputs
+
+    def embed(self, prompts: str | list[str], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per text (an LLM made with runner="pooling"), in input order, equal to the checkpoint's
+        sentence-transformers `encode`; the texts are packed with no padding. A text that cannot be embedded
+        (empty, too long for the model) is that output's error, and the other texts are embedded."""
+        from tqdm.auto import tqdm
+
+        from .pooling_worker import PoolingWorker
+        from .stats import PoolingStats
+
+        if self.pooling is None:
+            raise BadInput("LLM.embed: this LLM generates text; make it with LLM(model, runner='pooling')")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        rows = iter(InputRow(i, i, p) for i, p in enumerate(prompts))
+        outputs: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), unit="text", disable=not use_tqdm, desc="batchrun")
+
+        def finished(result: list[OutputRow]) -> None:
+            (row,) = result
+            vector = None if row.embedding is None else EmbeddingOutput(row.embedding)
+            ids = row.prompt_token_ids or []
+            outputs[row.id] = EmbeddingRequestOutput(row.id, row.row.prompt, ids, vector, row.error)
+            bar.update(1)
+
+        worker = PoolingWorker(self.pooling, PoolingStats(), window=max(self.pooling.max_num_seqs, 16))
+        try:
+            drive(worker, lambda block: next(rows, None), finished)
+        finally:
+            bar.close()
         return outputs
 
     def completion(self, seq: Sequence) -> CompletionOutput:

@@ -89,6 +89,16 @@ class RowWorker:
                     done.append(rows)
         return done
 
+    def status_line(self) -> str:
+        """The progress bar's note on the engine."""
+        engine, stats = self.engine, self.stats
+        rate = stats.generated_tokens / max(time.perf_counter() - stats.start, 1e-9)
+        return f"{rate:.1f} tok/s, running {engine.num_running}, pages {engine.num_used_pages}/{engine.num_pages}"
+
+    def check_integrity(self) -> None:
+        """After a whole run: every page back in the pool (engine.check_integrity)."""
+        self.engine.check_integrity()
+
     def _params(self, row: InputRow) -> SamplingParams:
         """The job's sampling with the row's own values (sampling_columns, or an OpenAI request's body);
         ValueError naming the value for one that is not valid."""
@@ -183,7 +193,12 @@ class RowWorker:
 def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = None) -> RowWorker:
     """The LLM of a job file and its worker, whose statistics carry the facts about them for the summary. A
     job-wide response format that does not compile stops the job here, before any row. `placement`: the device
-    and dtype the job resolved (a replica resolves its own device)."""
+    and dtype the job resolved (a replica resolves its own device). A pooling task's job gets its own worker
+    (pooling_worker.py)."""
+    if spec.task != "generate":
+        from .pooling_worker import load_pooling_worker
+
+        return load_pooling_worker(spec, replica, placement)
     t0 = time.perf_counter()
     llm = LLM.from_spec(spec.model, spec.engine, spec.source_file, placement)
     load_s = time.perf_counter() - t0

@@ -41,10 +41,10 @@ class PooledText:
 
 @dataclass
 class PoolingStep:
-    """One step's finished texts, (request, vector, tokens), and what it computed: tokens, and the tokens a
-    batch padded to its longest text would have computed."""
+    """One step's finished texts with their vectors, and what it computed: tokens, and the tokens a batch padded
+    to its longest text would have computed on top."""
 
-    finished: list[tuple[Any, torch.Tensor, int]]
+    finished: list[tuple[PooledText, torch.Tensor]]
     num_tokens: int
     num_padded_tokens: int
 
@@ -136,8 +136,7 @@ class PoolingRunner:
             tokens += n
         vectors = self.embed_packed(texts)
         longest = max(len(t.token_ids) for t in texts)
-        finished = [(t.request, v, len(t.token_ids)) for t, v in zip(texts, vectors)]
-        return PoolingStep(finished, tokens, longest * len(texts) - tokens)
+        return PoolingStep(list(zip(texts, vectors)), tokens, longest * len(texts) - tokens)
 
     @torch.inference_mode()
     def embed_packed(self, texts: list[PooledText]) -> torch.Tensor:

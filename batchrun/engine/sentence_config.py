@@ -169,8 +169,13 @@ def _dense(folder: Path) -> DenseLayer:
     activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
     if activation not in _DENSE_ACTIVATIONS:
         raise SentenceConfigError(f"{path}: activation {activation!r} is not reproduced by batchrun")
-    if config.get("use_residual") or config.get("module_input_name", "sentence_embedding") != "sentence_embedding":
-        raise SentenceConfigError(f"{path}: a residual or token-level Dense module is not reproduced by batchrun")
+    if (
+        config.get("use_residual")
+        or config.get("module_input_name", "sentence_embedding") != "sentence_embedding"
+    ):
+        raise SentenceConfigError(
+            f"{path}: a residual or token-level Dense module is not reproduced by batchrun"
+        )
     return DenseLayer(
         folder,
         config["in_features"],

@@ -1,0 +1,134 @@
+"""The engine side of a pooling job (task: embed): rows in, one output row each out, on one pooling runner
+(engine/pooling.py). It is worker.py's `RowWorker` for generation, in the same loop (loop.drive), job, replicas,
+part files and resume: a row's text is tokenized as sentence-transformers does (a bad row becomes its error row
+at once), queued, and comes back with its vector when its step is done."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from .config import JobSpec, ModelSpec
+from .engine.config import EngineConfig
+from .engine.pooler import PoolerConfig, PoolingPlan, plan_for
+from .host import Placement, place
+from .model_loader import resolve_model_dir
+from .rows import InputRow, OutputRow
+from .stats import PoolingStats
+
+
+def pooling_plan(model: ModelSpec, pooler: PoolerConfig, source: str) -> PoolingPlan:
+    """What the job computes, from the checkpoint's config files (no weights): BadInput naming the key for an
+    impossible combination."""
+    return plan_for(resolve_model_dir(model.path, source), pooler, source)
+
+
+def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
+    """The Arrow types of a pooling job's own output columns (sinks.output_schema)."""
+    plan = pooling_plan(spec.model, spec.pooler, spec.source_file)
+    return {"embedding": pa.list_(pa.float32(), plan.output_dim)}
+
+
+def load_runner(
+    model: ModelSpec,
+    engine: EngineConfig,
+    pooler: PoolerConfig,
+    source: str,
+    placement: Placement | None = None,
+):
+    """The pooling runner of a job's (or LLM(runner="pooling")'s) model, engine and pooler settings."""
+    from .engine.pooling import PoolingRunner
+
+    placement = placement or place(engine.device, model.dtype)
+    model_dir = resolve_model_dir(model.path, source)
+    plan = plan_for(model_dir, pooler, source)
+    return PoolingRunner(
+        model_dir, plan, placement.dtype, placement.device, engine.max_num_batched_tokens, engine.max_num_seqs
+    )
+
+
+def text_of(prompt) -> str:
+    """A row's text to pool; ValueError for one that is not a non-empty string."""
+    if prompt is None:
+        raise ValueError("text is null")
+    if not isinstance(prompt, str):
+        raise ValueError(f"text is not a string (got {type(prompt).__name__}); an embedding job takes texts")
+    if not prompt.strip():
+        raise ValueError("text is empty")
+    return prompt
+
+
+class PoolingWorker:
+    """Rows in, output rows out, on one pooling runner (loop.Worker)."""
+
+    def __init__(self, runner, stats: PoolingStats, window: int):
+        """`window`: how many texts to keep queued (worker.row_window)."""
+        self.runner = runner
+        self.stats = stats
+        self.window = window
+
+    @property
+    def wants_rows(self) -> bool:
+        return self.runner.num_waiting < self.window
+
+    @property
+    def has_work(self) -> bool:
+        return self.runner.has_unfinished()
+
+    def feed(self, row: InputRow) -> list[OutputRow] | None:
+        """Queue a row's text; returns its error row at once when it cannot be pooled."""
+        try:
+            if row.error:
+                raise ValueError(row.error)
+            ids = self.runner.encode(text_of(row.prompt))
+        except ValueError as e:
+            return [OutputRow(row.id, 0, None, None, str(e), 0, 0, 0, row=row)]
+        self.runner.add(ids, row)
+        return None
+
+    def step(self) -> list[list[OutputRow]]:
+        result = self.runner.step()
+        self.stats.record(result)
+        return [
+            [
+                OutputRow(
+                    text.request.id,
+                    0,
+                    None,
+                    None,
+                    None,
+                    len(text.token_ids),
+                    0,
+                    0,
+                    prompt_token_ids=text.token_ids,
+                    embedding=vector.float().tolist(),
+                    row=text.request,
+                )  # fmt: skip
+            ]
+            for text, vector in result.finished
+        ]
+
+    def status_line(self) -> str:
+        rate = self.stats.rows / max(time.perf_counter() - self.stats.start, 1e-9)
+        return f"{rate:.1f} texts/s, waiting {self.runner.num_waiting}"
+
+    def check_integrity(self) -> None:
+        """Nothing to check: a pooling runner keeps nothing of a text after its step."""
+
+
+def load_pooling_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = None) -> PoolingWorker:
+    t0 = time.perf_counter()
+    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement)
+    facts = {
+        "job": spec.name,
+        "task": spec.task,
+        "attention": "packed",
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "model": spec.model.path,
+    }
+    from .worker import row_window
+
+    stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
+    return PoolingWorker(runner, stats, row_window(spec))
