@@ -239,3 +239,20 @@ def test_embed_on_a_bad_text_is_that_texts_error(bases, tmp_path):
     )
     assert outs[0].outputs is None and outs[0].error == "text is empty"
     assert len(outs[1].outputs.embedding) == 32 and outs[1].prompt_token_ids[0] == 2  # [CLS]
+
+
+def test_shards_and_replicas_write_every_row_once(bases, tmp_path):
+    """Two shards, then two replica processes: every row once, each vector the one a single run writes."""
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    texts = [f"{t} {i}" for i in range(4) for t in TEXTS]
+    data = write_texts(tmp_path / "in.parquet", texts)
+    expected = theirs(folder, texts)
+    for i in range(2):
+        run_job(embed_job(folder, data, tmp_path / "sharded"), shard=f"{i}/2", progress=False)
+    summary = run_job(embed_job(folder, data, tmp_path / "replicas"), replicas=2, progress=False)
+    assert summary["replicas"] == 2
+    for out in ("sharded", "replicas"):
+        rows = pq.read_table(tmp_path / out).to_pylist()
+        assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(len(texts)))
+        got = torch.tensor([r["embedding"] for r in sorted(rows, key=lambda r: int(r["id"][1:]))])
+        assert_equal(got, expected)

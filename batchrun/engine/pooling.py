@@ -148,7 +148,7 @@ class PoolingRunner:
         return self._after_pooling(pooled)
 
     def _forward(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, PackedLayout]:
-        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists])
+        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists], self.device)
         ids = int_tensor([i for ids in token_lists for i in ids], device=self.device)[None]
         offset = self.position_offset
         positions = [p + offset for ids in token_lists for p in range(len(ids))]
