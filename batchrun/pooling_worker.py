@@ -6,16 +6,29 @@ at once), queued, and comes back with its vector when its step is done."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pyarrow as pa
 
 from .config import JobSpec, ModelSpec
 from .engine.config import EngineConfig
-from .engine.pooler import PoolerConfig, PoolingPlan, plan_for
+from .engine.pooler import PoolerConfig, PoolingPlan, resolve
+from .engine.sentence_config import SentenceConfigError, read_sentence_config
 from .host import Placement, place
-from .model_loader import resolve_model_dir
+from .model_loader import load_config, resolve_model_dir
 from .rows import InputRow, OutputRow
 from .stats import PoolingStats
+
+
+def plan_for(model_dir: Path, options: PoolerConfig, where: str) -> PoolingPlan:
+    """The plan of a checkpoint folder, from its config files alone."""
+    try:
+        sentence = read_sentence_config(model_dir)
+    except SentenceConfigError as e:
+        raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
+    config = load_config(model_dir / sentence.transformer_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return resolve(sentence, text.hidden_size, options, where)
 
 
 def pooling_plan(model: ModelSpec, pooler: PoolerConfig, source: str) -> PoolingPlan:
@@ -60,7 +73,8 @@ def text_of(prompt) -> str:
 
 
 class PoolingWorker:
-    """Rows in, output rows out, on one pooling runner (loop.Worker)."""
+    """Rows in, output rows out, on one pooling runner (loop.Worker): a job's (worker.load_worker) and
+    LLM.embed's."""
 
     def __init__(self, runner, stats: PoolingStats, window: int):
         """`window`: how many texts to keep queued (worker.row_window)."""
@@ -81,10 +95,10 @@ class PoolingWorker:
         try:
             if row.error:
                 raise ValueError(row.error)
-            ids = self.runner.encode(text_of(row.prompt))
+            ids, truncated = self.runner.encode(text_of(row.prompt))
         except ValueError as e:
             return [OutputRow(row.id, 0, None, None, str(e), 0, 0, 0, row=row)]
-        self.runner.add(ids, row)
+        self.runner.add(ids, row, truncated)
         return None
 
     def step(self) -> list[list[OutputRow]]:
@@ -115,20 +129,3 @@ class PoolingWorker:
 
     def check_integrity(self) -> None:
         """Nothing to check: a pooling runner keeps nothing of a text after its step."""
-
-
-def load_pooling_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = None) -> PoolingWorker:
-    t0 = time.perf_counter()
-    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement)
-    facts = {
-        "job": spec.name,
-        "task": spec.task,
-        "attention": "packed",
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).replace("torch.", ""),
-        "model": spec.model.path,
-    }
-    from .worker import row_window
-
-    stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
-    return PoolingWorker(runner, stats, row_window(spec))

@@ -74,7 +74,10 @@ def format_summary(s: dict) -> str:
         rate = s["rows"] / s["wall_s"] if s["wall_s"] else 0.0
         computed = s.get("prompt_tokens_computed", 0)
         lines += [
-            ("texts", f"{rate:.1f}/s over {s['steps']} packed steps"),
+            (
+                "texts",
+                f"{rate:.1f}/s over {s['steps']} packed steps; {s['truncated_rows']} cut at the longest text",
+            ),
             (
                 "padding avoided",
                 f"{s['padding_tokens_avoided']} tokens: a batch padded to its longest text per step would have "

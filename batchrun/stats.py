@@ -115,6 +115,7 @@ SUMMARY_KEYS = {
     "grammar_mask_s": ("sum", "sum"),
     # a pooling job: the tokens a run padding each step's texts to its longest would have computed on top
     "padding_tokens_avoided": ("sum", "sum"),
+    "truncated_rows": ("sum", "sum"),  # a pooling job's texts cut at the longest the model takes
     # where the steps' time went (engine/timing.py), seconds summed over processes and runs
     **{summary_key(phase): ("sum", "sum") for phase in PHASES},
 }
@@ -362,6 +363,7 @@ class StatsCollector:
             "grammar_compile_s": compile_s,
             "grammar_mask_s": mask_s,
             "padding_tokens_avoided": 0,
+            "truncated_rows": 0,
             **self.engine.times.summary(),
         }
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
@@ -378,7 +380,7 @@ class PoolingStats:
         self.replica = replica
         self.load_s = load_s
         self.start = time.perf_counter()
-        self.steps = self.rows = self.tokens = self.padding = 0
+        self.steps = self.rows = self.tokens = self.padding = self.truncated = 0
 
     def record(self, step) -> None:
         """One runner step (engine/pooling.PoolingStep)."""
@@ -386,6 +388,7 @@ class PoolingStats:
         self.rows += len(step.finished)
         self.tokens += step.num_tokens
         self.padding += step.num_padded_tokens
+        self.truncated += sum(text.truncated for text, _ in step.finished)
 
     def take_rows(self, final: bool = False) -> list[dict]:
         return []
@@ -403,6 +406,7 @@ class PoolingStats:
             prompt_tokens_computed=self.tokens,
             prompt_tokens_per_s=self.tokens / wall if wall else 0.0,
             padding_tokens_avoided=self.padding,
+            truncated_rows=self.truncated,
         )
         s.update(self.extra)
         return s

@@ -196,9 +196,7 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
     and dtype the job resolved (a replica resolves its own device). A pooling task's job gets its own worker
     (pooling_worker.py)."""
     if spec.task != "generate":
-        from .pooling_worker import load_pooling_worker
-
-        return load_pooling_worker(spec, replica, placement)
+        return _load_pooling_worker(spec, replica, placement)
     t0 = time.perf_counter()
     llm = LLM.from_spec(spec.model, spec.engine, spec.source_file, placement)
     load_s = time.perf_counter() - t0
@@ -217,3 +215,22 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
         "packed_weights": llm.packed_weights,
     }
     return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica, load_s=load_s))
+
+
+def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | None):
+    """A pooling job's worker (pooling_worker.py), whose statistics carry the facts about it for the summary."""
+    from .pooling_worker import PoolingWorker, load_runner
+    from .stats import PoolingStats
+
+    t0 = time.perf_counter()
+    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement)
+    facts = {
+        "job": spec.name,
+        "task": spec.task,
+        "attention": "packed",
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "model": spec.model.path,
+    }
+    stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
+    return PoolingWorker(runner, stats, row_window(spec))

@@ -22,9 +22,10 @@ from embedding_models import (
 )
 from helpers import run_cli
 
-from batchrun.engine.pooler import PoolerConfig, plan_for
+from batchrun.engine.pooler import PoolerConfig
 from batchrun.errors import BadInput
 from batchrun.job import run_job
+from batchrun.pooling_worker import plan_for
 
 TEXTS = [
     "the cats and dogs",
@@ -256,3 +257,18 @@ def test_shards_and_replicas_write_every_row_once(bases, tmp_path):
         assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(len(texts)))
         got = torch.tensor([r["embedding"] for r in sorted(rows, key=lambda r: int(r["id"][1:]))])
         assert_equal(got, expected)
+
+
+def test_truncate_prompt_tokens_cuts_as_max_seq_length_and_is_counted(bases, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
+    summary = run_job(embed_job(folder, data, out, pooler={"truncate_prompt_tokens": 6}), progress=False)
+    rows = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
+    st = SentenceTransformer(str(folder), device="cpu")
+    st.max_seq_length = 6
+    assert_equal(torch.tensor([r["embedding"] for r in rows]), st.encode(TEXTS, convert_to_tensor=True))
+    lengths = [len(st.tokenizer(t)["input_ids"]) for t in TEXTS]
+    assert [r["prompt_tokens"] for r in rows] == [min(n, 6) for n in lengths]
+    assert summary["truncated_rows"] == sum(n > 6 for n in lengths) > 0

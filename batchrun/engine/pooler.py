@@ -96,17 +96,3 @@ def resolve(sentence: SentenceConfig, hidden_size: int, options: PoolerConfig, w
         output_dim=options.dimensions or full,
         transformer_path=sentence.transformer_path,
     )
-
-
-def plan_for(model_dir, options: PoolerConfig, where: str) -> PoolingPlan:
-    """The plan of a checkpoint folder, from its config files alone."""
-    from ..model_loader import load_config
-    from .sentence_config import read_sentence_config
-
-    try:
-        sentence = read_sentence_config(model_dir)
-    except SentenceConfigError as e:
-        raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
-    config = load_config(model_dir / sentence.transformer_path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return resolve(sentence, text.hidden_size, options, where)

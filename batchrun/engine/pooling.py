@@ -37,6 +37,7 @@ class PooledText:
     request: Any
     token_ids: list[int]
     prompt_tokens: int
+    truncated: bool = False  # cut at the longest text allowed
 
 
 @dataclass
@@ -92,12 +93,13 @@ class PoolingRunner:
         self._probe()
 
     # ---- texts -> tokens ---------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> tuple[list[int], bool]:
         """The text's tokens as sentence-transformers makes them: the plan's prompt before it, the tokenizer's
-        special tokens, cut at the longest text allowed. ValueError for a text the model cannot take."""
-        ids = self.tokenizer(self.plan.prompt + text, truncation=True, max_length=self.max_length)[
-            "input_ids"
-        ]
+        special tokens, cut at the longest text allowed; and whether it was cut. ValueError for a text the model
+        cannot take."""
+        encoded = self.tokenizer(self.plan.prompt + text, truncation=True, max_length=self.max_length)
+        ids = encoded["input_ids"]
+        truncated = bool(encoded.encodings and encoded.encodings[0].overflowing)
         if not ids:
             raise ValueError("the text has no tokens")
         if self.max_positions is not None and len(ids) > self.max_positions:
@@ -105,7 +107,7 @@ class PoolingRunner:
                 f"the text has {len(ids)} tokens, more than the model's {self.max_positions} positions (set "
                 "pooler.truncate_prompt_tokens to cut it)"
             )
-        return ids
+        return ids, truncated
 
     def _prompt_length(self, prompt: str) -> int:
         """The prompt's tokens at the head of every text, as sentence-transformers counts them: the prompt
@@ -114,8 +116,8 @@ class PoolingRunner:
         return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     # ---- the queue and the steps --------------------------------------------------------------------------------
-    def add(self, token_ids: list[int], request: Any) -> None:
-        self.queue.append(PooledText(request, token_ids, self.prompt_length))
+    def add(self, token_ids: list[int], request: Any, truncated: bool = False) -> None:
+        self.queue.append(PooledText(request, token_ids, self.prompt_length, truncated))
 
     @property
     def num_waiting(self) -> int:
