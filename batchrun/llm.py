@@ -147,13 +147,10 @@ class LLM:
         self.tokenizer, hf_model = loading.load_model(
             self.model_dir, self.dtype, self.device, config, tokenizer
         )
-        if self.device.type == "cpu":
-            from .engine import cpu_allocator, cpu_linear
+        if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
+            from .engine import cpu_linear
 
-            cpu_allocator.keep_freed_blocks()
-            # weights packed for oneDNN where this CPU can (the summary's packed_weights says which)
-            if engine.pack_weights and cpu_linear.available(self.dtype):
-                self.packed_weights = cpu_linear.pack_linear_layers(hf_model) > 0
+            self.packed_weights = cpu_linear.prepare(hf_model, self.dtype, engine.pack_weights)
         self._token_texts: dict[int, str] = {}
         try:
             self.engine = Engine(

@@ -57,7 +57,13 @@ def load_runner(
     model_dir = resolve_model_dir(model.path, source)
     plan = plan_for(model_dir, pooler, source)
     return PoolingRunner(
-        model_dir, plan, placement.dtype, placement.device, engine.max_num_batched_tokens, engine.max_num_seqs
+        model_dir,
+        plan,
+        placement.dtype,
+        placement.device,
+        engine.max_num_batched_tokens,
+        engine.max_num_seqs,
+        engine.pack_weights,
     )
 
 

@@ -231,6 +231,7 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
         "model": spec.model.path,
+        "packed_weights": runner.packed_weights,
     }
     stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
     return PoolingWorker(runner, stats, row_window(spec))

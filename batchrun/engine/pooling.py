@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
+from . import cpu_linear
 from .attention import UnsupportedModel, int_tensor
 from .packed_attention import PACKED_ATTENTION, PackedLayout, register
 from .pooler import PoolingPlan
@@ -69,11 +70,14 @@ class PoolingRunner:
         device: torch.device,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        pack_weights: bool = False,
     ):
+        """`pack_weights`: on the CPU, linear weights packed for oneDNN where it can (engine.pack_weights)."""
         self.plan = plan
         self.device, self.dtype = device, dtype
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.tokenizer, self.model = load_pooling_model(model_dir / plan.transformer_path, dtype, device)
+        self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         config = self.model.config
         self.position_offset = position_offset(self.model)
         max_positions = getattr(config, "max_position_embeddings", None)
