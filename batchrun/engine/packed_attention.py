@@ -154,7 +154,7 @@ def packed_attention_forward(
             )  # fmt: skip
             continue
         n, width = g.valid.shape
-        # index_select, not advanced indexing: the latter took 70 ms where this took 0.3 ms (12 heads, 4096 tokens)
+        # index_select, not advanced indexing: many times faster on the CPU (bench/micro/embed_ops.py)
         gathered = [
             x.index_select(1, g.index).view(x.shape[0], n, width, -1).transpose(0, 1) for x in (q, k, v)
         ]
