@@ -272,3 +272,20 @@ def test_truncate_prompt_tokens_cuts_as_max_seq_length_and_is_counted(bases, tmp
     lengths = [len(st.tokenizer(t)["input_ids"]) for t in TEXTS]
     assert [r["prompt_tokens"] for r in rows] == [min(n, 6) for n in lengths]
     assert summary["truncated_rows"] == sum(n > 6 for n in lengths) > 0
+
+
+def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_path, monkeypatch):
+    """Were the texts of a packed row to see each other (here: the layout made one text of them all), the load
+    probe refuses the model rather than embed each text with its batch-mates."""
+    from batchrun import LLM
+    from batchrun.engine import packed_attention
+    from batchrun.engine.attention import UnsupportedModel
+
+    one_text = classmethod(lambda cls, lengths, device=None: cls._of_lengths([sum(lengths)], device))
+    monkeypatch.setattr(
+        packed_attention.PackedLayout, "_of_lengths", packed_attention.PackedLayout.of_lengths, raising=False
+    )
+    monkeypatch.setattr(packed_attention.PackedLayout, "of_lengths", one_text)
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    with pytest.raises(UnsupportedModel, match="beside another text"):
+        LLM(str(folder), dtype="float32", device="cpu", runner="pooling")

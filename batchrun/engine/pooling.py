@@ -174,18 +174,31 @@ class PoolingRunner:
         return x
 
     def _probe(self) -> None:
-        """Two short texts through the model once: every layer must reach batchrun's attention function."""
-        token = self.tokenizer.cls_token_id or self.tokenizer.eos_token_id or 0
+        """Short texts through the model at load: every layer must reach batchrun's attention function, and a
+        text's token states must not change beside another (its positions restart, nothing crosses texts)."""
+        name = type(self.model).__name__
+        if "position_ids" not in inspect.signature(self.model.forward).parameters:
+            raise UnsupportedModel(f"{name} cannot run on batchrun: its forward takes no position_ids")
+        vocab = self.model.config.vocab_size
+        text, other = [i % vocab for i in range(5, 11)], [i % vocab for i in range(20, 29)]
         try:
             with torch.inference_mode():
-                _, layout = self._forward([[token] * 3, [token] * 2])
+                alone, layout = self._forward([text])
+                beside, _ = self._forward([other, text])
         except UnsupportedModel as e:
-            raise UnsupportedModel(f"{type(self.model).__name__} cannot run on batchrun: {e}") from None
+            raise UnsupportedModel(f"{name} cannot run on batchrun: {e}") from None
         layers = getattr(self.model.config, "num_hidden_layers", None)
         if layers is not None and layout.calls != layers:
             raise UnsupportedModel(
-                f"{type(self.model).__name__} cannot run on batchrun: {layout.calls} of its {layers} layers "
-                "reached batchrun's attention function"
+                f"{name} cannot run on batchrun: {layout.calls} of its {layers} layers reached batchrun's "
+                "attention function"
+            )
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        scale = alone.abs().max().item() + 1.0
+        if (alone - beside[len(other) :]).abs().max().item() > tolerance * scale:
+            raise UnsupportedModel(
+                f"{name} cannot run on batchrun: a text's token states change beside another text in one packed "
+                "row (something in the model reaches across texts besides attention)"
             )
 
 
