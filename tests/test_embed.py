@@ -289,3 +289,16 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     with pytest.raises(UnsupportedModel, match="beside another text"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+
+
+def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path):
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    data = write_texts(tmp_path / "in.parquet", TEXTS)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: e\ntask: embed\nmodel: {{path: {folder}}}\ninput: {{parquet: {data}}}\n"
+        f"output: {{path: {tmp_path / 'out'}}}\npooler: {{dimensions: 64}}\n"
+    )
+    result = run_cli("validate", str(job))
+    assert result.returncode == 2 and "pooler.dimensions" in result.stderr and "32" in result.stderr
+    assert run_cli("validate", str(job), "--set", "pooler.dimensions=16").returncode == 0
