@@ -330,7 +330,8 @@ def _check_task(spec: JobSpec, source: str) -> None:
         ]
         if changed:
             raise BadInput(
-                f"{source}: key `pooler.{changed[0]}` applies to a pooling task (task: embed), and task is generate."
+                f"{source}: key `pooler.{changed[0]}` applies to a pooling task (task: embed), and task is "
+                "generate."
             )
         return
     inp = spec.input

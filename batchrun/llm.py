@@ -66,13 +66,21 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """One text's vector, in vLLM's shape (`LLM.embed`)."""
+class ClassificationOutput:
+    probs: list[float]
+    label: str  # id2label of the most likely class
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One text's result, in vLLM's shape (`LLM.embed`, `LLM.classify`)."""
 
     request_id: int  # the text's position in the call
     prompt: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput | None  # None when the text could not be embedded (error says why)
+    outputs: (
+        EmbeddingOutput | ClassificationOutput | None
+    )  # None when the text could not run (error says why)
     error: str | None = None
 
 
@@ -107,6 +115,7 @@ class LLM:
             from .pooling_worker import load_runner
 
             self.pooling = load_runner(model_spec, engine_config, pooler_config, "LLM(...)")
+            self.pooling_task = self.pooling.task
             self.tokenizer, self.engine = self.pooling.tokenizer, None
             return
         self._load(model_spec, engine_config, "LLM(...)")
@@ -284,28 +293,42 @@ class LLM:
             engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
         return outputs
 
-    def embed(self, prompts: str | list[str], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """One vector per text (an LLM made with runner="pooling"), in input order, equal to the checkpoint's
-        sentence-transformers `encode`; the texts are packed with no padding. A text that cannot be embedded
-        (empty, too long for the model) is that output's error, and the other texts are embedded."""
+    def embed(self, prompts: str | list[str], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One vector per text (an LLM made with runner="pooling" on an embedding checkpoint), in input order,
+        equal to the checkpoint's sentence-transformers `encode`; the texts are packed with no padding. A text
+        that cannot be embedded (empty, too long for the model) is that output's error, and the others run."""
+        return self._pool("embed", prompts, use_tqdm, lambda row: EmbeddingOutput(row.embedding))
+
+    def classify(self, prompts: str | list[str], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Class probabilities and the most likely label per text (runner="pooling" on a sequence-classification
+        checkpoint), as its `AutoModelForSequenceClassification` gives them for the text alone."""
+        return self._pool(
+            "classify", prompts, use_tqdm, lambda row: ClassificationOutput(row.probs, row.label)
+        )
+
+    def _pool(self, task: str, prompts, use_tqdm: bool, output) -> list[PoolingRequestOutput]:
+        """The texts through the pooling runner (pooling_worker.PoolingWorker, the job's own), in input order."""
         from tqdm.auto import tqdm
 
         from .pooling_worker import PoolingWorker
         from .stats import PoolingStats
 
-        if self.pooling is None:
-            raise BadInput("LLM.embed: this LLM generates text; make it with LLM(model, runner='pooling')")
+        if self.pooling is None or self.pooling_task != task:
+            made = "generates text" if self.pooling is None else f"is a {self.pooling_task} model"
+            raise BadInput(
+                f"LLM.{task}: this LLM {made}; {task} needs LLM(model, runner='pooling') on such a model"
+            )
         if isinstance(prompts, str):
             prompts = [prompts]
         rows = iter(InputRow(i, i, p) for i, p in enumerate(prompts))
-        outputs: list[EmbeddingRequestOutput | None] = [None] * len(prompts)
+        outputs: list[PoolingRequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), unit="text", disable=not use_tqdm, desc="batchrun")
 
         def finished(result: list[OutputRow]) -> None:
             (row,) = result
-            vector = None if row.embedding is None else EmbeddingOutput(row.embedding)
             ids = row.prompt_token_ids or []
-            outputs[row.id] = EmbeddingRequestOutput(row.id, row.row.prompt, ids, vector, row.error)
+            made = None if row.error else output(row)
+            outputs[row.id] = PoolingRequestOutput(row.id, row.row.prompt, ids, made, row.error)
             bar.update(1)
 
         worker = PoolingWorker(self.pooling, PoolingStats(), window=max(self.pooling.max_num_seqs, 16))

@@ -5,6 +5,7 @@ at once), queued, and comes back with its vector when its step is done."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -14,14 +15,34 @@ from .config import JobSpec, ModelSpec
 from .engine.config import EngineConfig
 from .engine.pooler import PoolerConfig, PoolingPlan, resolve
 from .engine.sentence_config import SentenceConfigError, read_sentence_config
+from .errors import BadInput
 from .host import Placement, place
 from .model_loader import load_config, resolve_model_dir
 from .rows import InputRow, OutputRow
 from .stats import PoolingStats
 
 
-def plan_for(model_dir: Path, options: PoolerConfig, where: str) -> PoolingPlan:
-    """The plan of a checkpoint folder, from its config files alone."""
+def checkpoint_task(model_dir: Path) -> str:
+    """What a pooling checkpoint does: classify (a `*ForSequenceClassification` architecture) or embed."""
+    architectures = getattr(load_config(model_dir), "architectures", None) or []
+    return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
+
+
+def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "embed") -> PoolingPlan:
+    """The plan of a checkpoint folder for `task`, from its config files alone."""
+    if task == "classify":
+        config = load_config(model_dir)
+        if checkpoint_task(model_dir) != "classify":
+            names = ", ".join(getattr(config, "architectures", None) or ["none named"])
+            raise BadInput(
+                f"{where}: key `task`: classify needs a sequence-classification checkpoint (its config's "
+                f"architectures: {names})"
+            )
+        for f in dataclasses.fields(PoolerConfig):  # the checkpoint's head decides all but the longest text
+            if f.name != "truncate_prompt_tokens" and getattr(options, f.name) is not None:
+                raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task classify")
+        labels = len(config.id2label)
+        return PoolingPlan((), True, (), False, None, "", options.truncate_prompt_tokens, labels, "")
     try:
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as e:
@@ -31,15 +52,12 @@ def plan_for(model_dir: Path, options: PoolerConfig, where: str) -> PoolingPlan:
     return resolve(sentence, text.hidden_size, options, where)
 
 
-def pooling_plan(model: ModelSpec, pooler: PoolerConfig, source: str) -> PoolingPlan:
-    """What the job computes, from the checkpoint's config files (no weights): BadInput naming the key for an
-    impossible combination."""
-    return plan_for(resolve_model_dir(model.path, source), pooler, source)
-
-
 def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
     """The Arrow types of a pooling job's own output columns (sinks.output_schema)."""
-    plan = pooling_plan(spec.model, spec.pooler, spec.source_file)
+    model_dir = resolve_model_dir(spec.model.path, spec.source_file)
+    plan = plan_for(model_dir, spec.pooler, spec.source_file, spec.task)
+    if spec.task == "classify":
+        return {"label": pa.string(), "probs": pa.list_(pa.float32(), plan.output_dim)}
     return {"embedding": pa.list_(pa.float32(), plan.output_dim)}
 
 
@@ -49,16 +67,20 @@ def load_runner(
     pooler: PoolerConfig,
     source: str,
     placement: Placement | None = None,
+    task: str | None = None,
 ):
-    """The pooling runner of a job's (or LLM(runner="pooling")'s) model, engine and pooler settings."""
+    """The pooling runner of a job's (or LLM(runner="pooling")'s) model, engine and pooler settings; `task`
+    None: as the checkpoint is (checkpoint_task)."""
+    from .engine.classifier import ClassifierRunner
     from .engine.pooling import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
     model_dir = resolve_model_dir(model.path, source)
-    plan = plan_for(model_dir, pooler, source)
-    return PoolingRunner(
+    task = task or checkpoint_task(model_dir)
+    runner = ClassifierRunner if task == "classify" else PoolingRunner
+    return runner(
         model_dir,
-        plan,
+        plan_for(model_dir, pooler, source, task),
         placement.dtype,
         placement.device,
         engine.max_num_batched_tokens,
@@ -110,24 +132,15 @@ class PoolingWorker:
     def step(self) -> list[list[OutputRow]]:
         result = self.runner.step()
         self.stats.record(result)
-        return [
-            [
-                OutputRow(
-                    text.request.id,
-                    0,
-                    None,
-                    None,
-                    None,
-                    len(text.token_ids),
-                    0,
-                    0,
-                    prompt_token_ids=text.token_ids,
-                    embedding=vector.float().tolist(),
-                    row=text.request,
-                )  # fmt: skip
-            ]
-            for text, vector in result.finished
-        ]
+        return [[self._row(text, vector)] for text, vector in result.finished]
+
+    def _row(self, text, vector) -> OutputRow:
+        """A finished text's output row: id, sample 0, no error, its tokens, its task's columns."""
+        row = text.request
+        return OutputRow(
+            row.id, 0, None, None, None, len(text.token_ids), 0, 0,
+            prompt_token_ids=text.token_ids, row=row, **self.runner.result(vector),
+        )  # fmt: skip
 
     def status_line(self) -> str:
         rate = self.stats.rows / max(time.perf_counter() - self.stats.start, 1e-9)

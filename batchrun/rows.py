@@ -95,6 +95,8 @@ class OutputRow:
     prompt_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
     completion_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
     embedding: list[float] | None = _task_column("embed")  # fixed_size_list<float32>[the vector's length]
+    label: str | None = _task_column("classify")  # id2label of the most likely class
+    probs: list[float] | None = _task_column("classify")  # fixed_size_list<float32>[the classes]
     row: InputRow | None = None  # the input row: passthrough columns, the OpenAI request
 
 

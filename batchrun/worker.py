@@ -223,7 +223,7 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
     from .stats import PoolingStats
 
     t0 = time.perf_counter()
-    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement)
+    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement, spec.task)
     facts = {
         "job": spec.name,
         "task": spec.task,

@@ -181,7 +181,8 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"task": "classify"}, "task"),
+        ({"task": "classify"}, "task"),  # an embedding checkpoint has no classification head
+        ({"task": "score"}, "task"),  # not built
         ({"pooler": {"dimensions": 999}}, "pooler.dimensions"),
         ({"pooler": {"prompt_name": "nope"}}, "pooler.prompt_name"),
         ({"pooler": {"pooling": "median"}}, "pooler.pooling"),
@@ -302,3 +303,69 @@ def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path)
     result = run_cli("validate", str(job))
     assert result.returncode == 2 and "pooler.dimensions" in result.stderr and "32" in result.stderr
     assert run_cli("validate", str(job), "--set", "pooler.dimensions=16").returncode == 0
+
+
+def save_classifier(family: str, bases, tmp_path):
+    """A random-weight sequence classifier of the family (3 labels), its head's weights scaled up so the
+    probabilities differ from a third each."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(bases[family])
+    config.id2label = {0: "negative", 1: "neutral", 2: "positive"}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.startswith(("classifier", "score")):
+                p.mul_(30)
+    folder = tmp_path / f"{family}-classifier"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bases[family]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", [*ENCODERS, "qwen3"])
+def test_classify_equals_the_model_run_one_text_at_a_time(bases, tmp_path, family):
+    """The checkpoint's own head (BERT's pooler, RoBERTa's first token, ModernBERT's, a decoder's last token)
+    on each text's states from the packed row, against AutoModelForSequenceClassification on the text alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from batchrun import LLM
+
+    folder = save_classifier(family, bases, tmp_path)
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").classify(TEXTS, use_tqdm=False)
+    reference = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        logits = torch.stack([reference(**tok(t, return_tensors="pt")).logits[0] for t in TEXTS])
+    probs = logits.softmax(dim=-1)
+    assert_equal(torch.tensor([o.outputs.probs for o in outs]), probs)
+    assert [o.outputs.label for o in outs] == [
+        reference.config.id2label[int(i)] for i in probs.argmax(dim=-1)
+    ]
+
+
+def test_classify_job_writes_label_and_probs(bases, tmp_path):
+    folder = save_classifier("qwen3", bases, tmp_path)
+    data, out = write_texts(tmp_path / "in.parquet", [*TEXTS, ""]), tmp_path / "out"
+    job = embed_job(folder, data, out, task="classify")
+    run_job(job, progress=False)
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "sample", "error", "prompt_tokens", "label", "probs", "topic"]
+    assert table.schema.field("probs").type == pa.list_(pa.float32(), 3)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["r5"]["error"] == "text is empty" and rows["r5"]["label"] is None
+    from batchrun import LLM
+
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").classify(TEXTS, use_tqdm=False)
+    for i, o in enumerate(outs):
+        assert rows[f"r{i}"]["label"] == o.outputs.label
+        assert max(abs(a - b) for a, b in zip(rows[f"r{i}"]["probs"], o.outputs.probs)) < 1e-6
+    job["pooler"] = {"normalize": True}
+    with pytest.raises(BadInput, match=r"pooler\.normalize"):
+        run_job(job, progress=False, overwrite=True)
+    with pytest.raises(BadInput, match="LLM.embed"):
+        LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed(TEXTS)

@@ -62,6 +62,12 @@ def position_offset(model) -> int:
 
 
 class PoolingRunner:
+    """Texts in, one vector each out (task: embed); engine/classifier.py's runner puts the model's own
+    classification head in place of the pooling."""
+
+    task = "embed"
+    auto_class = "AutoModel"  # the transformers class the checkpoint loads as
+
     def __init__(
         self,
         model_dir: Path,
@@ -76,7 +82,10 @@ class PoolingRunner:
         self.plan = plan
         self.device, self.dtype = device, dtype
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.tokenizer, self.model = load_pooling_model(model_dir / plan.transformer_path, dtype, device)
+        self.tokenizer, model = load_pooling_model(
+            model_dir / plan.transformer_path, dtype, device, self.auto_class
+        )
+        self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         config = self.model.config
         self.position_offset = position_offset(self.model)
@@ -95,6 +104,14 @@ class PoolingRunner:
         )
         self.queue: deque[PooledText] = deque()
         self._probe()
+
+    def _base_model(self, model):
+        """The model the packed row runs through (the loaded model itself: a base model)."""
+        return model
+
+    def result(self, vector: torch.Tensor) -> dict:
+        """A text's output columns from its vector."""
+        return {"embedding": vector.float().tolist()}
 
     # ---- texts -> tokens ---------------------------------------------------------------------------------------
     def encode(self, text: str) -> tuple[list[int], bool]:
@@ -146,8 +163,12 @@ class PoolingRunner:
 
     @torch.inference_mode()
     def embed_packed(self, texts: list[PooledText]) -> torch.Tensor:
-        """[len(texts), output_dim]: the texts in one packed row through the model, then pooled."""
+        """[len(texts), output_dim]: the texts in one packed row through the model, then each text's vector."""
         hidden, layout = self._forward([t.token_ids for t in texts])
+        return self._heads(hidden, texts, layout)
+
+    def _heads(self, hidden: torch.Tensor, texts: list[PooledText], layout: PackedLayout) -> torch.Tensor:
+        """Each text's vector from its token states: pooled, then the checkpoint's Dense and Normalize."""
         pooled = torch.stack(
             [pool(hidden[a:b], self.plan.modes, t.prompt_tokens) for t, (a, b) in zip(texts, layout.spans())]
         )
@@ -259,9 +280,13 @@ def _load_dense(layer: DenseLayer, dtype, device) -> _Dense:
     return module.to(device=device, dtype=dtype).eval()
 
 
-def load_pooling_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    """Tokenizer and base model (`AutoModel`: token states, no head) with batchrun's packed attention."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+def load_pooling_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, auto_class: str = "AutoModel"
+):
+    """Tokenizer and model with batchrun's packed attention: `auto_class` AutoModel (the base model: token
+    states, no head) or AutoModelForSequenceClassification (engine/classifier.py)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from .architecture import not_the_models_fault
@@ -270,7 +295,7 @@ def load_pooling_model(model_dir: Path, dtype: torch.dtype, device: torch.device
     register()
     try:
         config = AutoConfig.from_pretrained(model_dir)
-        cls = AutoModel._model_mapping[type(config)]
+        cls = getattr(transformers, auto_class)._model_mapping[type(config)]
     except Exception as e:  # noqa: BLE001 - the checkpoint's own files
         if not_the_models_fault(e):
             raise
