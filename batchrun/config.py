@@ -28,6 +28,7 @@ from .checks import (
     parse_size,
 )
 from .engine.config import EngineConfig, SamplingParams
+from .engine.pooler import BUILT_TASKS, TASKS, PoolerConfig
 from .errors import BadInput
 from .storage import is_url, location
 
@@ -135,6 +136,11 @@ class JobSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSpec = field(default_factory=OutputSpec)
+    # what the job computes per row: generate (completions), or a pooling task (embed: a vector per text)
+    task: str = field(default="generate", metadata={"check": one_of(*TASKS)})
+    pooler: PoolerConfig = field(
+        default_factory=PoolerConfig
+    )  # a pooling task's overrides (engine/pooler.py)
     source_file: str = field(default="<job>", metadata={"internal": True})
 
     @property
@@ -302,12 +308,43 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
             f"{source}: key `input.dataset.path` is missing; expected a save_to_disk directory, "
             f"a data-file builder name (parquet, json, csv) with data_dir, or a cached dataset id."
         )
+    _check_task(spec, source)
     urls = {"input.parquet": inp.parquet, "input.openai_batch": inp.openai_batch}
     urls |= {"output.path": spec.output.path, "output.stats": spec.output.stats}
     for key, value in urls.items():
         if value and is_url(value):
             location(value, f"{source}: key `{key}`")  # a scheme no installed file system serves: said now
     return spec
+
+
+def _check_task(spec: JobSpec, source: str) -> None:
+    """A task not built yet, pooler keys on a generation job, and what a pooling job does not take: exit 2
+    naming the key."""
+    if spec.task not in BUILT_TASKS:
+        raise BadInput(
+            f"{source}: key `task`: {spec.task} is not built yet in batchrun (built: {', '.join(BUILT_TASKS)})."
+        )
+    if spec.task == "generate":
+        changed = [
+            f.name for f in dataclasses.fields(PoolerConfig) if getattr(spec.pooler, f.name) is not None
+        ]
+        if changed:
+            raise BadInput(
+                f"{source}: key `pooler.{changed[0]}` applies to a pooling task (task: embed), and task is "
+                "generate."
+            )
+        return
+    inp = spec.input
+    for key, value in (
+        ("input.openai_batch", inp.openai_batch),
+        ("input.image_column", inp.image_column),
+        ("input.sampling_columns", inp.sampling_columns),
+        ("output.format", spec.output.format if spec.output.format == "jsonl" else None),
+    ):
+        if value:
+            raise BadInput(
+                f"{source}: key `{key}` does not apply to task {spec.task} (not built for it yet)."
+            )
 
 
 def load_job(path: str | Path, overrides: Overrides = ()) -> JobSpec:

@@ -30,6 +30,7 @@ from .host import place
 from .lock import LeaseLock, shard_lock
 from .loop import drive
 from .model_loader import fingerprint_dtype, load_config
+from .pooling_worker import task_columns
 from .replicas import replica_count, run_replicas
 from .rows import InputRow, OutputRow, Shard
 from .sinks import OutputSink, check_writable, move_legacy_state
@@ -144,6 +145,9 @@ class Job:
         self.lock.acquire(wait, spec.output_dir, src, **(waiting or {}))
         try:
             dtype = fingerprint_dtype(spec.model.dtype, self.placement)
+            # a pooling job's own columns (an embedding's length), from the checkpoint's files: its pooler keys
+            # are checked here, before any model loads
+            task_types = task_columns(spec) if spec.task != "generate" else None
             self.sink = OutputSink(
                 spec,
                 self.shard,
@@ -153,6 +157,7 @@ class Job:
                 overwrite,
                 dtype,
                 guard=self.lock.check,
+                task_types=task_types,
             )
             move_legacy_state(spec)
             # under the shard's lock: a dead run's half-written temporary files (kill -9 during a write)
@@ -256,24 +261,19 @@ class Job:
         self.worker = worker  # kept: whoever made this job may run another shard on it
         self.loaded()
         stats_file.start()
-        stats, engine = worker.stats, worker.engine
+        stats = worker.stats
         rows = self.pending_rows()
 
         def after_step() -> None:
             stats_file.add(stats.take_rows())
-            rate = stats.generated_tokens / max(time.perf_counter() - stats.start, 1e-9)
-            self.tick(
-                f"{rate:.1f} tok/s, running {engine.num_running}, pages {engine.num_used_pages}/{engine.num_pages}",
-                stats_file,
-                stats,
-            )
+            self.tick(worker.status_line(), stats_file, stats)
 
         try:
             drive(worker, lambda block: next(rows, None), self.emit, after_step, lambda: self.stop_requested)
         finally:
             stats_file.add(stats.take_rows(final=True))
         if not self.stop_requested:
-            worker.engine.check_integrity()
+            worker.check_integrity()
         return stats.summary(rows=self.rows_done)
 
     def loaded(self) -> None:
@@ -327,9 +327,11 @@ class Job:
 def check_job(spec: JobSpec, limit: int | None) -> InputSource | OpenAIBatchSource:
     """Everything about a job that needs no model weights, checked before any loads (`batchrun validate` too):
     the input opens and its columns hold what they should, ids are unique, a job-wide response format
-    compiles into an enforced grammar. Returns the opened input."""
+    compiles into an enforced grammar, a pooling job's pooler keys fit its checkpoint. Returns the opened input."""
     source = open_source(spec.input, spec.source_file)
     source.check_unique_ids(limit)
+    if spec.task != "generate":  # the pooler keys against the checkpoint's files (an impossible combination)
+        task_columns(spec)
     if spec.sampling.structured:
         try:
             check_format(spec.sampling.response_format)

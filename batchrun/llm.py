@@ -20,11 +20,12 @@ from typing import Any, NamedTuple
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .engine.pooler import PoolerConfig
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import Placement, place
 from .loop import drive
-from .rows import check_conversation, row_seed
+from .rows import InputRow, OutputRow, check_conversation, row_seed
 
 Conversation = list[dict[str, Any]]
 
@@ -59,6 +60,30 @@ class RequestOutput:
     error: str | None = None  # why this prompt could not run (its outputs then finish with "error")
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+    label: str  # id2label of the most likely class
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One text's result, in vLLM's shape (`LLM.embed`, `LLM.classify`)."""
+
+    request_id: int  # the text's position in the call
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: (
+        EmbeddingOutput | ClassificationOutput | None
+    )  # None when the text could not run (error says why)
+    error: str | None = None
+
+
 class LLM:
     """A model and its paged engine. Keyword arguments beyond model, dtype, device and max_model_len are the
     job file's `engine:` keys (num_pages, kv_cache_memory, max_num_seqs, prefix_sharing, preemption, ...)."""
@@ -69,13 +94,30 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
+        runner: str = "generate",
+        pooler: dict | None = None,
         **engine_options: Any,
     ):
+        """`runner="pooling"`: the model for `embed` (its base model on batchrun's packed attention, pooled as
+        its sentence-transformers files say), with `pooler` the job file's `pooler:` keys; no paged engine."""
         try:
             model_spec = ModelSpec(path=model, dtype=dtype, max_model_len=max_model_len)
             engine_config = EngineConfig(device=device, **engine_options)
+            pooler_config = PoolerConfig(**(pooler or {}))
         except (TypeError, ValueError) as e:  # an unknown keyword, or a value its field's check refuses
             raise BadInput(f"LLM(...): {e}") from None
+        if runner not in ("generate", "pooling"):
+            raise BadInput(f"LLM(...): runner={runner!r}; expected generate or pooling")
+        if pooler is not None and runner != "pooling":
+            raise BadInput("LLM(...): pooler= applies to runner='pooling'")
+        self.pooling = None  # runner="pooling": the pooling runner (engine/pooling.py), in place of an engine
+        if runner == "pooling":
+            from .pooling_worker import load_runner
+
+            self.pooling = load_runner(model_spec, engine_config, pooler_config, "LLM(...)")
+            self.pooling_task = self.pooling.task
+            self.tokenizer, self.engine = self.pooling.tokenizer, None
+            return
         self._load(model_spec, engine_config, "LLM(...)")
 
     @classmethod
@@ -114,13 +156,10 @@ class LLM:
         self.tokenizer, hf_model = loading.load_model(
             self.model_dir, self.dtype, self.device, config, tokenizer
         )
-        if self.device.type == "cpu":
-            from .engine import cpu_allocator, cpu_linear
+        if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
+            from .engine import cpu_linear
 
-            cpu_allocator.keep_freed_blocks()
-            # weights packed for oneDNN where this CPU can (the summary's packed_weights says which)
-            if engine.pack_weights and cpu_linear.available(self.dtype):
-                self.packed_weights = cpu_linear.pack_linear_layers(hf_model) > 0
+            self.packed_weights = cpu_linear.prepare(hf_model, self.dtype, engine.pack_weights)
         self._token_texts: dict[int, str] = {}
         try:
             self.engine = Engine(
@@ -252,6 +291,51 @@ class LLM:
         finally:
             bar.close()
             engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
+        return outputs
+
+    def embed(self, prompts: str | list[str], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One vector per text (an LLM made with runner="pooling" on an embedding checkpoint), in input order,
+        equal to the checkpoint's sentence-transformers `encode`; the texts are packed with no padding. A text
+        that cannot be embedded (empty, too long for the model) is that output's error, and the others run."""
+        return self._pool("embed", prompts, use_tqdm, lambda row: EmbeddingOutput(row.embedding))
+
+    def classify(self, prompts: str | list[str], use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Class probabilities and the most likely label per text (runner="pooling" on a sequence-classification
+        checkpoint), as its `AutoModelForSequenceClassification` gives them for the text alone."""
+        return self._pool(
+            "classify", prompts, use_tqdm, lambda row: ClassificationOutput(row.probs, row.label)
+        )
+
+    def _pool(self, task: str, prompts, use_tqdm: bool, output) -> list[PoolingRequestOutput]:
+        """The texts through the pooling runner (pooling_worker.PoolingWorker, the job's own), in input order."""
+        from tqdm.auto import tqdm
+
+        from .pooling_worker import PoolingWorker
+        from .stats import PoolingStats
+
+        if self.pooling is None or self.pooling_task != task:
+            made = "generates text" if self.pooling is None else f"is a {self.pooling_task} model"
+            raise BadInput(
+                f"LLM.{task}: this LLM {made}; {task} needs LLM(model, runner='pooling') on such a model"
+            )
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        rows = iter(InputRow(i, i, p) for i, p in enumerate(prompts))
+        outputs: list[PoolingRequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), unit="text", disable=not use_tqdm, desc="batchrun")
+
+        def finished(result: list[OutputRow]) -> None:
+            (row,) = result
+            ids = row.prompt_token_ids or []
+            made = None if row.error else output(row)
+            outputs[row.id] = PoolingRequestOutput(row.id, row.row.prompt, ids, made, row.error)
+            bar.update(1)
+
+        worker = PoolingWorker(self.pooling, PoolingStats(), window=max(self.pooling.max_num_seqs, 16))
+        try:
+            drive(worker, lambda block: next(rows, None), finished)
+        finally:
+            bar.close()
         return outputs
 
     def completion(self, seq: Sequence) -> CompletionOutput:

@@ -69,6 +69,23 @@ def format_summary(s: dict) -> str:
             f"{s['prompt_tokens']} ({s.get('prompt_tokens_per_s', 0):.1f}/s), "
             f"{s.get('prompt_tokens_computed', 0)} computed",
         ),
+    ]
+    if s.get("task", "generate") != "generate":  # a pooling job: no generation, no pages
+        rate = s["rows"] / s["wall_s"] if s["wall_s"] else 0.0
+        computed = s.get("prompt_tokens_computed", 0)
+        lines += [
+            (
+                "texts",
+                f"{rate:.1f}/s over {s['steps']} packed steps; {s['truncated_rows']} cut at the longest text",
+            ),
+            (
+                "padding avoided",
+                f"{s['padding_tokens_avoided']} tokens: a batch padded to its longest text per step would have "
+                f"computed {computed + s['padding_tokens_avoided']}",
+            ),
+        ]
+        return _table(lines)
+    lines += [
         ("generated tokens", f"{s['generated_tokens']} ({s['generated_tokens_per_s']:.1f}/s)"),
         ("running sequences", f"peak {s['peak_running']}, mean {s['mean_running']:.1f}"),
         (
@@ -129,6 +146,10 @@ def format_summary(s: dict) -> str:
                 f"{s.get('grammar_compile_s', 0):.2f} s, masking {s.get('grammar_mask_s', 0):.2f} s",
             )
         )
+    return _table(lines)
+
+
+def _table(lines: list[tuple[str, str]]) -> str:
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
 

@@ -53,12 +53,18 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-def _column(arrow_type: pa.DataType | None):
-    return field(metadata={"arrow": arrow_type})
+def _column(arrow_type: pa.DataType | None, task: str | None = None):
+    """An output column of every job (`task` None), or of jobs of one task only."""
+    return field(metadata={"arrow": arrow_type, "task": task})
 
 
 def _optional_column(arrow_type: pa.DataType):
-    return field(default=None, metadata={"arrow": arrow_type, "optional": True})
+    return field(default=None, metadata={"arrow": arrow_type, "optional": True, "task": "generate"})
+
+
+def _task_column(task: str):
+    """A pooling task's result column; its Arrow type is the job's (an embedding's length is the model's)."""
+    return field(default=None, metadata={"arrow": None, "task": task})
 
 
 _TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
@@ -72,20 +78,25 @@ LOGPROBS_TYPE = pa.list_(
 @dataclass
 class OutputRow:
     """One output row (a sample of an input row): its fields with an Arrow type are the output columns, in
-    order (the one list of them); the optional ones are columns only when the job asks for them."""
+    order (the one list of them); the optional ones are columns only when the job asks for them, and those of a
+    task (metadata `task`) only in that task's jobs (a pooling job writes id, sample 0, error, prompt_tokens
+    and its result)."""
 
     id: Any = _column(None)  # the input's id type
     sample: int = _column(pa.int32())
-    completion: str | None = _column(pa.string())
-    finish_reason: str = _column(pa.string())
+    completion: str | None = _column(pa.string(), "generate")
+    finish_reason: str = _column(pa.string(), "generate")
     error: str | None = _column(pa.string())
     prompt_tokens: int = _column(pa.int32())
-    completion_tokens: int = _column(pa.int32())
-    num_preemptions: int = _column(pa.int32())
+    completion_tokens: int = _column(pa.int32(), "generate")
+    num_preemptions: int = _column(pa.int32(), "generate")
     logprobs: list[dict] | None = _optional_column(LOGPROBS_TYPE)
     prompt_logprobs: list[float | None] | None = _optional_column(pa.list_(pa.float32()))
     prompt_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
     completion_token_ids: list[int] | None = _optional_column(pa.list_(pa.int32()))
+    embedding: list[float] | None = _task_column("embed")  # fixed_size_list<float32>[the vector's length]
+    label: str | None = _task_column("classify")  # id2label of the most likely class
+    probs: list[float] | None = _task_column("classify")  # fixed_size_list<float32>[the classes]
     row: InputRow | None = None  # the input row: passthrough columns, the OpenAI request
 
 

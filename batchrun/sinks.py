@@ -57,6 +57,9 @@ def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
     for (section, key), default in _LATER_KEYS.items():
         if keep[section].get(key, default) == default:
             keep[section].pop(key, None)
+    if spec.task != "generate":  # a pooling job: its task and pooler settings make its rows, not sampling
+        keep.update(task=spec.task, pooler=d["pooler"])
+        del keep["sampling"]
     if not keep["output"]:
         del keep["output"]
     keep["shards"] = shard.count
@@ -75,11 +78,22 @@ def optional_columns(spec: JobSpec) -> list[str]:
     return wanted
 
 
-def output_schema(id_type: pa.DataType, passthrough: list[pa.Field], optional: list[str] = ()) -> pa.Schema:
+def output_schema(
+    id_type: pa.DataType,
+    passthrough: list[pa.Field],
+    optional: list[str] = (),
+    task: str = "generate",
+    task_types: dict[str, pa.DataType] | None = None,
+) -> pa.Schema:
+    """The output columns of a job of `task`; `task_types`: the Arrow types of the task's own columns (an
+    embedding's length is the model's)."""
+    types = {"id": id_type, **(task_types or {})}
     own = [
-        pa.field(f.name, f.metadata["arrow"] or id_type)
+        pa.field(f.name, f.metadata["arrow"] or types[f.name])
         for f in fields(OutputRow)
-        if "arrow" in f.metadata and (not f.metadata.get("optional") or f.name in optional)
+        if "arrow" in f.metadata
+        and f.metadata["task"] in (None, task)
+        and (not f.metadata.get("optional") or f.name in optional)
     ]
     return pa.schema([*own, *passthrough])
 
@@ -394,8 +408,10 @@ class OutputSink:
         overwrite: bool = False,
         dtype: str | None = None,
         guard: Callable[[], None] = lambda: None,
+        task_types: dict[str, pa.DataType] | None = None,
     ):
-        """`guard`: called before each part is written; raises when this run may no longer write (lock.py)."""
+        """`guard`: called before each part is written; raises when this run may no longer write (lock.py).
+        `task_types`: the Arrow types of a pooling task's columns (output_schema)."""
         src = spec.source_file
         self.dir = spec.output_dir
         self.shard = shard
@@ -413,7 +429,9 @@ class OutputSink:
             self.format = JsonlParts(self.fingerprint, spec.model.path or "batchrun-default-model")
         else:
             self.format = ParquetParts(
-                output_schema(id_type, passthrough, self.optional), self.fingerprint, spec.name
+                output_schema(id_type, passthrough, self.optional, spec.task, task_types),
+                self.fingerprint,
+                spec.name,
             )
         self.writer = PartWriter(
             self.dir,

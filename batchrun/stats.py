@@ -113,6 +113,9 @@ SUMMARY_KEYS = {
     "structured_complete": ("sum", "sum"),
     "grammar_compile_s": ("sum", "sum"),
     "grammar_mask_s": ("sum", "sum"),
+    # a pooling job: the tokens a run padding each step's texts to its longest would have computed on top
+    "padding_tokens_avoided": ("sum", "sum"),
+    "truncated_rows": ("sum", "sum"),  # a pooling job's texts cut at the longest the model takes
     # where the steps' time went (engine/timing.py), seconds summed over processes and runs
     **{summary_key(phase): ("sum", "sum") for phase in PHASES},
 }
@@ -359,9 +362,52 @@ class StatsCollector:
             "structured_complete": self.structured_complete,
             "grammar_compile_s": compile_s,
             "grammar_mask_s": mask_s,
+            "padding_tokens_avoided": 0,
+            "truncated_rows": 0,
             **self.engine.times.summary(),
         }
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
+        s.update(self.extra)
+        return s
+
+
+class PoolingStats:
+    """A pooling job's statistics (task: embed): texts, tokens computed and the padding avoided, in the summary's
+    keys (no per-step rows: there are no pages to watch)."""
+
+    def __init__(self, extra: dict | None = None, replica: int = 0, load_s: float = 0.0):
+        self.extra = dict(extra or {})
+        self.replica = replica
+        self.load_s = load_s
+        self.start = time.perf_counter()
+        self.steps = self.rows = self.tokens = self.padding = self.truncated = 0
+
+    def record(self, step) -> None:
+        """One runner step (engine/pooling.PoolingStep)."""
+        self.steps += 1
+        self.rows += len(step.finished)
+        self.tokens += step.num_tokens
+        self.padding += step.num_padded_tokens
+        self.truncated += sum(text.truncated for text, _ in step.finished)
+
+    def take_rows(self, final: bool = False) -> list[dict]:
+        return []
+
+    def summary(self, rows: int = 0) -> dict:
+        wall = time.perf_counter() - self.start
+        s = dict.fromkeys(SUMMARY_KEYS, 0)
+        s.update(
+            wall_s=wall,
+            load_s=self.load_s,
+            runs=1,
+            rows=rows,
+            steps=self.steps,
+            prompt_tokens=self.tokens,
+            prompt_tokens_computed=self.tokens,
+            prompt_tokens_per_s=self.tokens / wall if wall else 0.0,
+            padding_tokens_avoided=self.padding,
+            truncated_rows=self.truncated,
+        )
         s.update(self.extra)
         return s
 

@@ -89,6 +89,16 @@ class RowWorker:
                     done.append(rows)
         return done
 
+    def status_line(self) -> str:
+        """The progress bar's note on the engine."""
+        engine, stats = self.engine, self.stats
+        rate = stats.generated_tokens / max(time.perf_counter() - stats.start, 1e-9)
+        return f"{rate:.1f} tok/s, running {engine.num_running}, pages {engine.num_used_pages}/{engine.num_pages}"
+
+    def check_integrity(self) -> None:
+        """After a whole run: every page back in the pool (engine.check_integrity)."""
+        self.engine.check_integrity()
+
     def _params(self, row: InputRow) -> SamplingParams:
         """The job's sampling with the row's own values (sampling_columns, or an OpenAI request's body);
         ValueError naming the value for one that is not valid."""
@@ -183,7 +193,10 @@ class RowWorker:
 def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = None) -> RowWorker:
     """The LLM of a job file and its worker, whose statistics carry the facts about them for the summary. A
     job-wide response format that does not compile stops the job here, before any row. `placement`: the device
-    and dtype the job resolved (a replica resolves its own device)."""
+    and dtype the job resolved (a replica resolves its own device). A pooling task's job gets its own worker
+    (pooling_worker.py)."""
+    if spec.task != "generate":
+        return _load_pooling_worker(spec, replica, placement)
     t0 = time.perf_counter()
     llm = LLM.from_spec(spec.model, spec.engine, spec.source_file, placement)
     load_s = time.perf_counter() - t0
@@ -202,3 +215,23 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
         "packed_weights": llm.packed_weights,
     }
     return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica, load_s=load_s))
+
+
+def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | None):
+    """A pooling job's worker (pooling_worker.py), whose statistics carry the facts about it for the summary."""
+    from .pooling_worker import PoolingWorker, load_runner
+    from .stats import PoolingStats
+
+    t0 = time.perf_counter()
+    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement, spec.task)
+    facts = {
+        "job": spec.name,
+        "task": spec.task,
+        "attention": "packed",
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "model": spec.model.path,
+        "packed_weights": runner.packed_weights,
+    }
+    stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
+    return PoolingWorker(runner, stats, row_window(spec))

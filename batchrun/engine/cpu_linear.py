@@ -71,3 +71,12 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
+
+
+def prepare(model: torch.nn.Module, dtype: torch.dtype, pack: bool) -> bool:
+    """A CPU model's setup before its first forward: freed memory blocks kept for reuse (cpu_allocator), and its
+    linear weights packed when `pack` (engine.pack_weights) and this CPU can; returns whether any were."""
+    from . import cpu_allocator
+
+    cpu_allocator.keep_freed_blocks()
+    return pack and available(dtype) and pack_linear_layers(model) > 0

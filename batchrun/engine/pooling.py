@@ -1,0 +1,317 @@
+"""The pooling runner: texts in, one vector each out, on the model's own `transformers` code.
+
+Each step packs the queued texts into one row of tokens with no padding (up to `max_num_batched_tokens` tokens
+and `max_num_seqs` texts), runs the stock base model (`AutoModel`: BERT, XLM-R, ModernBERT, Qwen3 ...) on it with
+batchrun's packed attention (packed_attention.py: each text attends only to itself), positions restarting at 0
+for every text, and pools each text's token states as the checkpoint says (`PoolingPlan`): pooling, then its
+Dense and Normalize modules, then Matryoshka truncation. No K/V is kept: a text is done when its step is.
+
+The tokens are sentence-transformers': the prompt put before the text, the tokenizer's special tokens (an
+end-of-text appended where its post-processor appends one, as Qwen3-Embedding's does), cut at the longest text
+it allows. A model class whose attention does not go through transformers' attention interface is refused at
+load (`UnsupportedModel`), as is one whose layers do not reach batchrun's attention function (the load probe).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import BadInput
+from . import cpu_linear
+from .attention import UnsupportedModel, int_tensor
+from .packed_attention import PACKED_ATTENTION, PackedLayout, register
+from .pooler import PoolingPlan
+from .sentence_config import DenseLayer
+
+
+@dataclass
+class PooledText:
+    """A queued text: its tokens, how many of the first are the prompt's (pooled or not, as the plan says)."""
+
+    request: Any
+    token_ids: list[int]
+    prompt_tokens: int
+    truncated: bool = False  # cut at the longest text allowed
+
+
+@dataclass
+class PoolingStep:
+    """One step's finished texts with their vectors, and what it computed: tokens, and the tokens a batch padded
+    to its longest text would have computed on top."""
+
+    finished: list[tuple[PooledText, torch.Tensor]]
+    num_tokens: int
+    num_padded_tokens: int
+
+
+def position_offset(model) -> int:
+    """The first position id of a text. RoBERTa's family (XLM-R, CamemBERT) numbers positions from
+    padding_idx + 1, computing them from the input ids where none are given; a packed row gives them, so it
+    gives them as the model would."""
+    embeddings = getattr(model, "embeddings", None)
+    if embeddings is not None and hasattr(embeddings, "create_position_ids_from_input_ids"):
+        return embeddings.padding_idx + 1
+    return 0
+
+
+class PoolingRunner:
+    """Texts in, one vector each out (task: embed); engine/classifier.py's runner puts the model's own
+    classification head in place of the pooling."""
+
+    task = "embed"
+    auto_class = "AutoModel"  # the transformers class the checkpoint loads as
+
+    def __init__(
+        self,
+        model_dir: Path,
+        plan: PoolingPlan,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        pack_weights: bool = False,
+    ):
+        """`pack_weights`: on the CPU, linear weights packed for oneDNN where it can (engine.pack_weights)."""
+        self.plan = plan
+        self.device, self.dtype = device, dtype
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.tokenizer, model = load_pooling_model(
+            model_dir / plan.transformer_path, dtype, device, self.auto_class
+        )
+        self.model = self._base_model(model)
+        self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
+        config = self.model.config
+        self.position_offset = position_offset(self.model)
+        max_positions = getattr(config, "max_position_embeddings", None)
+        self.max_positions = None if max_positions is None else max_positions - self.position_offset
+        if plan.max_length is not None:
+            self.max_length = plan.max_length
+        else:  # sentence-transformers' default: the tokenizer's limit, capped at the model's positions
+            self.max_length = min(
+                self.tokenizer.model_max_length, max_positions or self.tokenizer.model_max_length
+            )
+        self.takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
+        self.dense = [_load_dense(m, dtype, device) if isinstance(m, DenseLayer) else m for m in plan.after]
+        self.prompt_length = (
+            self._prompt_length(plan.prompt) if plan.prompt and not plan.include_prompt else 0
+        )
+        self.queue: deque[PooledText] = deque()
+        self._probe()
+
+    def _base_model(self, model):
+        """The model the packed row runs through (the loaded model itself: a base model)."""
+        return model
+
+    def result(self, vector: torch.Tensor) -> dict:
+        """A text's output columns from its vector."""
+        return {"embedding": vector.float().tolist()}
+
+    # ---- texts -> tokens ---------------------------------------------------------------------------------------
+    def encode(self, text: str) -> tuple[list[int], bool]:
+        """The text's tokens as sentence-transformers makes them: the plan's prompt before it, the tokenizer's
+        special tokens, cut at the longest text allowed; and whether it was cut. ValueError for a text the model
+        cannot take."""
+        encoded = self.tokenizer(self.plan.prompt + text, truncation=True, max_length=self.max_length)
+        ids = encoded["input_ids"]
+        truncated = bool(encoded.encodings and encoded.encodings[0].overflowing)
+        if not ids:
+            raise ValueError("the text has no tokens")
+        if self.max_positions is not None and len(ids) > self.max_positions:
+            raise ValueError(
+                f"the text has {len(ids)} tokens, more than the model's {self.max_positions} positions (set "
+                "pooler.truncate_prompt_tokens to cut it)"
+            )
+        return ids, truncated
+
+    def _prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens at the head of every text, as sentence-transformers counts them: the prompt
+        tokenized alone, less a special token it ends with (an end-of-text or separator)."""
+        ids = self.tokenizer(prompt, truncation=True, max_length=self.max_length)["input_ids"]
+        return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
+
+    # ---- the queue and the steps --------------------------------------------------------------------------------
+    def add(self, token_ids: list[int], request: Any, truncated: bool = False) -> None:
+        self.queue.append(PooledText(request, token_ids, self.prompt_length, truncated))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> PoolingStep:
+        """Pool the next texts that fit one step (at least one)."""
+        texts = [self.queue.popleft()]
+        tokens = len(texts[0].token_ids)
+        while self.queue and len(texts) < self.max_num_seqs:
+            n = len(self.queue[0].token_ids)
+            if tokens + n > self.max_num_batched_tokens:
+                break
+            texts.append(self.queue.popleft())
+            tokens += n
+        vectors = self.embed_packed(texts)
+        longest = max(len(t.token_ids) for t in texts)
+        return PoolingStep(list(zip(texts, vectors)), tokens, longest * len(texts) - tokens)
+
+    @torch.inference_mode()
+    def embed_packed(self, texts: list[PooledText]) -> torch.Tensor:
+        """[len(texts), output_dim]: the texts in one packed row through the model, then each text's vector."""
+        hidden, layout = self._forward([t.token_ids for t in texts])
+        return self._heads(hidden, texts, layout)
+
+    def _heads(self, hidden: torch.Tensor, texts: list[PooledText], layout: PackedLayout) -> torch.Tensor:
+        """Each text's vector from its token states: pooled, then the checkpoint's Dense and Normalize."""
+        pooled = torch.stack(
+            [pool(hidden[a:b], self.plan.modes, t.prompt_tokens) for t, (a, b) in zip(texts, layout.spans())]
+        )
+        return self._after_pooling(pooled)
+
+    def _forward(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, PackedLayout]:
+        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists], self.device)
+        ids = int_tensor([i for ids in token_lists for i in ids], device=self.device)[None]
+        offset = self.position_offset
+        positions = [p + offset for ids in token_lists for p in range(len(ids))]
+        inputs = {"input_ids": ids, "position_ids": int_tensor(positions, device=self.device)[None]}
+        if self.takes_token_types:
+            inputs["token_type_ids"] = torch.zeros_like(ids)
+        out = self.model(**inputs, use_cache=False, batchrun_packed=layout)
+        return out.last_hidden_state[0], layout
+
+    def _after_pooling(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self.dense:
+            x = F.normalize(x, p=2, dim=-1) if module == "normalize" else module(x)
+        if self.plan.dimensions is not None:
+            x = x[:, : self.plan.dimensions]
+        if self.plan.normalize_output:
+            x = F.normalize(x, p=2, dim=-1)
+        return x
+
+    def _probe(self) -> None:
+        """Short texts through the model at load: every layer must reach batchrun's attention function, and a
+        text's token states must not change beside another (its positions restart, nothing crosses texts)."""
+        name = type(self.model).__name__
+        if "position_ids" not in inspect.signature(self.model.forward).parameters:
+            raise UnsupportedModel(f"{name} cannot run on batchrun: its forward takes no position_ids")
+        vocab = self.model.config.vocab_size
+        text, other = [i % vocab for i in range(5, 11)], [i % vocab for i in range(20, 29)]
+        try:
+            with torch.inference_mode():
+                alone, layout = self._forward([text])
+                beside, _ = self._forward([other, text])
+        except UnsupportedModel as e:
+            raise UnsupportedModel(f"{name} cannot run on batchrun: {e}") from None
+        layers = getattr(self.model.config, "num_hidden_layers", None)
+        if layers is not None and layout.calls != layers:
+            raise UnsupportedModel(
+                f"{name} cannot run on batchrun: {layout.calls} of its {layers} layers reached batchrun's "
+                "attention function"
+            )
+        tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
+        scale = alone.abs().max().item() + 1.0
+        if (alone - beside[len(other) :]).abs().max().item() > tolerance * scale:
+            raise UnsupportedModel(
+                f"{name} cannot run on batchrun: a text's token states change beside another text in one packed "
+                "row (something in the model reaches across texts besides attention)"
+            )
+
+
+def pool(hidden: torch.Tensor, modes: tuple[str, ...], prompt_tokens: int) -> torch.Tensor:
+    """One text's vector from its token states [n, H], as sentence-transformers' Pooling computes it for that
+    text alone: each mode over the tokens after the first `prompt_tokens` (0: every token), concatenated."""
+    n = hidden.shape[0]
+    first = prompt_tokens if prompt_tokens < n else n  # a text of prompt alone pools nothing (as theirs)
+    kept = hidden[first:]
+    out = []
+    for mode in modes:
+        if mode == "cls":
+            out.append(hidden[first if first < n else 0])
+        elif mode == "lasttoken":
+            out.append(hidden[n - 1])
+        elif mode == "max":
+            out.append(kept.max(dim=0).values if len(kept) else torch.full_like(hidden[0], float("-inf")))
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            count = torch.tensor(float(len(kept)), dtype=torch.float32).clamp(min=1e-9)
+            total = kept.sum(dim=0, dtype=torch.float32)
+            out.append((total / (count if mode == "mean" else count.sqrt())).to(hidden.dtype))
+        elif mode == "weightedmean":
+            weights = torch.arange(first + 1, n + 1, dtype=torch.float32, device=hidden.device)[:, None]
+            total = (kept.float() * weights).sum(dim=0)
+            out.append((total / weights.sum().clamp(min=1e-9)).to(hidden.dtype))
+        else:  # PoolingPlan's modes are checked against sentence_config.POOLING_MODES
+            raise ValueError(f"pooling mode {mode!r}")
+    return torch.cat(out)
+
+
+class _Dense(torch.nn.Module):
+    """sentence-transformers' Dense: a linear layer, then its activation."""
+
+    def __init__(self, layer: DenseLayer):
+        super().__init__()
+        self.linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
+        self.activation = torch.tanh if layer.activation == "tanh" else (lambda x: x)
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+
+def _load_dense(layer: DenseLayer, dtype, device) -> _Dense:
+    module = _Dense(layer)
+    weights = layer.folder / "model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights))
+    elif (layer.folder / "pytorch_model.bin").is_file():
+        state = torch.load(layer.folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise BadInput(f"model.path: the Dense module in {layer.folder} has no weights (model.safetensors)")
+    try:
+        module.linear.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
+    except RuntimeError as e:
+        raise BadInput(f"model.path: the Dense module in {layer.folder}: {e}") from None
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def load_pooling_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, auto_class: str = "AutoModel"
+):
+    """Tokenizer and model with batchrun's packed attention: `auto_class` AutoModel (the base model: token
+    states, no head) or AutoModelForSequenceClassification (engine/classifier.py)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .architecture import not_the_models_fault
+
+    hf_logging.disable_progress_bar()
+    register()
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        cls = getattr(transformers, auto_class)._model_mapping[type(config)]
+    except Exception as e:  # noqa: BLE001 - the checkpoint's own files
+        if not_the_models_fault(e):
+            raise
+        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
+    if not cls.is_backend_compatible():
+        raise UnsupportedModel(
+            f"{config.model_type} ({cls.__name__}) cannot run on batchrun: its attention does not go through "
+            "transformers' attention interface"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = cls.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=PACKED_ATTENTION, config=config
+        )
+    except Exception as e:  # noqa: BLE001
+        if not_the_models_fault(e):
+            raise
+        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
+    return tokenizer, model.to(device).eval()

@@ -1,0 +1,124 @@
+"""Embedding: batchrun's `task: embed` against sentence-transformers' `encode` (its default batch size of 32 and
+its length sorting), side by side in one run, each side in a process of its own (its own start, imports, load,
+peak RSS), fp32 on the CPU, on the same texts and the same checkpoint folder: jobs/make_embed_data.py's
+MiniLM-L6-shaped BERT (random weights, the embedded model's tokenizer) on passages of 5 to N words.
+
+Reports texts/s and tokens/s of the whole process and of the embedding alone, peak RSS, the padding each
+computed (batchrun: none; sentence-transformers: its length-sorted batches padded to their longest), and the
+largest difference between the two sides' vectors. vLLM's pooling runner is not installed here (no CPU build of
+it on this machine's registry), so it is not a column.
+
+Usage: python -m bench.embed [--texts 2000] [--max-words 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .common import OUT, columns, environment, in_process, peak_rss_mib, save
+
+MODULE = "bench.embed"
+
+
+def run_batchrun(model: str, data: str, label: str) -> dict:
+    t0 = time.perf_counter()
+    import pyarrow.parquet as pq
+
+    from batchrun import LLM
+
+    texts = pq.read_table(data).column("text").to_pylist()
+    llm = LLM(model, dtype="float32", device="cpu", runner="pooling", max_num_batched_tokens=4096)
+    t1 = time.perf_counter()
+    outs = llm.embed(texts, use_tqdm=False)
+    t2 = time.perf_counter()
+    return {
+        "label": label,
+        "process_s": t2 - t0,
+        "embed_s": t2 - t1,
+        "texts": len(texts),
+        "tokens": sum(len(o.prompt_token_ids) for o in outs),
+        "padding": 0,
+        "peak_rss_mib": peak_rss_mib(),
+        "vectors": [o.outputs.embedding for o in outs[:50]],
+    }
+
+
+def run_sentence_transformers(model: str, data: str, label: str) -> dict:
+    t0 = time.perf_counter()
+    import pyarrow.parquet as pq
+    from sentence_transformers import SentenceTransformer
+
+    texts = pq.read_table(data).column("text").to_pylist()
+    st = SentenceTransformer(model, device="cpu")
+    t1 = time.perf_counter()
+    vectors = st.encode(texts, convert_to_tensor=True)
+    t2 = time.perf_counter()
+    # what its batches computed: sorted by length (longest first, as encode sorts), 32 a batch, each padded
+    lengths = sorted(st.tokenize(texts)["attention_mask"].sum(dim=1).tolist(), reverse=True)
+    padded = sum(max(lengths[i : i + 32]) * len(lengths[i : i + 32]) for i in range(0, len(lengths), 32))
+    return {
+        "label": label,
+        "process_s": t2 - t0,
+        "embed_s": t2 - t1,
+        "texts": len(texts),
+        "tokens": sum(lengths),
+        "padding": padded - sum(lengths),
+        "peak_rss_mib": peak_rss_mib(),
+        "vectors": vectors[:50].tolist(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", type=int, default=2000)
+    parser.add_argument("--max-words", type=int, default=400)
+    args = parser.parse_args()
+    work = OUT / "embed"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.make_embed_data import make_model, passages
+
+    work.mkdir(parents=True, exist_ok=True)
+    texts = passages(args.texts, args.max_words)
+    pq.write_table(pa.table({"text": texts}), work / "texts.parquet")
+    model = make_model(work / "model")
+    common = {"model": str(model), "data": str(work / "texts.parquet")}
+    results = [
+        in_process(MODULE, "run_batchrun", label="batchrun", **common),
+        in_process(MODULE, "run_sentence_transformers", label="sentence-transformers", **common),
+    ]
+    diff = max(abs(a - b) for u, v in zip(results[0]["vectors"], results[1]["vectors"]) for a, b in zip(u, v))
+    for r in results:
+        r.pop("vectors")
+        r["texts_per_s"] = r["texts"] / r["process_s"]
+        r["embed_texts_per_s"] = r["texts"] / r["embed_s"]
+        r["tokens_per_s"] = r["tokens"] / r["embed_s"]
+    env = environment()
+    text = "\n".join(
+        [
+            f"{args.texts} texts of 5 to {args.max_words} words, MiniLM-L6 shape, fp32, {env.get('cpu')}",
+            *columns(
+                {
+                    "": "{label}",
+                    "texts/s (process)": "{texts_per_s:.1f}",
+                    "texts/s (embedding)": "{embed_texts_per_s:.1f}",
+                    "tokens/s (embedding)": "{tokens_per_s:.0f}",
+                    "tokens": "{tokens}",
+                    "padding computed": "{padding}",
+                    "peak RSS MiB": "{peak_rss_mib:.0f}",
+                },
+                results,
+            ),
+            f"largest difference between the two sides' vectors (first 50 texts): {diff:.2e}",
+        ]
+    )
+    save({"results": results, "max_abs_diff": diff, "environment": env}, work / "report.json", text)
+
+
+if __name__ == "__main__":
+    from .common import serve_one
+
+    if not serve_one({"run_batchrun": run_batchrun, "run_sentence_transformers": run_sentence_transformers}):
+        main()

@@ -1,0 +1,371 @@
+"""task: embed against sentence-transformers' own `encode` (fp32, the same checkpoint folder): every component
+within 1e-5, for a BERT, an XLM-R, a ModernBERT (a sliding-window layer) and a Qwen3-Embedding-shaped decoder,
+each pooling mode, prompts, Dense, Normalize and Matryoshka dimensions; a text's vector independent of its
+batch-mates; the job file's Parquet output, error rows, resume; and what is refused, naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from embedding_models import (
+    decoder_config,
+    encoder_config,
+    eos_appending_tokenizer,
+    save_base_model,
+    save_legacy_layout,
+    save_sentence_model,
+    wordpiece_tokenizer,
+)
+from helpers import run_cli
+
+from batchrun.engine.pooler import PoolerConfig
+from batchrun.errors import BadInput
+from batchrun.job import run_job
+from batchrun.pooling_worker import plan_for
+
+TEXTS = [
+    "the cats and dogs",
+    "rain on the sea is water",
+    "a",
+    "how many people call their dogs first",
+    "what do you know about the long day when the water came down " * 4,  # past ModernBERT's local window
+]
+ENCODERS = ["bert", "xlm-roberta", "modernbert"]
+MODES = ["cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+QUERY = {"query": "query: search the passage "}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory, model_dir):
+    """Base models: the three encoders on a WordPiece vocabulary, the decoder on the default model's tokenizer
+    appending an end-of-text."""
+    root = tmp_path_factory.mktemp("bases")
+    tok = wordpiece_tokenizer(root / "wordpiece")
+    out = {f: save_base_model(encoder_config(f, len(tok)), tok, root / f) for f in ENCODERS}
+    dtok = eos_appending_tokenizer(model_dir)
+    out["qwen3"] = save_base_model(decoder_config(len(dtok), dtok.eos_token_id), dtok, root / "qwen3")
+    return out
+
+
+def ours(folder, texts=TEXTS, **pooler) -> torch.Tensor:
+    from batchrun import LLM
+
+    llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler=pooler or None)
+    outs = llm.embed(texts, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    return torch.tensor([o.outputs.embedding for o in outs])
+
+
+def theirs(folder, texts=TEXTS, **options) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True, **options)
+
+
+def assert_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", ENCODERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_encoder_pooling_modes_equal_sentence_transformers(bases, tmp_path, family, mode):
+    folder = save_sentence_model(bases[family], tmp_path / "st", pooling=mode, normalize=mode != "max")
+    assert_equal(ours(folder), theirs(folder))
+
+
+@pytest.mark.parametrize("family", ENCODERS)
+def test_prompt_dense_and_matryoshka_equal_sentence_transformers(bases, tmp_path, family):
+    """A named prompt left out of the mean, a Dense layer (tanh), then the first 8 dimensions, normalised."""
+    folder = save_sentence_model(
+        bases[family], tmp_path / "st", pooling="mean", include_prompt=False, dense=16, prompts=QUERY
+    )
+    assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
+    assert_equal(
+        ours(folder, prompt_name="query", dimensions=8, normalize=True),
+        theirs(folder, prompt_name="query", truncate_dim=8, normalize_embeddings=True),
+    )
+
+
+def test_default_prompt_name_and_concatenated_modes(bases, tmp_path):
+    folder = save_sentence_model(
+        bases["bert"], tmp_path / "st", pooling=("cls", "mean"), prompts=QUERY, default_prompt_name="query"
+    )
+    assert_equal(ours(folder), theirs(folder))  # the folder's default prompt, in both
+    assert_equal(ours(folder, prompt_name=""), theirs(folder, prompt=""))
+
+
+@pytest.mark.parametrize("mode", ["lasttoken", "mean"])
+def test_qwen3_embedding_layout_equals_sentence_transformers(bases, tmp_path, mode):
+    """Qwen3-Embedding's older layout: last-token pooling of the appended end-of-text, normalised, with and
+    without its instruction prompt; causal attention within each text."""
+    prompts = {"query": "Instruct: find the passage\nQuery: "}
+    folder = save_legacy_layout(
+        bases["qwen3"], tmp_path / "st", mode, normalize=True, max_seq_length=48, prompts=prompts
+    )
+    plan = plan_for(folder, PoolerConfig(), "test")
+    assert plan.modes == (mode,) and plan.after == ("normalize",) and plan.max_length == 48
+    assert_equal(ours(folder), theirs(folder))  # the long text is cut at 48 tokens in both
+    assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
+def test_a_vector_does_not_depend_on_its_batch_mates(bases, tmp_path, family):
+    if family == "qwen3":
+        folder = save_legacy_layout(
+            bases[family], tmp_path / "st", "lasttoken", normalize=False, max_seq_length=64
+        )
+    else:
+        folder = save_sentence_model(bases[family], tmp_path / "st", pooling="mean")
+    alone = ours(folder, ["the cats and dogs"])
+    beside = ours(folder, [TEXTS[4], "the cats and dogs", TEXTS[1]])
+    assert (alone[0] - beside[1]).abs().max().item() < 1e-6
+
+
+def test_overriding_pooling_on_a_plain_checkpoint(bases):
+    """No sentence-transformers files: pooler.pooling says how (sentence-transformers' default chain for a
+    plain checkpoint is a mean over the transformer's states)."""
+    with pytest.raises(BadInput, match=r"pooler\.pooling"):
+        plan_for(bases["bert"], PoolerConfig(), "job.yaml")
+    assert_equal(ours(bases["bert"], pooling="mean"), theirs(bases["bert"]))
+
+
+def write_texts(path, texts):
+    ids = [f"r{i}" for i in range(len(texts))]
+    pq.write_table(pa.table({"id": ids, "prompt": texts, "topic": list(range(len(texts)))}), path)
+    return path
+
+
+def embed_job(folder, data, out, **extra) -> dict:
+    return {
+        "name": "emb",
+        "task": "embed",
+        "model": {"path": str(folder), "dtype": "float32"},
+        "input": {"parquet": str(data), "id_column": "id", "passthrough": ["topic"]},
+        "engine": {"device": "cpu", "max_num_batched_tokens": 40},  # several steps
+        "output": {"path": str(out), "rows_per_part": 2},
+        **extra,
+    }
+
+
+def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
+    folder = save_sentence_model(bases["xlm-roberta"], tmp_path / "st", pooling="cls", normalize=True)
+    texts = [*TEXTS, "   "]
+    data, out = write_texts(tmp_path / "in.parquet", texts), tmp_path / "out"
+    summary = run_job(embed_job(folder, data, out, pooler={"dimensions": 16}), progress=False)
+    table = pq.read_table(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 16)
+    assert table.column_names == ["id", "sample", "error", "prompt_tokens", "embedding", "topic"]
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert (
+        len(rows) == len(texts) and rows["r5"]["error"] == "text is empty" and rows["r5"]["embedding"] is None
+    )
+    got = torch.tensor([rows[f"r{i}"]["embedding"] for i in range(5)])
+    assert_equal(got, theirs(folder, truncate_dim=16))
+    assert [rows[f"r{i}"]["topic"] for i in range(6)] == list(range(6))
+    assert summary["steps"] > 1 and summary["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows.values())
+    assert summary["padding_tokens_avoided"] > 0  # texts of different lengths shared a step
+    parts = sorted(out.glob("part-*.parquet"))
+    assert (
+        run_job(embed_job(folder, data, out, pooler={"dimensions": 16}), progress=False) is None
+    )  # all done
+    assert sorted(out.glob("part-*.parquet")) == parts
+    with pytest.raises(BadInput, match="different job"):  # other dimensions are another job's rows
+        run_job(embed_job(folder, data, out, pooler={"dimensions": 8}), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"task": "classify"}, "task"),  # an embedding checkpoint has no classification head
+        ({"task": "score"}, "task"),  # not built
+        ({"pooler": {"dimensions": 999}}, "pooler.dimensions"),
+        ({"pooler": {"prompt_name": "nope"}}, "pooler.prompt_name"),
+        ({"pooler": {"pooling": "median"}}, "pooler.pooling"),
+        ({"input": {"parquet": "x.parquet", "image_column": "img"}}, "input.image_column"),
+    ],
+)
+def test_impossible_jobs_name_the_key(bases, tmp_path, extra, key):
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    job = embed_job(folder, write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out")
+    job.update(extra)
+    with pytest.raises(BadInput, match=f"`{key}"):
+        run_job(job, progress=False)
+
+
+def test_pooler_keys_on_a_generation_job_are_a_bad_job(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: g\ninput:\n  parquet: x.parquet\npooler:\n  normalize: true\n")
+    result = run_cli("validate", str(job))
+    assert result.returncode == 2 and "pooler.normalize" in result.stderr
+
+
+def test_models_and_modules_batchrun_cannot_reproduce_are_refused(bases, tmp_path):
+    from transformers import MPNetConfig
+
+    from batchrun import LLM
+    from batchrun.engine.attention import UnsupportedModel
+
+    mpnet = save_base_model(
+        MPNetConfig(
+            vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+        ),
+        wordpiece_tokenizer(tmp_path / "wp"),
+        tmp_path / "mpnet",
+    )
+    with pytest.raises(UnsupportedModel, match="attention interface"):
+        LLM(str(mpnet), dtype="float32", device="cpu", runner="pooling", pooler={"pooling": "mean"})
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean", normalize=True)
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[2]["type"] = "sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(BadInput, match="LayerNorm"):
+        plan_for(folder, PoolerConfig(), "job.yaml")
+    # sentence-transformers 6 saves a decoder with a chat template as taking messages, which it renders through
+    # the template: batchrun does not, so it refuses the folder rather than embed other tokens
+    chat = save_sentence_model(bases["qwen3"], tmp_path / "chat", pooling="lasttoken")
+    with pytest.raises(BadInput, match="modality_config"):
+        plan_for(chat, PoolerConfig(), "job.yaml")
+
+
+def test_embed_on_a_bad_text_is_that_texts_error(bases, tmp_path):
+    from batchrun import LLM
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed(
+        ["", "the sea"], use_tqdm=False
+    )
+    assert outs[0].outputs is None and outs[0].error == "text is empty"
+    assert len(outs[1].outputs.embedding) == 32 and outs[1].prompt_token_ids[0] == 2  # [CLS]
+
+
+def test_shards_and_replicas_write_every_row_once(bases, tmp_path):
+    """Two shards, then two replica processes: every row once, each vector the one a single run writes."""
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    texts = [f"{t} {i}" for i in range(4) for t in TEXTS]
+    data = write_texts(tmp_path / "in.parquet", texts)
+    expected = theirs(folder, texts)
+    for i in range(2):
+        run_job(embed_job(folder, data, tmp_path / "sharded"), shard=f"{i}/2", progress=False)
+    summary = run_job(embed_job(folder, data, tmp_path / "replicas"), replicas=2, progress=False)
+    assert summary["replicas"] == 2
+    for out in ("sharded", "replicas"):
+        rows = pq.read_table(tmp_path / out).to_pylist()
+        assert sorted(r["id"] for r in rows) == sorted(f"r{i}" for i in range(len(texts)))
+        got = torch.tensor([r["embedding"] for r in sorted(rows, key=lambda r: int(r["id"][1:]))])
+        assert_equal(got, expected)
+
+
+def test_truncate_prompt_tokens_cuts_as_max_seq_length_and_is_counted(bases, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
+    summary = run_job(embed_job(folder, data, out, pooler={"truncate_prompt_tokens": 6}), progress=False)
+    rows = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
+    st = SentenceTransformer(str(folder), device="cpu")
+    st.max_seq_length = 6
+    assert_equal(torch.tensor([r["embedding"] for r in rows]), st.encode(TEXTS, convert_to_tensor=True))
+    lengths = [len(st.tokenizer(t)["input_ids"]) for t in TEXTS]
+    assert [r["prompt_tokens"] for r in rows] == [min(n, 6) for n in lengths]
+    assert summary["truncated_rows"] == sum(n > 6 for n in lengths) > 0
+
+
+def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_path, monkeypatch):
+    """Were the texts of a packed row to see each other (here: the layout made one text of them all), the load
+    probe refuses the model rather than embed each text with its batch-mates."""
+    from batchrun import LLM
+    from batchrun.engine import packed_attention
+    from batchrun.engine.attention import UnsupportedModel
+
+    one_text = classmethod(lambda cls, lengths, device=None: cls._of_lengths([sum(lengths)], device))
+    monkeypatch.setattr(
+        packed_attention.PackedLayout, "_of_lengths", packed_attention.PackedLayout.of_lengths, raising=False
+    )
+    monkeypatch.setattr(packed_attention.PackedLayout, "of_lengths", one_text)
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    with pytest.raises(UnsupportedModel, match="beside another text"):
+        LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+
+
+def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path):
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    data = write_texts(tmp_path / "in.parquet", TEXTS)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: e\ntask: embed\nmodel: {{path: {folder}}}\ninput: {{parquet: {data}}}\n"
+        f"output: {{path: {tmp_path / 'out'}}}\npooler: {{dimensions: 64}}\n"
+    )
+    result = run_cli("validate", str(job))
+    assert result.returncode == 2 and "pooler.dimensions" in result.stderr and "32" in result.stderr
+    assert run_cli("validate", str(job), "--set", "pooler.dimensions=16").returncode == 0
+
+
+def save_classifier(family: str, bases, tmp_path):
+    """A random-weight sequence classifier of the family (3 labels), its head's weights scaled up so the
+    probabilities differ from a third each."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(bases[family])
+    config.id2label = {0: "negative", 1: "neutral", 2: "positive"}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.startswith(("classifier", "score")):
+                p.mul_(30)
+    folder = tmp_path / f"{family}-classifier"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bases[family]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", [*ENCODERS, "qwen3"])
+def test_classify_equals_the_model_run_one_text_at_a_time(bases, tmp_path, family):
+    """The checkpoint's own head (BERT's pooler, RoBERTa's first token, ModernBERT's, a decoder's last token)
+    on each text's states from the packed row, against AutoModelForSequenceClassification on the text alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from batchrun import LLM
+
+    folder = save_classifier(family, bases, tmp_path)
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").classify(TEXTS, use_tqdm=False)
+    reference = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        logits = torch.stack([reference(**tok(t, return_tensors="pt")).logits[0] for t in TEXTS])
+    probs = logits.softmax(dim=-1)
+    assert_equal(torch.tensor([o.outputs.probs for o in outs]), probs)
+    assert [o.outputs.label for o in outs] == [
+        reference.config.id2label[int(i)] for i in probs.argmax(dim=-1)
+    ]
+
+
+def test_classify_job_writes_label_and_probs(bases, tmp_path):
+    folder = save_classifier("qwen3", bases, tmp_path)
+    data, out = write_texts(tmp_path / "in.parquet", [*TEXTS, ""]), tmp_path / "out"
+    job = embed_job(folder, data, out, task="classify")
+    run_job(job, progress=False)
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "sample", "error", "prompt_tokens", "label", "probs", "topic"]
+    assert table.schema.field("probs").type == pa.list_(pa.float32(), 3)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["r5"]["error"] == "text is empty" and rows["r5"]["label"] is None
+    from batchrun import LLM
+
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").classify(TEXTS, use_tqdm=False)
+    for i, o in enumerate(outs):
+        assert rows[f"r{i}"]["label"] == o.outputs.label
+        assert max(abs(a - b) for a, b in zip(rows[f"r{i}"]["probs"], o.outputs.probs)) < 1e-6
+    job["pooler"] = {"normalize": True}
+    with pytest.raises(BadInput, match=r"pooler\.normalize"):
+        run_job(job, progress=False, overwrite=True)
+    with pytest.raises(BadInput, match="LLM.embed"):
+        LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed(TEXTS)
