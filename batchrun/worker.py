@@ -16,7 +16,7 @@ from .engine import SamplingParams
 from .errors import BadInput
 from .host import Placement
 from .llm import LLM, Prompt
-from .rows import InputRow, OutputRow, check_conversation, row_seed
+from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_seed
 from .stats import StatsCollector
 
 
@@ -66,7 +66,7 @@ class RowWorker:
         except ValueError as e:
             return self._error_rows(row, str(e), [])
         ids = prompt.token_ids
-        reason = self.engine.admission_error(len(ids), params, prompt.images)
+        reason = prompt.error or self.engine.admission_error(len(ids), params, prompt.images)
         if reason:
             return self._error_rows(row, reason, ids)
         state = RowState(row, ids, [None] * params.n)
@@ -127,7 +127,8 @@ class RowWorker:
     def _tokenize(self, row: InputRow) -> Prompt:
         """The row's prompt as token ids (and images); ValueError with the reason for a row that cannot be served.
         A conversation goes through the chat template (model.system_prompt first when it has no system turn);
-        a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt."""
+        a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt. Token ids (a
+        pre-tokenized column) are taken as they are, as `LLM.generate` takes them."""
         if row.error:
             raise ValueError(row.error)
         prompt = row.prompt
@@ -135,6 +136,8 @@ class RowWorker:
         system = [{"role": "system", "content": m.system_prompt}] if m.system_prompt else []
         if prompt is None:
             raise ValueError("prompt is null")
+        if is_token_ids(prompt):
+            return self.llm.token_prompt(prompt)
         if isinstance(prompt, list | tuple):
             messages = check_conversation(prompt, images=self.llm.takes_images)
             if not any(t["role"] == "system" for t in messages):
