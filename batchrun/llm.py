@@ -26,6 +26,7 @@ from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import Placement, place
 from .loop import drive
+from .progress import BAR_FORMAT, RemainingTime, rows_in_flight_done
 from .rows import check_conversation, is_token_ids, row_seed
 
 Conversation = list[dict[str, Any]]
@@ -56,7 +57,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     request_id: int  # the prompt's position in the call
-    prompt: str | Conversation | list[int]
+    prompt: str | Conversation | list[int]  # a dict prompt of generate: its text, or its token ids
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=True)
@@ -316,9 +317,17 @@ class LLM:
         outputs = [RequestOutput(i, prompt, p.token_ids) for i, (prompt, p) in enumerate(zip(prompts, ids))]
         worker = _PromptWorker(self, outputs, params, ids)
         items = iter(enumerate(params))
-        bar = tqdm(total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun")
+        bar = tqdm(
+            total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun", bar_format=BAR_FORMAT
+        )
+        remaining = RemainingTime(bar)
         try:
-            drive(worker, lambda block: next(items, None), lambda output: bar.update(1))
+            drive(
+                worker,
+                lambda block: next(items, None),
+                lambda output: bar.update(1),
+                lambda: remaining.show(lambda: rows_in_flight_done(engine.live_sequences())),
+            )
         finally:
             bar.close()
             engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
