@@ -53,7 +53,8 @@ class RemainingTime:
     again at `restart()` (the job's, once the model has loaded)."""
 
     def __init__(self, bar: tqdm, every_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
-        self.bar, self.every_s, self.clock = bar, max(every_s, bar.mininterval), clock
+        self.bar, self.clock = bar, clock
+        self.every_s = every_s if bar.disable else max(every_s, bar.mininterval)  # a disabled bar has none
         self.start = clock()
         self.shown_at = -float("inf")
 

@@ -94,3 +94,11 @@ def test_a_bar_into_a_log_file_is_redrawn_no_more_often_than_its_own_interval():
     clock.now += 5
     remaining.show(lambda: 2.0)
     assert bar.postfix == "ETA 00:20"
+
+
+def test_a_disabled_bar_is_left_alone():
+    """--quiet and use_tqdm=False: a disabled tqdm has no mininterval (this was an AttributeError) and no
+    postfix to set; the running rows are not even asked."""
+    bar = tqdm(total=4, disable=True)
+    remaining = RemainingTime(bar, clock=FakeClock())
+    remaining.show(lambda: 1 / 0)
