@@ -259,7 +259,8 @@ class LLM:
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, Prompt(self.encode(prompt))
-        if is_token_ids(prompt):
+        no_ids = isinstance(prompt, list | tuple) and not prompt  # its error: the prompt has no tokens
+        if is_token_ids(prompt) or no_ids:
             return list(prompt), self.token_prompt(prompt)
         raise ValueError(
             f"prompts[{index}]: {_shape(prompt)} is not a prompt; expected text, a list of token ids (integers), "

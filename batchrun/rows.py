@@ -169,10 +169,12 @@ def check_conversation(messages: Any, images: bool = False) -> list[dict[str, An
 
 
 def is_token_ids(value: Any) -> bool:
-    """A prompt given as token ids: a list of integers (pre-tokenized; an empty one is refused as a prompt
-    without tokens, as an empty conversation is)."""
-    return isinstance(value, list | tuple) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
+    """A prompt given as token ids: a non-empty list of integers (pre-tokenized). An empty list is no prompt
+    of either kind: a job's row reads it as a conversation with nothing to answer."""
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
 
 

@@ -241,7 +241,7 @@ def with_image(prompt: Any, image: Any) -> Any:
     why). ValueError for token ids: the processor places an image's tokens in text, not in ids."""
     if image is None:
         return prompt
-    if prompt and is_token_ids(prompt):
+    if is_token_ids(prompt):
         raise ValueError(
             "an image (input.image_column) with a prompt of token ids: the model's processor places an image's "
             "tokens in text, so give this row's prompt as text or a conversation"

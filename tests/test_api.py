@@ -216,4 +216,9 @@ def test_a_token_id_outside_the_vocabulary_is_that_prompts_error(llm, model_dir)
             f"are 0 .. {vocab - 1} (vocab_size {vocab})"
         )
         assert [(c.finish_reason, c.token_ids) for c in outs[i].outputs] == [("error", [])]
+    empty = llm.generate([[], {"prompt_token_ids": []}], use_tqdm=False)  # no ids: each prompt's error
+    assert [o.error for o in empty] == [
+        "prompt 0: the prompt has no tokens",
+        "prompt 1: the prompt has no tokens",
+    ]
     assert not llm.engine.has_unfinished() and llm.engine.num_used_pages == 0
