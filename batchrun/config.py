@@ -86,7 +86,8 @@ class InputSpec:
     parquet: str | None = None
     dataset: DatasetSpec | None = None
     openai_batch: str | None = None  # an OpenAI Batch API input file (JSONL), or a glob of them
-    prompt_column: str = "prompt"  # strings, or conversations (lists of {role, content})
+    # strings, conversations (lists of {role, content}), or token ids (lists of integers: no chat template)
+    prompt_column: str = "prompt"
     # a column of images (an HF Image feature, bytes, or paths and URLs) put before the row's text prompt, for a
     # vision-language model
     image_column: str | None = None
@@ -201,9 +202,12 @@ def _build(cls: type, raw: Any, prefix: str, src: str) -> Any:
         raise BadInput(f"{src}: {where} must be a mapping of keys to values, got {raw!r}.")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    # keywords the dataclass takes as another field's other name (SamplingParams' max_tokens, vLLM's name for
+    # max_new_tokens): keys too, type-checked here, folded in and value-checked by the dataclass
+    aliases = {k: t.type for k, t in hints.items() if isinstance(t, dataclasses.InitVar)}
     for k in raw:
-        if k not in fields:
-            known = ", ".join(fields)
+        if k not in fields and k not in aliases:
+            known = ", ".join([*fields, *aliases])
             raise BadInput(
                 f"{src}: unknown key `{prefix + '.' if prefix else ''}{k}` in {where}; "
                 f"known keys there: {known}."
@@ -213,6 +217,9 @@ def _build(cls: type, raw: Any, prefix: str, src: str) -> Any:
         for name, f in fields.items()
         if name in raw
     }
+    for name, tp in aliases.items():
+        if name in raw:
+            kwargs[name] = _coerce(raw[name], tp, f"{prefix}.{name}" if prefix else name, src)
     try:
         return cls(**kwargs)
     except FieldError as e:  # a check across fields, made by the dataclass itself

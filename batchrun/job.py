@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from .lock import LeaseLock, shard_lock
 from .loop import drive
 from .model_loader import fingerprint_dtype, load_config
 from .pooling_worker import task_columns
+from .progress import BAR_FORMAT, RemainingTime
 from .replicas import replica_count, run_replicas
 from .rows import InputRow, OutputRow, Shard
 from .sinks import OutputSink, check_writable, move_legacy_state
@@ -174,9 +175,9 @@ class Job:
         self.heartbeat = Heartbeat(spec.state_dir, self.shard)
         self.stop_requested = False
         self.bar = None  # the progress bar, while run() goes
+        self.remaining: RemainingTime | None = None  # its remaining time, from the work done
         self.rows_done = 0  # input rows written by this run
         self.write_s = 0.0  # seconds handing them to the sink
-        self._last_postfix = 0.0
 
     def pending_rows(self) -> Iterator[InputRow]:
         return self.rows.pending()
@@ -218,7 +219,9 @@ class Job:
             disable=not self.progress,
             mininterval=0.5 if sys.stderr.isatty() else 10.0,
             dynamic_ncols=True,
+            bar_format=BAR_FORMAT,
         )
+        self.remaining = RemainingTime(self.bar)
         handlers = self._install_signal_handlers()
         failure = None
         try:
@@ -266,7 +269,7 @@ class Job:
 
         def after_step() -> None:
             stats_file.add(stats.take_rows())
-            self.tick(worker.status_line(), stats_file, stats)
+            self.tick(worker.status_line(), stats_file, stats, worker.rows_in_flight_done)
 
         try:
             drive(worker, lambda block: next(rows, None), self.emit, after_step, lambda: self.stop_requested)
@@ -283,6 +286,7 @@ class Job:
         done = self.bar.n  # rows a faster replica finished already
         self.bar.reset(total=self.bar.total)
         self.bar.update(done)
+        self.remaining.restart()
 
     def emit(self, rows: list[OutputRow]) -> None:
         """All output rows of one input row, to the sink."""
@@ -292,17 +296,21 @@ class Job:
         self.rows_done += 1
         self.bar.update(1)
 
-    def tick(self, postfix: str, stats_file: StatsFile, stats: StatsCollector | None = None) -> None:
+    def tick(
+        self,
+        postfix: str,
+        stats_file: StatsFile,
+        stats: StatsCollector | None = None,
+        in_flight: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         """Every loop turn: progress, heartbeat, the statistics file now and then (`stats`: this process's
-        engine; replicas write theirs from their reports)."""
-        now = time.monotonic()
+        engine; replicas write theirs from their reports). `in_flight`: the rows' worth of work done by the rows
+        running (progress.rows_in_flight_done; replicas do not report it: their remaining time is by rows)."""
         # `batchrun status` counts rows in written parts: what a run killed now would not redo
         self.heartbeat.beat(self.sink.input_rows_written)
         if stats is not None and stats_file.due():
             stats_file.write(stats.summary(rows=self.rows_done), job_rows=self.job_rows)
-        if not self.bar.disable and now - self._last_postfix >= 0.5:
-            self._last_postfix = now
-            self.bar.set_postfix_str(f"{postfix}, written {self.sink.input_rows_written}", refresh=False)
+        self.remaining.show(in_flight, f"{postfix}, written {self.sink.input_rows_written}")
 
     # ---- signals ------------------------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> dict:

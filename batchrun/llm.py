@@ -5,6 +5,7 @@
     outs = llm.generate(["Once upon a time"], SamplingParams(max_new_tokens=32))   # raw text, no chat template
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_new_tokens=32, n=2))
     outs[0].outputs[0].text, .token_ids, .finish_reason
+    llm.generate([{"prompt": "Hi"}, {"prompt_token_ids": [1, 2, 3]}])   # vLLM's TextPrompt and TokensPrompt
 
 The job runner (`job.py`) loads the same `LLM` from a job file and drives its engine row by row, so a prompt
 gives the same completion from either. Sample i of prompt k draws from a generator seeded from
@@ -20,22 +21,26 @@ from typing import Any, NamedTuple
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .engine.kv_cache import text_config
 from .engine.pooler import PoolerConfig
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import Placement, place
 from .loop import drive
-from .rows import InputRow, OutputRow, check_conversation, row_seed
+from .progress import BAR_FORMAT, RemainingTime, rows_in_flight_done
+from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_seed
 
 Conversation = list[dict[str, Any]]
 
 
 class Prompt(NamedTuple):
     """A prompt ready for the engine: its token ids and, for a vision-language model, its images as the model's
-    processor made them (engine.multimodal.ImageInputs; None: text alone)."""
+    processor made them (engine.multimodal.ImageInputs; None: text alone). `error`: why it cannot run, found
+    while preparing it (a token id outside the vocabulary): the prompt's (or row's) error, never admitted."""
 
     token_ids: list[int]
     images: Any = None
+    error: str | None = None
 
 
 @dataclass
@@ -53,7 +58,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     request_id: int  # the prompt's position in the call
-    prompt: str | Conversation | list[int]
+    prompt: str | Conversation | list[int]  # a dict prompt of generate: its text, or its token ids
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=True)
@@ -141,6 +146,7 @@ class LLM:
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
+        self.vocab_size = text_config(config).vocab_size  # a given token id must be below it (token_prompt)
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, config, self.dtype, self.device)
         except BadInput as e:
@@ -178,6 +184,19 @@ class LLM:
         """Raw text, as the tokenizer encodes it (its special tokens, such as a BOS, included)."""
         return self.tokenizer(text)["input_ids"]
 
+    def token_prompt(self, token_ids: SequenceOf[int]) -> Prompt:
+        """Token ids given as they are (no tokenizer, no template); one outside [0, vocab_size) makes the prompt's
+        error, found here, before the engine's embedding would fail on it (and take the whole batch down)."""
+        ids = list(token_ids)
+        bad = next((j for j, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        if bad is None:
+            return Prompt(ids)
+        return Prompt(
+            ids,
+            error=f"token id {ids[bad]} (position {bad}) is outside the vocabulary: this model's token ids are "
+            f"0 .. {self.vocab_size - 1} (vocab_size {self.vocab_size})",
+        )
+
     def encode_chat(self, messages: Conversation, base_dir: Path | None = None) -> Prompt:
         """A conversation rendered with the chat template, ready for the assistant's turn; its images read
         (paths relative to `base_dir`). ValueError when the conversation is malformed, an image cannot be read
@@ -204,13 +223,7 @@ class LLM:
         return Prompt(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _render_with_images(self, turns: Conversation, base_dir: Path | None) -> Prompt:
-        from .engine.multimodal import ImageInputs
         from .images import load_image
-
-        if self.engine.images_refusal:
-            raise ValueError(f"this model's images cannot run on batchrun: {self.engine.images_refusal}")
-        if self.images_unavailable:
-            raise ValueError(f"this model's images cannot run on this install: {self.images_unavailable}")
 
         pictures, rendered = [], []
         for i, turn in enumerate(turns, 1):
@@ -228,28 +241,87 @@ class LLM:
                         parts.append(part)
                 content = parts
             rendered.append({"role": turn["role"], "content": content})
-        processor = self.processor
+        self._check_images_run()
         try:
-            text = processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
-            outputs = processor(text=text, images=pictures, return_tensors="pt")
-        except Exception as e:  # noqa: BLE001 - the model's own template and processor
+            text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - the model's own template
             raise ValueError(f"the model's processor failed on this conversation: {e}") from None
+        return self._process(text, pictures, "this conversation")
+
+    def _check_images_run(self) -> None:
+        """ValueError saying why this model's images cannot run here (batchrun's reason, or this install's)."""
+        if not self.takes_images:
+            raise ValueError("an image, and this model takes no images (a text model)")
+        if self.engine.images_refusal:
+            raise ValueError(f"this model's images cannot run on batchrun: {self.engine.images_refusal}")
+        if self.images_unavailable:
+            raise ValueError(f"this model's images cannot run on this install: {self.images_unavailable}")
+
+    def _process(self, text: str, pictures: list, what: str) -> Prompt:
+        """Text holding the model's image placeholders, and its PIL images, through the model's processor (which
+        expands each placeholder into the image's tokens) into a prompt with its image inputs."""
+        from .engine.multimodal import ImageInputs
+
+        try:
+            outputs = self.processor(text=text, images=pictures, return_tensors="pt")
+        except Exception as e:  # noqa: BLE001 - the model's own processor
+            raise ValueError(f"the model's processor failed on {what}: {e}") from None
         ids = outputs["input_ids"][0].tolist()
-        token_id = self.engine.image_token_id
-        return Prompt(ids, ImageInputs.from_processor(outputs, token_id, ids))
+        return Prompt(ids, ImageInputs.from_processor(outputs, self.engine.image_token_id, ids))
 
     # ---- whole batches ------------------------------------------------------------------------------------------
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str | list[int] | dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete raw prompts (text, or token ids), no chat template; outputs in input order."""
-        if isinstance(prompts, str):
+        """Complete raw prompts, no chat template; outputs in input order. A prompt is text, a list of token ids,
+        or vLLM's {"prompt": text} or {"prompt_token_ids": [...]}; a text prompt may carry
+        "multi_modal_data": {"image": a PIL image or a list of them} for a vision-language model, its text holding
+        the model's image placeholder for each (as vLLM's does). A prompt of another shape is a ValueError naming
+        its index; a token id outside the vocabulary is that prompt's error (its batch-mates run)."""
+        if isinstance(prompts, str | dict):
             prompts = [prompts]
-        ids = [Prompt(list(p) if not isinstance(p, str) else self.encode(p)) for p in prompts]
-        return self._run(list(prompts), ids, sampling_params, use_tqdm)
+        given = [self._raw_prompt(p, i) for i, p in enumerate(prompts)]
+        return self._run([shown for shown, _ in given], [p for _, p in given], sampling_params, use_tqdm)
+
+    def _raw_prompt(self, prompt: Any, index: int) -> tuple[str | list[int], Prompt]:
+        """One of generate's prompts: (what RequestOutput.prompt shows, the prompt for the engine)."""
+        if isinstance(prompt, dict) and set(prompt) in ({"prompt"}, {"prompt", "multi_modal_data"}):
+            text, media = prompt["prompt"], prompt.get("multi_modal_data")
+            if isinstance(text, str) and media is None:
+                return text, Prompt(self.encode(text))
+            if isinstance(text, str):
+                return text, self._text_with_images(text, media, index)
+        elif isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, str):
+            return prompt, Prompt(self.encode(prompt))
+        no_ids = isinstance(prompt, list | tuple) and not prompt  # its error: the prompt has no tokens
+        if is_token_ids(prompt) or no_ids:
+            return list(prompt), self.token_prompt(prompt)
+        raise ValueError(
+            f"prompts[{index}]: {_shape(prompt)} is not a prompt; expected text, a list of token ids (integers), "
+            '{"prompt": text} (with "multi_modal_data": {"image": ...} for a vision-language model) or '
+            '{"prompt_token_ids": [token ids]}'
+        )
+
+    def _text_with_images(self, text: str, media: Any, index: int) -> Prompt:
+        """vLLM's {"prompt": text, "multi_modal_data": {"image": one or a list}}: the text holds the model's
+        image placeholders; the processor expands them, as for a conversation's image parts."""
+        from .images import load_image
+
+        where = f'prompts[{index}]["multi_modal_data"]'
+        if not isinstance(media, dict) or set(media) != {"image"}:
+            raise ValueError(f'{where}: expected {{"image": a PIL image or a list of them}} (images only)')
+        images = media["image"] if isinstance(media["image"], list | tuple) else [media["image"]]
+        try:
+            self._check_images_run()
+            pictures = [load_image(image) for image in images]
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return self._process(text, pictures, f"prompts[{index}]")
 
     def chat(
         self,
@@ -283,11 +355,19 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"sampling_params.response_format: {e}") from None
         outputs = [RequestOutput(i, prompt, p.token_ids) for i, (prompt, p) in enumerate(zip(prompts, ids))]
-        worker = _PromptWorker(self, outputs, params, [p.images for p in ids])
+        worker = _PromptWorker(self, outputs, params, ids)
         items = iter(enumerate(params))
-        bar = tqdm(total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun")
+        bar = tqdm(
+            total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun", bar_format=BAR_FORMAT
+        )
+        remaining = RemainingTime(bar)
         try:
-            drive(worker, lambda block: next(items, None), lambda output: bar.update(1))
+            drive(
+                worker,
+                lambda block: next(items, None),
+                lambda output: bar.update(1),
+                lambda: remaining.show(lambda: rows_in_flight_done(engine.live_sequences())),
+            )
         finally:
             bar.close()
             engine.abort_all()  # nothing is left after a full run; after an exception, frees the pages
@@ -376,11 +456,13 @@ class _PromptWorker:
 
     wants_rows = True
 
-    def __init__(self, llm: LLM, outputs: list[RequestOutput], params: list[SamplingParams], images: list):
+    def __init__(
+        self, llm: LLM, outputs: list[RequestOutput], params: list[SamplingParams], prompts: list[Prompt]
+    ):
         self.llm = llm
         self.engine = llm.engine
         self.outputs = outputs
-        self.images = images  # per prompt: its ImageInputs, or None
+        self.prompts = prompts
         self.samples: list[list[CompletionOutput | None]] = [[None] * p.n for p in params]
 
     @property
@@ -390,13 +472,14 @@ class _PromptWorker:
     def feed(self, item: tuple[int, SamplingParams]) -> RequestOutput | None:
         i, p = item
         output = self.outputs[i]
-        reason = self.engine.admission_error(len(output.prompt_token_ids), p, self.images[i])
+        prompt = self.prompts[i]
+        reason = prompt.error or self.engine.admission_error(len(prompt.token_ids), p, prompt.images)
         if reason:
             output.error = f"prompt {i}: {reason}"
             output.outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]
             return output
         seeds = [row_seed(p.seed, i, s) for s in range(p.n)]
-        self.engine.add(output.prompt_token_ids, p, request=i, seeds=seeds, images=self.images[i])
+        self.engine.add(prompt.token_ids, p, request=i, seeds=seeds, images=prompt.images)
         return None
 
     def step(self) -> list[RequestOutput]:
@@ -420,3 +503,10 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if not isinstance(sampling_params, SequenceOf) or len(sampling_params) != count:
         raise ValueError(f"sampling_params: one SamplingParams, or a list of {count} (one per prompt)")
     return list(sampling_params)
+
+
+def _shape(value: Any) -> str:
+    """How a value that is not a prompt reads in the error: a dict by its keys, anything else by its type."""
+    if isinstance(value, dict):
+        return "a dict with keys " + ", ".join(repr(k) for k in value)
+    return f"a value of type {type(value).__name__}"

@@ -146,5 +146,9 @@ class PoolingWorker:
         rate = self.stats.rows / max(time.perf_counter() - self.stats.start, 1e-9)
         return f"{rate:.1f} texts/s, waiting {self.runner.num_waiting}"
 
+    def rows_in_flight_done(self) -> float:
+        """A text is pooled in the step that computes it: no row is part done between steps."""
+        return 0.0
+
     def check_integrity(self) -> None:
         """Nothing to check: a pooling runner keeps nothing of a text after its step."""

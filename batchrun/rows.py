@@ -179,6 +179,16 @@ def check_conversation(messages: Any, images: bool = False) -> list[dict[str, An
     return turns
 
 
+def is_token_ids(value: Any) -> bool:
+    """A prompt given as token ids: a non-empty list of integers (pre-tokenized). An empty list is no prompt
+    of either kind: a job's row reads it as a conversation with nothing to answer."""
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
 def content_hash(*cells: Any) -> str:
     """16 hex digits identifying an input row's content (its prompt, sampling cells, passthrough values; an
     OpenAI request's whole line): a rerun compares it with the one its output recorded."""

@@ -21,7 +21,7 @@ import pyarrow as pa
 from . import openai_batch, storage
 from .config import InputSpec
 from .errors import BadInput
-from .rows import InputRow, Shard, clashing_columns, content_hash
+from .rows import InputRow, Shard, clashing_columns, content_hash, is_token_ids
 
 BATCH_ROWS = 1024
 
@@ -67,7 +67,8 @@ class InputSource:
         if not _holds_prompts(kind):
             raise BadInput(
                 f"{self.source}: key `input.prompt_column`: column {self.spec.prompt_column!r} of {what} holds "
-                f"{kind}; expected strings, or conversations (lists of {{role, content}} strings)."
+                f"{kind}; expected strings, conversations (lists of {{role, content}} strings), or token ids (lists "
+                "of integers)."
             )
         for i, col in enumerate(self.spec.passthrough):
             if clashing_columns([col], self.spec.id_column):
@@ -214,9 +215,12 @@ class OpenAIBatchSource:
 def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> InputRow:
     """Row `j` of a batch of columns (`data`, as pyarrow's to_pydict gives them) as an InputRow: its prompt, id,
     passthrough and sampling cells as the job's input section names them; `index`: its place in the input."""
-    prompt = data[spec.prompt_column][j]
+    prompt, error = data[spec.prompt_column][j], None
     if spec.image_column:
-        prompt = with_image(prompt, data[spec.image_column][j])
+        try:
+            prompt = with_image(prompt, data[spec.image_column][j])
+        except ValueError as e:
+            error = str(e)
     passthrough = {c: data[c][j] for c in spec.passthrough}
     sampling = {k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None}
     return InputRow(
@@ -225,6 +229,7 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
         prompt=prompt,
         passthrough=passthrough,
         sampling=sampling,
+        error=error,
         input_hash=content_hash(prompt, sampling, passthrough),
     )
 
@@ -233,9 +238,14 @@ def with_image(prompt: Any, image: Any) -> Any:
     """A row's prompt with its image column's cell put before its text (`input.image_column`): a string
     becomes a user turn of an image part and a text part; a conversation gets the image part first in its first
     user turn. A null image leaves the prompt as it is; a prompt of another kind too (its row's error says
-    why)."""
+    why). ValueError for token ids: the processor places an image's tokens in text, not in ids."""
     if image is None:
         return prompt
+    if is_token_ids(prompt):
+        raise ValueError(
+            "an image (input.image_column) with a prompt of token ids: the model's processor places an image's "
+            "tokens in text, so give this row's prompt as text or a conversation"
+        )
     part = {"type": "image", "image": image}
     if isinstance(prompt, str):
         return [{"role": "user", "content": [part, {"type": "text", "text": prompt}]}]
@@ -254,14 +264,16 @@ def with_image(prompt: Any, image: Any) -> Any:
 
 
 def _holds_prompts(kind: pa.DataType) -> bool:
-    """Whether a column of this Arrow type can hold prompts: text, or lists of {role, content} turns (a column
-    of nulls too: its rows become error rows)."""
+    """Whether a column of this Arrow type can hold prompts: text, lists of {role, content} turns, or lists of
+    integers (token ids, pre-tokenized: no chat template); a column of nulls too (its rows become error rows)."""
     if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind):
         return True
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        turn = kind.value_type
-        return pa.types.is_struct(turn) and {"role", "content"} <= {
-            turn.field(i).name for i in range(turn.num_fields)
+        item = kind.value_type
+        if pa.types.is_integer(item):
+            return True
+        return pa.types.is_struct(item) and {"role", "content"} <= {
+            item.field(i).name for i in range(item.num_fields)
         }
     return False
 

@@ -16,7 +16,8 @@ from .engine import SamplingParams
 from .errors import BadInput
 from .host import Placement
 from .llm import LLM, Prompt
-from .rows import InputRow, OutputRow, check_conversation, row_seed
+from .progress import rows_in_flight_done
+from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_seed
 from .stats import StatsCollector
 
 
@@ -66,7 +67,7 @@ class RowWorker:
         except ValueError as e:
             return self._error_rows(row, str(e), [])
         ids = prompt.token_ids
-        reason = self.engine.admission_error(len(ids), params, prompt.images)
+        reason = prompt.error or self.engine.admission_error(len(ids), params, prompt.images)
         if reason:
             return self._error_rows(row, reason, ids)
         state = RowState(row, ids, [None] * params.n)
@@ -94,6 +95,10 @@ class RowWorker:
         engine, stats = self.engine, self.stats
         rate = stats.generated_tokens / max(time.perf_counter() - stats.start, 1e-9)
         return f"{rate:.1f} tok/s, running {engine.num_running}, pages {engine.num_used_pages}/{engine.num_pages}"
+
+    def rows_in_flight_done(self) -> float:
+        """The rows' worth of work the running sequences have done (the progress bar's remaining time)."""
+        return rows_in_flight_done(self.engine.live_sequences())
 
     def check_integrity(self) -> None:
         """After a whole run: every page back in the pool (engine.check_integrity)."""
@@ -137,7 +142,8 @@ class RowWorker:
     def _tokenize(self, row: InputRow) -> Prompt:
         """The row's prompt as token ids (and images); ValueError with the reason for a row that cannot be served.
         A conversation goes through the chat template (model.system_prompt first when it has no system turn);
-        a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt."""
+        a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt. Token ids (a
+        pre-tokenized column) are taken as they are, as `LLM.generate` takes them."""
         if row.error:
             raise ValueError(row.error)
         prompt = row.prompt
@@ -145,6 +151,8 @@ class RowWorker:
         system = [{"role": "system", "content": m.system_prompt}] if m.system_prompt else []
         if prompt is None:
             raise ValueError("prompt is null")
+        if is_token_ids(prompt):
+            return self.llm.token_prompt(prompt)
         if isinstance(prompt, list | tuple):
             messages = check_conversation(prompt, images=self.llm.takes_images)
             if not any(t["role"] == "system" for t in messages):

@@ -1,5 +1,7 @@
 """The Python API (`LLM`, `SamplingParams`, `run_job`) against Hugging Face `generate` and the job runner."""
 
+import json
+
 import pyarrow.parquet as pq
 import pytest
 from helpers import ROOT, hf_greedy, read_outputs, write_prompts
@@ -152,3 +154,71 @@ def test_run_job_and_api_agree(llm, tmp_path):
     with pytest.raises(BadInput, match="unknown key"):
         run_job(ROOT / "jobs" / "demo.yaml", overrides=["engine.nope=1"])
     assert pq.read_table(tmp_path / "out").num_rows == 6
+
+
+def test_generate_takes_vllms_prompt_dicts_and_refuses_other_shapes(llm, model_dir):
+    """Issue 43, item 1: vLLM's TextPrompt and TokensPrompt failed deep in the engine (a TypeError: the dict's
+    keys taken as token ids)."""
+    ids = llm.encode("Once upon a time")
+    prompts = [{"prompt": "Once upon a time"}, {"prompt_token_ids": ids}, "Once upon a time", ids]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=8), use_tqdm=False)
+    expected = hf_greedy(model_dir, [ids], 8)[0]
+    assert [o.outputs[0].token_ids for o in outs] == [expected] * 4
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+    assert [o.prompt for o in outs] == ["Once upon a time", ids, "Once upon a time", ids]
+    assert (
+        llm.generate({"prompt": "Once upon a time"}, SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+        == expected
+    )
+    for bad, words in [
+        ({"prompt_ids": ids}, "a dict with keys 'prompt_ids'"),
+        ({"prompt": ids}, "a dict with keys 'prompt'"),
+        (7, "of type int"),
+        ([1, "a"], "of type list"),
+    ]:
+        with pytest.raises(ValueError, match=r"prompts\[1\]: ") as e:
+            llm.generate(["hi", bad], use_tqdm=False)
+        assert words in str(e.value) and '{"prompt_token_ids": [token ids]}' in str(e.value)
+    with pytest.raises(ValueError, match="this model takes no images"):
+        llm.generate([{"prompt": "hi", "multi_modal_data": {"image": "x.png"}}], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_sampling_params_take_vllms_max_tokens(llm):
+    """Issue 43, item 2: SamplingParams(max_tokens=4) was a TypeError."""
+    assert SamplingParams(max_tokens=4) == SamplingParams(max_new_tokens=4)
+    assert SamplingParams(max_tokens=4, max_new_tokens=4).max_new_tokens == 4
+    assert SamplingParams().max_new_tokens == 256
+    with pytest.raises(ValueError, match="max_tokens: 4 and max_new_tokens 5 are both given"):
+        SamplingParams(max_tokens=4, max_new_tokens=5)
+    with pytest.raises(ValueError, match="max_tokens: must be a number >= 0, got -1"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match="max_tokens: must be an integer, got 1.5"):
+        SamplingParams(max_tokens=1.5)
+    outs = llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3 and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_a_token_id_outside_the_vocabulary_is_that_prompts_error(llm, model_dir):
+    """Issue 43, item 3: an id >= vocab_size (or negative) raised a raw IndexError from the embedding and the
+    valid prompts of the call got nothing."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    outs = llm.generate(
+        [[5, 6, 7], [10**7], [5, -1], [5, vocab]], SamplingParams(max_tokens=6), use_tqdm=False
+    )
+    assert outs[0].error is None
+    assert outs[0].outputs[0].token_ids == hf_greedy(model_dir, [[5, 6, 7]], 6)[0]
+    for i, bad, position in [(1, 10**7, 0), (2, -1, 1), (3, vocab, 1)]:
+        assert outs[i].error == (
+            f"prompt {i}: token id {bad} (position {position}) is outside the vocabulary: this model's token ids "
+            f"are 0 .. {vocab - 1} (vocab_size {vocab})"
+        )
+        assert [(c.finish_reason, c.token_ids) for c in outs[i].outputs] == [("error", [])]
+    empty = llm.generate([[], {"prompt_token_ids": []}], use_tqdm=False)  # no ids: each prompt's error
+    assert [o.error for o in empty] == [
+        "prompt 0: the prompt has no tokens",
+        "prompt 1: the prompt has no tokens",
+    ]
+    assert not llm.engine.has_unfinished() and llm.engine.num_used_pages == 0

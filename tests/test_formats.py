@@ -446,3 +446,36 @@ def test_openai_error_lines_name_the_body_field_and_the_file_line(tmp_path):
     )
     assert got["c"]["message"].startswith("b.jsonl line 5: key `body.max_completion_tokens`"), got
     assert got["broken"]["message"].startswith("b.jsonl line 6: not JSON"), got
+
+
+def test_a_prompt_column_of_token_ids(tmp_path, tok_model, model_dir):
+    """Issue 43, items 2 to 4: a pre-tokenized column (list<int>) was refused ("expected strings, or
+    conversations"). Its ids are taken as they are, with no chat template (model.chat_template is on), as
+    `LLM.generate` takes them; a row with an id outside the vocabulary is that row's error and the job goes on.
+    The job file's `sampling.max_tokens` (vLLM's name) is max_new_tokens."""
+    tok, _ = tok_model
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    good = [tok("Once upon a time")["input_ids"], tok("The capital of France is")["input_ids"]]
+    ids = pa.array([good[0], [5, vocab], good[1], [-3, 5]], pa.list_(pa.int64()))
+    data = write_table(tmp_path / "in.parquet", {"id": list(range(4)), "tokens": ids})
+    text = job_text(
+        tmp_path, data, prompt_column="tokens", sampling="  max_tokens: 7\n", output="  token_ids: true\n"
+    )
+    r = run_cli("submit", str(write_job(tmp_path / "job.yaml", text)), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = read_outputs(tmp_path / "out")
+    for i, want in zip((0, 2), hf_greedy(model_dir, good, 7)):
+        assert (
+            rows[(i, 0)]["prompt_token_ids"] == good[i // 2] and rows[(i, 0)]["completion_token_ids"] == want
+        )
+    for i, bad, position in [(1, vocab, 1), (3, -3, 0)]:
+        assert rows[(i, 0)]["finish_reason"] == "error" and rows[(i, 0)]["completion"] is None
+        assert rows[(i, 0)]["error"] == (
+            f"token id {bad} (position {position}) is outside the vocabulary: this model's token ids are "
+            f"0 .. {vocab - 1} (vocab_size {vocab})"
+        )
+    both = job_text(tmp_path, data, prompt_column="tokens", sampling="  max_tokens: 7\n  max_new_tokens: 8\n")
+    r = run_cli("validate", str(write_job(tmp_path / "both.yaml", both)))
+    assert (
+        r.returncode == 2 and "key `sampling.max_tokens`: 7 and max_new_tokens 8 are both given" in r.stderr
+    )

@@ -511,3 +511,36 @@ sampling: {{max_new_tokens: 48, ignore_eos: true}}
     assert r.returncode == 0, r.stderr
     rows = read_outputs(out)  # asserts no (id, sample) twice
     assert {k: v["completion"] for k, v in rows.items()} == reference and len(reference) == 6
+
+
+def test_generate_takes_vllms_multi_modal_data(llava_dir, reference):
+    """Issue 43, item 1: vLLM's {"prompt": text holding the image placeholders, "multi_modal_data": {"image":
+    one image or a list}} runs as the same conversation's image parts do (equal to HF generate)."""
+    processor, _ = reference
+    a, b, c = picture(0), picture(1, 47), picture(2, 54, 30)
+    contents = [
+        [{"type": "image"}, {"type": "text", "text": "Describe this."}],
+        [
+            {"type": "text", "text": "Compare"},
+            {"type": "image"},
+            {"type": "text", "text": "and"},
+            {"type": "image"},
+        ],
+    ]
+    texts = [
+        processor.apply_chat_template(
+            [{"role": "user", "content": x}], add_generation_prompt=True, tokenize=False
+        )
+        for x in contents
+    ]
+    llm = LLM(model=str(llava_dir), dtype="float32", device="cpu", num_pages=256)
+    prompts = [
+        {"prompt": texts[0], "multi_modal_data": {"image": a}},
+        {"prompt": texts[1], "multi_modal_data": {"image": [b, c]}},
+    ]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
+    expected = [hf_generate(reference, contents[0], [a]), hf_generate(reference, contents[1], [b, c])]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert outs[0].prompt == texts[0]
+    with pytest.raises(ValueError, match=r'prompts\[0\]\["multi_modal_data"\]: expected \{"image"'):
+        llm.generate([{"prompt": texts[0], "multi_modal_data": {"video": a}}], use_tqdm=False)

@@ -7,13 +7,16 @@ reads them as they are. A new option is one new field here, with its check; noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Union
 
 from ..checks import (
     FieldError,
+    TypeMismatch,
     at_least,
     check_fields,
+    coerce,
+    field_error,
     in_range,
     one_of,
     power_of_two,
@@ -82,9 +85,13 @@ class EngineConfig:
         check_fields(self)
 
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = field(default=256, metadata={"check": at_least(0)})  # 0: score the prompt only
+    # 0: score the prompt only; None (not given): max_tokens, else DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = field(default=None, metadata={"check": at_least(0)})
     temperature: float = field(default=0.0, metadata={"check": at_least(0)})
     top_p: float = field(default=1.0, metadata={"check": in_range(0, 1, open_low=True)})
     top_k: int = field(default=-1, metadata={"check": lambda v: None if v == -1 or v >= 1 else "-1 or >= 1"})
@@ -97,8 +104,11 @@ class SamplingParams:
     prompt_logprobs: bool = False  # log p(token_i | tokens before it) for every prompt token
     # structured output (engine/structured.py): the allowed-token mask of a grammar, before sampling
     response_format: dict[str, Any] | None = field(default=None, metadata={"check": check_response_format})
+    # vLLM's name for max_new_tokens, taken as it (a keyword and a job-file key, never a field of its own)
+    max_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: int | None = None) -> None:
+        object.__setattr__(self, "max_new_tokens", _max_new_tokens(self.max_new_tokens, max_tokens))
         if self.stop is None:  # as vLLM's SamplingParams takes it: no stop strings
             object.__setattr__(self, "stop", ())
         check_fields(
@@ -116,3 +126,25 @@ class SamplingParams:
     @property
     def structured(self) -> bool:
         return self.response_format is not None and self.response_format.get("type") != "text"
+
+
+def _max_new_tokens(max_new_tokens: int | None, max_tokens: int | None) -> int:
+    """The one token limit of SamplingParams(max_new_tokens=..., max_tokens=...): whichever was given (both:
+    only when they agree), else the default. FieldError naming max_tokens for a value max_new_tokens refuses."""
+    if max_tokens is None:
+        return DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    limit = next(f for f in fields(SamplingParams) if f.name == "max_new_tokens")
+    try:
+        value = coerce(max_tokens, int, "max_tokens")
+    except TypeMismatch as e:
+        raise FieldError("max_tokens", f"must be {e.expected}, got {max_tokens!r}") from None
+    expected = field_error(limit, value)
+    if expected:
+        raise FieldError("max_tokens", f"must be {expected}, got {max_tokens!r}")
+    if max_new_tokens is not None and max_new_tokens != value:
+        raise FieldError(
+            "max_tokens",
+            f"{value} and max_new_tokens {max_new_tokens} are both given; they are one setting (max_tokens is "
+            "vLLM's name for it): give one",
+        )
+    return value
