@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from .job import job_spec
 from .loop import NOT_YET, drive
-from .rows import OPTIONAL_COLUMNS, OUTPUT_COLUMNS, InputRow, OutputRow, clashing_columns
+from .rows import InputRow, OutputRow, clashing_columns
 from .sinks import optional_columns, output_schema
 from .sources import input_row
 from .storage import location, write_text_whole
@@ -195,15 +195,12 @@ class Processor:
         """The batch's rows, each repeated once per sample, then the output columns."""
         order = [j for j, samples in enumerate(outputs) for _ in samples]
         flat = [r for samples in outputs for r in samples]
-        own = output_schema(pa.string(), [], self.optional)
-        columns = [
-            c for c in OUTPUT_COLUMNS if c != "id" and (c not in OPTIONAL_COLUMNS or c in self.optional)
-        ]
+        own = output_schema(pa.string(), [], self.optional)  # a generation job's columns
         out = table.take(pa.array(order, pa.int64())) if order else table.slice(0, 0)
-        for name in columns:  # no input column has an output column's name (checked in __call__)
-            out = out.append_column(
-                own.field(name), pa.array([getattr(r, name) for r in flat], own.field(name).type)
-            )
+        for column in own:  # no input column has an output column's name (checked in __call__)
+            if column.name != "id":
+                values = pa.array([getattr(r, column.name) for r in flat], column.type)
+                out = out.append_column(column, values)
         return out
 
     def report(self) -> dict:

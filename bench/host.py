@@ -182,9 +182,10 @@ def count_ops() -> dict:
     """aten operations one decode step of 8 sequences dispatches on a SmolLM2-135M-shaped model: all, inside
     the model's forward but outside batchrun's attention (the model's own), and batchrun's own."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from batchrun.engine import SamplingParams
-    from batchrun.engine.attention import interface
 
     engine = make_engine(save_model(smollm2_config(), "smollm2-135m-random"), 8)
     for p in prompts(8, 49152):
@@ -209,7 +210,7 @@ def count_ops() -> dict:
         model.register_forward_pre_hook(lambda *_: where.update(in_model=True)),
         model.register_forward_hook(lambda *_: where.update(in_model=False)),
     ]
-    real = interface.paged_attention_forward
+    real = ALL_ATTENTION_FUNCTIONS["batchrun_paged"]  # batchrun's attention function, as registered
 
     def counted(*args, **kwargs):
         where["in_attention"] += 1
@@ -218,12 +219,12 @@ def count_ops() -> dict:
         finally:
             where["in_attention"] -= 1
 
-    interface.register(counted)
+    AttentionInterface.register("batchrun_paged", counted)
     try:
         with Count() as mode:
             engine.step()
     finally:
-        interface.register()
+        AttentionInterface.register("batchrun_paged", real)
         for h in hooks:
             h.remove()
     c = mode.counts

@@ -214,13 +214,17 @@ def test_the_bars_clock_starts_when_the_model_has_loaded():
     from tqdm import tqdm
 
     from batchrun.job import Job
+    from batchrun.progress import RemainingTime
 
     bar = tqdm(total=10, file=io.StringIO())
     bar.start_t -= 60  # a minute of loading
     bar.update(2)
-    job = SimpleNamespace(heartbeat=SimpleNamespace(running=lambda: None), bar=bar)
+    remaining = RemainingTime(bar, clock=time.monotonic)
+    remaining.start -= 60
+    job = SimpleNamespace(heartbeat=SimpleNamespace(running=lambda: None), bar=bar, remaining=remaining)
     Job.loaded(job)
     assert time.time() - bar.start_t < 5 and bar.n == 2 and bar.total == 10
+    assert time.monotonic() - remaining.start < 5  # the remaining time's clock starts again too
 
 
 def test_status_counts_rows_in_written_parts(tmp_path):

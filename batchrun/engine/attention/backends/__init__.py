@@ -12,20 +12,12 @@ by every attention layer with the plan of its group (`meta.plans[spec.group]`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ....errors import BadInput
+from .capabilities import Capabilities
 
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend computes beyond paged causal attention. Every backend computes sliding windows, chunks,
-    soft-capping, per-head and per-token sinks and the relative bias (the family matrix runs each); they differ
-    in `image_blocks`: one image's tokens seeing each other during prefill (multimodal.ImageBlocks)."""
-
-    image_blocks: bool
+__all__ = ["Capabilities", "make_backend"]
 
 
 def make_backend(name: str, num_heads: int, kv_spec, device: torch.device):

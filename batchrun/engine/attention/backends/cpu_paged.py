@@ -9,7 +9,7 @@ import torch
 
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from . import Capabilities
+from .capabilities import Capabilities
 from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
 
 

@@ -15,7 +15,7 @@ from ...page_pool import cdiv
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata, int_tensor
 from ..reference import eager_attention
-from . import Capabilities
+from .capabilities import Capabilities
 from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from . import Capabilities
+from .capabilities import Capabilities
 
 
 @dataclass
