@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .engine.quantization import Weights, checkpoint_format
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import Placement, place
@@ -114,6 +115,8 @@ class LLM:
         self.tokenizer, hf_model = loading.load_model(
             self.model_dir, self.dtype, self.device, config, tokenizer
         )
+        # the weights' format and bytes in memory, for the summary (counted before any packing for oneDNN)
+        self.weights = Weights.of(hf_model, checkpoint_format(config))
         if self.device.type == "cpu":
             from .engine import cpu_allocator, cpu_linear
 
