@@ -45,7 +45,7 @@ def checkpoint(tmp_path_factory, float_dir):
 
 
 def generate(target, **engine):
-    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, **engine)
+    llm = LLM(model=str(target), dtype="float32", device="cpu", **{"num_pages": 64, **engine})
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     return llm, outs
 
@@ -71,7 +71,7 @@ def test_equals_hf_generate_under_preemption(checkpoint, name):
 
 @pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8", "bnb-4bit"])
 def test_quantized_layers_are_never_packed(checkpoint, name):
-    """Even where the model does not say it is quantized (no hf_quantizer, no quantization_config), each
+    """Even where the model does not say it is quantized (no hf_quantizer, is_quantized or quantization_config), each
     quantized layer is told apart by its class, its weight's type or dtype, or its quantization scheme."""
     from transformers import AutoModelForCausalLM
 
@@ -80,7 +80,7 @@ def test_quantized_layers_are_never_packed(checkpoint, name):
     target, _ = checkpoint(name)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     assert quantized(model) and pack_linear_layers(model) == 0
-    model.hf_quantizer = None
+    model.hf_quantizer, model.is_quantized = None, False
     del model.config.quantization_config
     layers = dict(model.named_modules())
     assert not quantized(model) and pack_linear_layers(model) == 1  # the LM head, which stays float
@@ -102,16 +102,18 @@ def tensors(model):
 
 
 def test_weights_bytes_and_format_in_the_summary(checkpoint, tmp_path):
-    """torchao's int8 weights in memory: int8 values and a float scale per row (its Int8Tensor's own
+    """torchao's int8 weights in memory: int8 values, a float scale and an int8 zero point per row (its
+    Int8Tensor's own
     `nbytes` is that of the float weight it stands for); the job summary names the format and those bytes."""
-    from batchrun.job import Job, load_job
+    from batchrun.config import load_job
+    from batchrun.job import Job
     from batchrun.report import format_summary
 
     target, _ = checkpoint("torchao-int8")
-    write_prompts(tmp_path / "in.parquet", ["Hi"])
+    write_prompts(tmp_path / "in.parquet", ["a,b.c"])  # token ids under the tiny model's 256
     job = write_job(
         tmp_path / "job.yaml",
-        f"name: q\nmodel:\n  path: {target}\n  dtype: float32\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
+        f"name: q\nmodel:\n  path: {target}\n  dtype: float32\n  chat_template: false\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
         f"sampling:\n  max_new_tokens: 4\nengine:\n  num_pages: 16\n  device: cpu\n"
         f"output:\n  path: {tmp_path / 'out'}\n",
     )
@@ -121,7 +123,8 @@ def test_weights_bytes_and_format_in_the_summary(checkpoint, tmp_path):
     for t in tensors(model):
         float_bytes += t.numel() * t.element_size()
         if type(t).__name__ == "Int8Tensor":
-            expected += t.qdata.numel() * t.qdata.element_size() + t.scale.numel() * t.scale.element_size()
+            parts = (t.qdata, t.scale, t.zero_point)
+            expected += sum(part.numel() * part.element_size() for part in parts)
         else:
             expected += t.numel() * t.element_size()
     assert summary["weights_format"] == "torchao" and summary["weights_bytes"] == expected, summary
