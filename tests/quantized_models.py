@@ -14,24 +14,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from model_families import TINY
 
-# every dimension a multiple of 64 (FP8 blocks of 64x64, bitsandbytes' 4-bit blocks) and of 128 where a
-# compressed-tensors group is (its W4A16 groups of 128 run along the 128 and 256 input columns)
-TINY_LLAMA = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.3,
-)
+# the family matrix's tiny model (model_families.TINY), wider: every dimension a multiple of 64 (FP8 blocks of
+# 64x64, bitsandbytes' 4-bit blocks) and of 128 where a compressed-tensors group is (its W4A16 groups of 128 run
+# along the 128 and 256 input columns)
+TINY_LLAMA = {**TINY, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 
 def save_float(target: Path, tokenizer_dir: Path, **config) -> Path:

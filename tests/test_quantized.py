@@ -75,7 +75,8 @@ def test_quantized_layers_are_never_packed(checkpoint, name):
     quantized layer is told apart by its class, its weight's type or dtype, or its quantization scheme."""
     from transformers import AutoModelForCausalLM
 
-    from batchrun.engine.cpu_linear import PackedLinear, pack_linear_layers, quantized
+    from batchrun.engine.cpu_linear import PackedLinear, pack_linear_layers
+    from batchrun.engine.quantization import quantized
 
     target, _ = checkpoint(name)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)

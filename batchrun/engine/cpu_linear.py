@@ -20,6 +20,7 @@ import re
 import torch
 
 from .. import host
+from .quantization import quantized
 
 BATCH_HINT = 64  # rows the blocked layout is chosen for: a decode step's order of magnitude
 
@@ -67,18 +68,6 @@ def read_directly(model: torch.nn.Module) -> set[str]:
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def quantized(model: torch.nn.Module) -> bool:
-    """Whether transformers loaded `model` through a quantizer (its `hf_quantizer`, or a `quantization_config` in
-    its config): every layer's arithmetic is then the format's, and none is packed (a quantizer may also swap
-    modules or weights after loading, as compressed-tensors' decompression does on the first forward)."""
-    config = getattr(model, "config", None)
-    return (
-        getattr(model, "hf_quantizer", None) is not None
-        or getattr(model, "is_quantized", False) is True
-        or getattr(config, "quantization_config", None) is not None
-    )
-
-
 def plain_tensor(t) -> bool:
     """A plain tensor or Parameter of a float dtype: not a tensor subclass (torchao's quantized tensors,
     bitsandbytes' Params4bit and Int8Params), not an integer or fp8 weight."""
@@ -91,7 +80,7 @@ def plain_float_linear(module: torch.nn.Module) -> bool:
     `nn.Linear` and replaces its weight by packed integers)."""
     return (
         type(module) is torch.nn.Linear
-        and plain_tensor(module.__dict__.get("_parameters", {}).get("weight"))
+        and plain_tensor(getattr(module, "weight", None))  # compressed-tensors' packed layers have none
         and (module.bias is None or plain_tensor(module.bias))
         and getattr(module, "quantization_scheme", None) is None
     )

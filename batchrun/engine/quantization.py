@@ -38,6 +38,17 @@ def checkpoint_format(config) -> str | None:
     return str(getattr(method, "value", method))
 
 
+def quantized(model: torch.nn.Module) -> bool:
+    """Whether transformers loaded `model` through a quantizer (its `hf_quantizer`, or a `quantization_config` in
+    its config): every layer's arithmetic is then the format's, and none is packed (a quantizer may also swap
+    modules or weights after loading, as compressed-tensors' decompression does on the first forward)."""
+    return (
+        getattr(model, "hf_quantizer", None) is not None
+        or getattr(model, "is_quantized", False) is True
+        or checkpoint_format(getattr(model, "config", None)) is not None
+    )
+
+
 def missing_package(config, error: Exception) -> BadInput | None:
     """Loading failed for want of the format's package (transformers' own `pip install X` error): a BadInput
     naming the format, the package and the batchrun extra that brings it; None when that is not the cause."""
