@@ -23,6 +23,7 @@ from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .engine.kv_cache import text_config
 from .engine.pooler import PoolerConfig
+from .engine.quantization import Weights, checkpoint_format
 from .engine.sizing import check_memory_budget
 from .errors import BadInput
 from .host import Placement, place
@@ -162,6 +163,8 @@ class LLM:
         self.tokenizer, hf_model = loading.load_model(
             self.model_dir, self.dtype, self.device, config, tokenizer
         )
+        # the weights' format and bytes in memory, for the summary (counted before any packing for oneDNN)
+        self.weights = Weights.of(hf_model, checkpoint_format(config))
         if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
             from .engine import cpu_linear
 

@@ -88,6 +88,17 @@ def format_summary(s: dict) -> str:
     lines += [
         ("generated tokens", f"{s['generated_tokens']} ({s['generated_tokens_per_s']:.1f}/s)"),
         ("running sequences", f"peak {s['peak_running']}, mean {s['mean_running']:.1f}"),
+        *(
+            [
+                (
+                    "weights",
+                    f"{s['weights_format']}, {_bytes(s['weights_bytes'])} in memory (beside a KV cache of "
+                    f"{_bytes(s['pages_total'] * s.get('bytes_per_page', 0))})",
+                )
+            ]
+            if "weights_format" in s  # absent in statistics written before it was recorded
+            else []
+        ),
         (
             "KV pages",
             f"{s['pages_total']} of {s['page_size']} tokens, peak in use {s.get('peak_pages_used', 0)}",

@@ -221,6 +221,8 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
         "model": str(llm.model_dir),
         "max_num_seqs": spec.engine.max_num_seqs,
         "packed_weights": llm.packed_weights,
+        "weights_format": llm.weights.format,
+        "weights_bytes": llm.weights.bytes,
     }
     return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica, load_s=load_s))
 

@@ -5,6 +5,12 @@ re-blocks it on every call; at a decode step's few dozen rows that costs more th
 into oneDNN's blocked layout (what torch.compile's CPU freezing does to weights), a whole fp32 job ran
 faster on the development machine (bench/RESULTS.md, with the command). bf16 results are bit for bit
 those of `nn.Linear`; fp32 ones differ in the order of the sums (~1e-6 relative).
+
+Only a plain float weight is packed. A quantized checkpoint's linear layers (compressed-tensors, torchao,
+bitsandbytes, GPTQ, FP8...) compute with their format's own arithmetic, through their own classes, tensor
+subclasses or packed integer buffers, which oneDNN's reorder would either crash on or silently replace: a model
+transformers loaded through a quantizer is left alone entirely (`quantized`), and any layer whose weight is not
+a plain float tensor of a stock `nn.Linear` stays as it is (`plain_float_linear`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import re
 import torch
 
 from .. import host
+from .quantization import quantized
 
 BATCH_HINT = 64  # rows the blocked layout is chosen for: a decode step's order of magnitude
 
@@ -58,15 +65,38 @@ def read_directly(model: torch.nn.Module) -> set[str]:
     return names
 
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def plain_tensor(t) -> bool:
+    """A plain tensor or Parameter of a float dtype: not a tensor subclass (torchao's quantized tensors,
+    bitsandbytes' Params4bit and Int8Params), not an integer or fp8 weight."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in FLOAT_DTYPES
+
+
+def plain_float_linear(module: torch.nn.Module) -> bool:
+    """A stock `nn.Linear` (exactly that class: a quantized format's linear subclasses it) whose weight and bias
+    are plain float tensors, with no quantization scheme attached (compressed-tensors attaches one to a stock
+    `nn.Linear` and replaces its weight by packed integers)."""
+    return (
+        type(module) is torch.nn.Linear
+        and plain_tensor(getattr(module, "weight", None))  # compressed-tensors' packed layers have none
+        and (module.bias is None or plain_tensor(module.bias))
+        and getattr(module, "quantization_scheme", None) is None
+    )
+
+
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU model by a PackedLinear (but those whose weight the model's code
-    reads itself); returns how many."""
+    """Replace every plain float `nn.Linear` of a CPU model by a PackedLinear (but those whose weight the
+    model's code reads itself); a quantized model's layers are never packed. Returns how many."""
+    if quantized(model):
+        return 0
     keep = read_directly(model)
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is torch.nn.Linear and name not in keep
+        if plain_float_linear(child) and name not in keep
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))

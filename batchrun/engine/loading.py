@@ -12,6 +12,7 @@ from ..errors import BadInput
 from .architecture import not_the_models_fault
 from .attention import ATTENTION_NAME, UnsupportedModel, refusal, register
 from .multimodal import is_vision_language
+from .quantization import check_batch_invariant, finish_loading, missing_package
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):
@@ -22,6 +23,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # batchrun shows its own progress
+    check_batch_invariant(config)
     try:
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
         model = load_paged_model(model_dir, dtype, config)
@@ -30,7 +32,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
     except Exception as e:
         if not_the_models_fault(e):
             raise  # out of memory, I/O: the run failed (exit 1), the model path is not the reason
+        needs = missing_package(config, e)  # a quantized checkpoint whose package is not installed
+        if needs:
+            raise needs from None
         raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
+    finish_loading(model)
     model.to(device).eval()
     return tokenizer, model
 
