@@ -43,6 +43,7 @@ lint: install
 	$(BIN)/ruff format --check batchrun kernels tests bench jobs
 
 bench: install
+	$(BIN)/python -m bench.host
 	$(BIN)/python -m bench.vs_hf
 	$(BIN)/python -m bench.vs_vllm
 	$(BIN)/python -m bench.hybrid
