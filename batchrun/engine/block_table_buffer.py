@@ -40,9 +40,9 @@ class BlockTableBuffer:
     def _empty(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows, width, dtype=torch.int32, pin_memory=self.pin)
 
-    def step_tables(self, seqs: list) -> tuple[list[int], list[torch.Tensor]]:
-        """The step's rows, and per group its tables [S, W] int32 (W: the longest of the step's tables), each
-        row brought up to date first."""
+    def step_tables(self, seqs: list) -> list[torch.Tensor]:
+        """Per group, the step's tables [S, W] int32 (W: the longest of the step's tables), each row brought up
+        to date first."""
         rows, widths = [], [1] * self.num_groups
         for seq in seqs:
             entry = self._rows.get(seq.seq_id)
@@ -60,7 +60,7 @@ class BlockTableBuffer:
                 widths[g] = max(widths[g], n)
             rows.append(entry.row)
         index = int_tensor(rows)
-        return rows, [t[:, :w].index_select(0, index) for t, w in zip(self.tables, widths)]
+        return [t[:, :w].index_select(0, index) for t, w in zip(self.tables, widths)]
 
     def _write(self, group: int, row: int, table: list[int]) -> None:
         buf = self.tables[group]

@@ -84,7 +84,7 @@ class ModelRunner:
         dev = self.device
         host_positions = int_tensor(positions)
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
-        _, tables = self.block_tables.step_tables([s.seq for s in scheduled])
+        tables = self.block_tables.step_tables([s.seq for s in scheduled])
         if len(input_ids) == len(scheduled):  # decode-only: token i is sequence i's
             token_seq = torch.arange(len(scheduled))
         else:
