@@ -44,7 +44,7 @@ def tiny_config():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,  # vLLM's peer asks for max_model_len 2048 (bench/vllm_peer.py)
         tie_word_embeddings=False,
     )
 
