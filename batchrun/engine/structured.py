@@ -19,7 +19,6 @@ import re
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 COMPACT = (",", ":")  # JSON's separators, without the spaces xgrammar puts after them by default
@@ -230,17 +229,15 @@ class Grammars:
 
     def apply(self, logits: torch.Tensor, matchers: list[Any]) -> None:
         """Mask in place the logits rows whose matcher is not None: disallowed tokens get -inf. The rows'
-        bitmasks are filled in one batched call, then unpacked and applied at once."""
+        bitmasks (a bit a token, 32 tokens an int32 word) are filled in one batched call on the host, and only
+        they go to the logits' device, where xgrammar's own kernel applies them: no [rows, vocab] mask is
+        unpacked on the host or copied over."""
         t0 = time.perf_counter()
         rows = [i for i, m in enumerate(matchers) if m is not None]
         words = (self.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
-            self._bitmask = torch.empty(max(len(rows), 64), words, dtype=torch.int32)
-        bitmask = self._bitmask[: len(rows)]
-        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask)
-        # bit b of word w allows token 32 w + b (little-endian words: byte 4 w + b // 8, bit b % 8)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, : logits.shape[-1]]).to(logits.device, torch.bool)
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
+            self._bitmask = torch.empty(max(len(matchers), 64), words, dtype=torch.int32)
+        bitmask = self._bitmask[: len(matchers)]
+        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         self.mask_s += time.perf_counter() - t0
