@@ -57,8 +57,9 @@ def test_argmax_matches_torch(dtype, vocab):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(  # head dims 64 and 128 take the AVX-512 path (pages of 8, 16, 32 keys), 32 the generic one
-    "page_size,num_kv_heads,gqa,head_dim", [(16, 3, 3, 64), (8, 2, 1, 32), (32, 1, 4, 128), (8, 2, 2, 64)]
+@pytest.mark.parametrize(  # head dims 32, 64, 128 take the AVX-512 path (pages of 8, 16, 32 keys), 24 the generic one
+    "page_size,num_kv_heads,gqa,head_dim",
+    [(16, 3, 3, 64), (8, 2, 1, 32), (32, 1, 4, 128), (8, 2, 2, 64), (8, 2, 1, 24)],
 )
 def test_paged_decode_matches_the_reference(dtype, page_size, num_kv_heads, gqa, head_dim):
     context_lens = [1, page_size, page_size + 1, 3 * page_size - 1, 200]
@@ -140,7 +141,7 @@ def test_the_build_folder_is_keyed_by_source_torch_and_cpu(tmp_path, monkeypatch
     ],
     ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
 )
-@pytest.mark.parametrize("head_dim", [64, 32])  # the AVX-512 path and the generic one
+@pytest.mark.parametrize("head_dim", [64, 32, 24])  # the AVX-512 path (two unrolled dims) and the generic one
 def test_paged_decode_with_layer_features_matches_the_reference(dtype, extras, head_dim):
     page_size, num_kv_heads, gqa = 16, 2, 2
     context_lens = [1, 15, 16, 17, 33, 64, 200]

@@ -253,9 +253,11 @@ template <typename T>
 void decode_any(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
                 double scale, const LayerExtras& extras) {
-  // the common head dims unrolled at compile time (where K and V share it)
+  // the common head dims unrolled at compile time (where K and V share it); others take the generic loops
   const int64_t D = query.size(2);
   switch (D == v_cache.size(3) ? D : 0) {
+    case 32:
+      return decode<32, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
     case 64:
       return decode<64, T>(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale, extras);
     case 128:
