@@ -113,11 +113,17 @@ class BlockManager:
     def num_pages_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free pages that computing seq's next `num_new_tokens` tokens takes: new pages past the end of each
         block table, plus a private copy when the first page written into is shared (copy-on-write)."""
-        end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
+        computed, P = seq.num_computed_tokens, self.page_size
+        end_pages = -(-(computed + num_new_tokens) // P)
+        first, ref_count, windowed = computed // P, self.pool.ref_count, self.layout.windowed
         needed = 0
-        for g, table in enumerate(seq.block_tables):
-            start = max(len(table), self.layout.first_block(g, seq.num_computed_tokens))
-            needed += max(0, end_pages - start) + self._shared_first_page(seq, table)
+        for g, table in enumerate(seq.block_tables):  # every step, for every sequence: kept lean
+            n = len(table)
+            start = max(n, self.layout.first_block(g, computed)) if windowed else n
+            if end_pages > start:
+                needed += end_pages - start
+            if first < n and table[first] != NULL_PAGE and ref_count[table[first]] > 1:
+                needed += 1  # the page written into is shared: copy on write
         return needed
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> list[PageCopy]:

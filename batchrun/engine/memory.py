@@ -62,6 +62,8 @@ def count(
     Every step, so it touches one page per sequence in Python: a sequence's pages before its computed end are
     full for every holder (set unions, in C), the page holding that end is partly filled, the rest are empty;
     a page's count is its fullest holder's."""
+    if not bm.pool.num_shared:
+        return _count_unshared(bm, states, running, num_waiting, num_swapped, reservation)
     P = bm.page_size
     used: set[int] = set()  # physical pages in the block tables
     full: set[int] = set()  # pages some holder has filled
@@ -95,6 +97,44 @@ def count(
         tokens_stored=tokens_stored,
         logical_pages=logical_pages,
         tokens_cached_per_sequence=cached,
+        reserved_slots_contiguous=reserved,
+        window_freed_pages=freed,
+    )
+
+
+def _count_unshared(
+    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+) -> MemorySnapshot:
+    """`count` while no page is held by two tables (the pool counts those): every page in the tables is
+    distinct and holds its own table's tokens, so a table of n pages whose sequence computed c tokens holds
+    min(c, n P) of them, less P for each entry given back behind a window (always before c). One pass of
+    integer arithmetic per sequence, no sets."""
+    P = bm.page_size
+    logical_pages = stored = computed_sum = freed = reserved = 0
+    windowed = bm.layout.windowed
+    for seq in running:
+        computed = seq.num_computed_tokens
+        for table in seq.block_tables:
+            n = len(table)
+            logical_pages += n
+            stored += min(computed, n * P)
+            computed_sum += computed
+            if windowed:
+                freed += table.count(NULL_PAGE)
+        reserved += reservation(seq)
+    logical_pages -= freed
+    return _snapshot(
+        bm,
+        states,
+        running,
+        num_waiting,
+        num_swapped,
+        pages_used=logical_pages,
+        pages_allocatable=bm.num_free_pages,
+        state_slots_used=states.num_used,
+        tokens_stored=stored - freed * P,
+        logical_pages=logical_pages,
+        tokens_cached_per_sequence=computed_sum - freed * P,
         reserved_slots_contiguous=reserved,
         window_freed_pages=freed,
     )

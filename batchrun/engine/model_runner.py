@@ -62,25 +62,27 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's tensors and metadata; `chunks`: each sequence's (sequence, start, end), for a
         vision-language model (execute makes them once)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, context_lens, logits_index = [], [], []
         # every step, for every sequence: kept lean (host time per step, bench/host.py)
-        for s in scheduled:
-            seq, start, n = s.seq, s.start, s.num_new_tokens
-            end = start + n
-            if s.prompt_logprob_positions:
-                logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
-            if n == 1:  # a decode
-                input_ids.append(seq.token_at(start))
-                positions.append(start)
-            else:
-                input_ids += seq.token_slice(start, end)
+        starts = [s.start for s in scheduled]
+        if sum(s.num_new_tokens for s in scheduled) == len(scheduled) and not any(
+            s.prompt_logprob_positions for s in scheduled
+        ):  # decode-only (the common step): one token per sequence, at its start
+            input_ids = [s.seq.token_at(p) for s, p in zip(scheduled, starts)]
+            positions = starts
+            query_lens = [1] * len(scheduled)
+            context_lens = [p + 1 for p in starts]
+            logits_index = [i for i, s in enumerate(scheduled) if s.needs_sample_logits]
+        else:
+            input_ids, positions, logits_index = [], [], []
+            query_lens = [s.num_new_tokens for s in scheduled]
+            context_lens = [p + n for p, n in zip(starts, query_lens)]
+            for s, start, end in zip(scheduled, starts, context_lens):
+                if s.prompt_logprob_positions:
+                    logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
+                input_ids += s.seq.token_slice(start, end)
                 positions += range(start, end)
-            query_lens.append(n)
-            context_lens.append(end)
-            if s.needs_sample_logits:
-                logits_index.append(len(input_ids) - 1)
+                if s.needs_sample_logits:
+                    logits_index.append(len(input_ids) - 1)
         dev = self.device
         host_positions = int_tensor(positions)
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)

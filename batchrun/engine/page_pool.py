@@ -44,6 +44,9 @@ class PagePool:
             raise ValueError("the accelerator pool needs at least one page")
         self.num_pages = num_pages
         self.ref_count = [0] * num_pages
+        # pages held by more than one block table (prefix sharing, forks): while there are none, what the cache
+        # holds follows from each table's length alone (memory.count's short cut)
+        self.num_shared = 0
         # a stack: the page freed last is handed out first, so the pages ever touched (and the process's memory
         # on the CPU, where the pool is lazily zeroed) stay at the peak in use, not the whole pool
         self._free_uncached: list[int] = list(range(num_pages - 1, -1, -1))
@@ -73,12 +76,16 @@ class PagePool:
         """Add a reference to a page in use, or revive a free cached page."""
         if self.ref_count[page] == 0:
             del self._free_cached[page]
+        elif self.ref_count[page] == 1:
+            self.num_shared += 1
         self.ref_count[page] += 1
 
     def release(self, page: int) -> None:
         assert self.ref_count[page] > 0, f"page {page} released more often than held"
         self.ref_count[page] -= 1
-        if self.ref_count[page] == 0:
+        if self.ref_count[page] == 1:
+            self.num_shared -= 1
+        elif self.ref_count[page] == 0:
             if page in self.page_hash:
                 self._free_cached[page] = None
             else:
@@ -125,6 +132,7 @@ class PagePool:
             f"free {len(free)} + used {len(used)} != total {self.num_pages}"
         )
         assert expected_refs == self.ref_count, "reference counts differ from the block tables"
+        assert self.num_shared == sum(1 for c in self.ref_count if c > 1), "shared-page count out of step"
         for page, h in self.page_hash.items():
             assert self._hash_to_page.get((self.page_group[page], h)) == page, "hash index out of step"
 

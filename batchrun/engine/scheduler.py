@@ -23,7 +23,7 @@ from .sequence import Sequence
 from .state_slots import NoStateSlots, StateCopy, StateSlots
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's part of a step. What it implies is worked out once, when it is planned (the model runner
     and the engine both read it, every step, for every sequence)."""
@@ -161,6 +161,8 @@ class Scheduler:
         prefix whose state a hybrid keeps (the step stops there)."""
         start = seq.num_computed_tokens if start is None else start
         n = seq.num_tokens - start
+        if n == 1 and start >= seq.num_prompt_tokens and not seq.state_snapshot_blocks:
+            return 1  # a generated token's decode (the callers leave a budget > 0): no resource cuts it
         if self.whole_prompts:
             n = n if n <= budget or not out.scheduled else 0
         else:
@@ -181,17 +183,19 @@ class Scheduler:
         return max([self.max_chunk] + [b - a for a, b in images.blocks])
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in list(self.running):  # a copy: preemption takes sequences off the end
+        bm, running, windowed = self.bm, self.running, self.bm.layout.windowed  # every step, every sequence
+        for seq in list(running):  # a copy: preemption takes sequences off the end
             if budget <= 0:
                 break
-            if seq not in self.running:
+            if seq not in running:
                 break  # preempted for an older one: so is every sequence after it
             n = self._chunk(seq, budget, out)
             if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
                 continue
-            self.bm.trim(seq)  # pages behind a window go back before anything new is taken
-            need = self.bm.num_pages_to_grow(seq, n)
-            while need > self.bm.num_free_pages:
+            if windowed:
+                bm.trim(seq)  # pages behind a window go back before anything new is taken
+            need = bm.num_pages_to_grow(seq, n)
+            while need and need > bm.num_free_pages:
                 victim = next(reversed(self.running))  # the most recently admitted
                 self._preempt(victim, out)
                 if victim is seq:

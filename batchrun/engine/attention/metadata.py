@@ -63,9 +63,15 @@ class StepMetadata:
     device: torch.device
     shared: dict = field(default_factory=dict)  # products every group of one mask kind shares (masks)
 
+    def __post_init__(self) -> None:
+        # every sequence computes one token (the common step): token i is sequence i's
+        self.decode_only = len(self.positions) == len(self.query_lens)
+
     @functools.cached_property
     def starts(self) -> list[int]:
         """Each sequence's first packed token."""
+        if self.decode_only:
+            return list(range(len(self.query_lens)))
         out, t = [], 0
         for n in self.query_lens:
             out.append(t)
@@ -75,6 +81,8 @@ class StepMetadata:
     @functools.cached_property
     def decodes(self) -> list[int]:
         """The sequences computing one token (decodes), by index."""
+        if self.decode_only:
+            return self.starts
         return [i for i, n in enumerate(self.query_lens) if n == 1]
 
     @functools.cached_property
@@ -85,6 +93,8 @@ class StepMetadata:
     @functools.cached_property
     def decode_tokens(self) -> torch.Tensor:
         """[D] int64: the packed token of each decode."""
+        if self.decode_only:
+            return torch.arange(len(self.query_lens), device=self.device)
         return int_tensor([self.starts[i] for i in self.decodes], device=self.device)
 
     @functools.cached_property
@@ -95,6 +105,8 @@ class StepMetadata:
     @functools.cached_property
     def decode_context_lens(self) -> torch.Tensor:
         """[D] int32: each decode's context (host)."""
+        if self.decode_only:
+            return int_tensor(self.context_lens, torch.int32)
         return int_tensor([self.context_lens[i] for i in self.decodes], torch.int32)
 
     @functools.cached_property

@@ -58,7 +58,9 @@ class TorchAttention:
         first, num_keys_read = step.shared_product(("decode first keys", kind), first_keys)
         decode = PagedDecode(
             token_index=step.decode_tokens,
-            block_tables=group.block_tables.index_select(0, step.decode_index),
+            block_tables=group.block_tables
+            if step.decode_only
+            else group.block_tables.index_select(0, step.decode_index),
             seq_lens=step.decode_context_lens,
             first_keys=first,
             num_keys_read=num_keys_read,
