@@ -32,7 +32,7 @@ def test_allocate_free_roundtrip_and_lru_order():
     assert len(a.block_table) == 3 and bm.num_free_pages == 5
     a.num_computed_tokens = 10
     bm.prefix_cache.register_full_pages(a, a.num_computed_tokens)
-    assert len(a.block_hashes) == 2  # two full pages of 4
+    assert a.num_registered_pages == 2 and len(a.page_hash_chain) == 2  # two full pages of 4
     bm.check_integrity([a])
     bm.free_sequence(a)
     bm.check_integrity([])

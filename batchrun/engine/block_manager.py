@@ -75,7 +75,7 @@ class BlockManager:
         match = match if match is not None else self.prefix_cache.match(seq)
         self.pool.acquire_tables(match.tables)
         seq.block_tables = [list(t) for t in match.tables]
-        seq.block_hashes = list(match.hashes)
+        seq.num_registered_pages = match.num_blocks  # its cached prefix is indexed already
         seq.num_computed_tokens = match.num_blocks * self.page_size
         self.prefix_cache.query_tokens += seq.num_tokens
         self.prefix_cache.hit_tokens += seq.num_computed_tokens
@@ -147,13 +147,14 @@ class BlockManager:
         """The child shares every page of the parent (parallel sampling)."""
         self.pool.acquire_tables(parent.block_tables)
         child.block_tables = [list(t) for t in parent.block_tables]
-        child.block_hashes = list(parent.block_hashes)
+        child.page_hash_chain = list(parent.page_hash_chain)
+        child.num_registered_pages = parent.num_registered_pages
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free_sequence(self, seq: Sequence) -> None:
         self.pool.release_tables(seq.block_tables)
         seq.block_tables = self._no_tables()
-        seq.block_hashes = []
+        seq.num_registered_pages = 0
 
     # ---- swapping -------------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
@@ -168,9 +169,9 @@ class BlockManager:
             cpu_table = [NULL_PAGE if p == NULL_PAGE else self.cpu_pool.allocate() for p in table]
             copies += [PageCopy(p, c) for p, c in zip(table, cpu_table) if p != NULL_PAGE]
             seq.cpu_block_tables.append(cpu_table)
-        hashes = seq.block_hashes
+        registered = seq.num_registered_pages
         self.free_sequence(seq)
-        seq.block_hashes = hashes  # the tokens did not change; the chain stays valid for re-registration
+        seq.num_registered_pages = registered  # indexed again when its pages come back (swap_in)
         return copies
 
     def num_pages_to_swap_in(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -201,7 +202,7 @@ class BlockManager:
         for cpu_page in held_pages(seq.cpu_block_tables):
             self.cpu_pool.release(cpu_page)
         seq.cpu_block_tables = self._no_tables()
-        seq.block_hashes = []
+        seq.num_registered_pages = 0
 
     # ---- checks ----------------------------------------------------------------------------------------------
     def check_integrity(self, sequences: Iterable[Sequence] = ()) -> None:

@@ -38,15 +38,21 @@ class PrefixCache:
     def _no_tables(self) -> list[list[int]]:
         return [[] for _ in range(self.layout.num_groups)]
 
+    def _hash_pages(self, seq: Sequence, n: int) -> list[bytes]:
+        """seq's one hash chain (Sequence.page_hash_chain) extended to its first n full pages; returns it. Its
+        tokens are only ever appended, so pages hashed before stay valid (through preemption too)."""
+        chain, P = seq.page_hash_chain, self.layout.page_size
+        if len(chain) < n:
+            tokens = seq.cache_key_tokens
+            for i in range(len(chain), n):
+                chain.append(chain_hash(chain[-1] if chain else None, tokens[i * P : (i + 1) * P]))
+        return chain
+
     def page_hashes(self, seq: Sequence) -> list[bytes]:
         """The chain hash of each full page of seq's tokens but the one holding its last token (which is never
-        matched: its logits are needed), kept on the sequence while its tokens stay as they are."""
-        tokens, P = seq.cache_key_tokens, self.layout.page_size
-        n = (len(tokens) - 1) // P
-        cached = seq.page_hash_chain  # tokens are only ever appended: the pages hashed before stay valid
-        for i in range(len(cached), n):
-            cached.append(chain_hash(cached[-1] if cached else None, tokens[i * P : (i + 1) * P]))
-        return cached[:n]
+        matched: its logits are needed)."""
+        n = (seq.num_tokens - 1) // self.layout.page_size
+        return self._hash_pages(seq, n)[:n]
 
     def match(self, seq: Sequence, usable=None) -> PrefixMatch:
         """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
@@ -86,14 +92,12 @@ class PrefixCache:
         writes the step's new K/V before any sequence attends."""
         if not self.enabled:
             return
-        P = self.layout.page_size
-        full = min(num_tokens // P, len(seq.block_tables[0]))
-        if len(seq.block_hashes) >= full:
+        full = min(num_tokens // self.layout.page_size, len(seq.block_tables[0]))
+        start = seq.num_registered_pages
+        if start >= full:
             return  # the common case, every step of every decode: nothing newly full
-        tokens, start = seq.cache_key_tokens, len(seq.block_hashes)
-        for i in range(start, full):
-            chunk = tokens[i * P : (i + 1) * P]
-            seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk))
+        self._hash_pages(seq, full)
+        seq.num_registered_pages = full
         self.register(seq, start)
 
     def register(self, seq: Sequence, start: int = 0) -> None:
@@ -101,8 +105,8 @@ class PrefixCache:
         the swapped-in pages are private copies, indexed only where the hash is not taken)."""
         if not self.enabled:
             return
-        tokens, P = seq.cache_key_tokens, self.layout.page_size
-        for i in range(start, len(seq.block_hashes)):
+        tokens, P, chain = seq.cache_key_tokens, self.layout.page_size, seq.page_hash_chain
+        for i in range(start, seq.num_registered_pages):
             for g, table in enumerate(seq.block_tables):
                 if i < len(table) and table[i] != NULL_PAGE:
-                    self.pool.register(g, seq.block_hashes[i], table[i], tuple(tokens[i * P : (i + 1) * P]))
+                    self.pool.register(g, chain[i], table[i], tuple(tokens[i * P : (i + 1) * P]))

@@ -27,7 +27,6 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # one block table per KV cache group (block_manager.py; one group unless layers attend differently)
     block_tables: list[list[int]] = field(default_factory=lambda: [[]])
-    block_hashes: list[bytes] = field(default_factory=list)  # chained SHA-256 of each full page, in order
     cpu_block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # CPU pages while swapped
     # a hybrid model's state slot (state_slots.StateSlots): held while running, with one reserved for each
     # sample still to fork; a CPU slot while swapped out; -1: none
@@ -36,7 +35,10 @@ class Sequence:
     cpu_state_slot: int = -1
     # a hybrid's prefix to keep a state snapshot of: the state after this many full pages (0: none)
     state_snapshot_blocks: int = 0
-    page_hash_chain: list[bytes] = field(default_factory=list)  # PrefixCache.page_hashes, kept
+    # the chained SHA-256 of each full page of its tokens, as far as hashed (prefix_cache.py; the tokens are
+    # only appended, so it only grows), and how many of its pages the prefix cache has indexed
+    page_hash_chain: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
