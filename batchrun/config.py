@@ -28,7 +28,7 @@ from .checks import (
     parse_size,
 )
 from .engine.config import EngineConfig, SamplingParams
-from .engine.pooler import BUILT_TASKS, TASKS, PoolerConfig
+from .engine.pooler import TASKS, PoolerConfig
 from .errors import BadInput
 from .storage import is_url, location
 
@@ -88,6 +88,9 @@ class InputSpec:
     openai_batch: str | None = None  # an OpenAI Batch API input file (JSONL), or a glob of them
     # strings, conversations (lists of {role, content}), or token ids (lists of integers: no chat template)
     prompt_column: str = "prompt"
+    # task: score: the column of each pair's second text (a passage or document), beside the prompt column's
+    # first (a query); the two are tokenized together, as the model's tokenizer makes a pair
+    pair_column: str | None = None
     # a column of images (an HF Image feature, bytes, or paths and URLs) put before the row's text prompt, for a
     # vision-language model
     image_column: str | None = None
@@ -137,7 +140,8 @@ class JobSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSpec = field(default_factory=OutputSpec)
-    # what the job computes per row: generate (completions), or a pooling task (embed: a vector per text)
+    # what the job computes per row: generate (completions), or a pooling task (embed: a vector per text; classify:
+    # a label; score: a pair's relevance; reward: a text's or conversation's reward)
     task: str = field(default="generate", metadata={"check": one_of(*TASKS)})
     pooler: PoolerConfig = field(
         default_factory=PoolerConfig
@@ -325,11 +329,13 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
 
 
 def _check_task(spec: JobSpec, source: str) -> None:
-    """A task not built yet, pooler keys on a generation job, and what a pooling job does not take: exit 2
-    naming the key."""
-    if spec.task not in BUILT_TASKS:
+    """Pooler keys on a generation job, a pair column where it does not belong (or missing for score), and what a
+    pooling job does not take: exit 2 naming the key."""
+    if (spec.task == "score") != (spec.input.pair_column is not None):
         raise BadInput(
-            f"{source}: key `task`: {spec.task} is not built yet in batchrun (built: {', '.join(BUILT_TASKS)})."
+            f"{source}: key `input.pair_column`: task score needs it (the column of each pair's second text)."
+            if spec.task == "score"
+            else f"{source}: key `input.pair_column` applies to task score (pairs), and task is {spec.task}."
         )
     if spec.task == "generate":
         changed = [

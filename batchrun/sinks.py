@@ -34,6 +34,7 @@ _LATER_KEYS = {
     ("input", "openai_batch"): None,
     ("input", "sampling_columns"): {},
     ("input", "image_column"): None,
+    ("input", "pair_column"): None,
     ("sampling", "logprobs"): None,
     ("sampling", "prompt_logprobs"): False,
     ("sampling", "response_format"): None,
@@ -92,7 +93,7 @@ def output_schema(
         pa.field(f.name, f.metadata["arrow"] or types[f.name])
         for f in fields(OutputRow)
         if "arrow" in f.metadata
-        and f.metadata["task"] in (None, task)
+        and task in (f.metadata["tasks"] or (task,))
         and (not f.metadata.get("optional") or f.name in optional)
     ]
     return pa.schema([*own, *passthrough])

@@ -12,12 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from embedding_models import (
-    decoder_config,
-    encoder_config,
-    eos_appending_tokenizer,
     save_base_model,
+    save_bases,
     save_legacy_layout,
     save_sentence_model,
+    save_sequence_classifier,
     wordpiece_tokenizer,
 )
 from helpers import run_cli
@@ -43,12 +42,7 @@ QUERY = {"query": "query: search the passage "}
 def bases(tmp_path_factory, model_dir):
     """Base models: the three encoders on a WordPiece vocabulary, the decoder on the default model's tokenizer
     appending an end-of-text."""
-    root = tmp_path_factory.mktemp("bases")
-    tok = wordpiece_tokenizer(root / "wordpiece")
-    out = {f: save_base_model(encoder_config(f, len(tok)), tok, root / f) for f in ENCODERS}
-    dtok = eos_appending_tokenizer(model_dir)
-    out["qwen3"] = save_base_model(decoder_config(len(dtok), dtok.eos_token_id), dtok, root / "qwen3")
-    return out
+    return save_bases(tmp_path_factory.mktemp("bases"), model_dir, ENCODERS)
 
 
 def ours(folder, texts=TEXTS, **pooler) -> torch.Tensor:
@@ -182,7 +176,8 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
     ("extra", "key"),
     [
         ({"task": "classify"}, "task"),  # an embedding checkpoint has no classification head
-        ({"task": "score"}, "task"),  # not built
+        ({"task": "score"}, "input.pair_column"),  # pairs need their second text
+        ({"task": "score", "input": {"pair_column": "topic"}}, "task"),  # an embedder has no head
         ({"pooler": {"dimensions": 999}}, "pooler.dimensions"),
         ({"pooler": {"prompt_name": "nope"}}, "pooler.prompt_name"),
         ({"pooler": {"pooling": "median"}}, "pooler.pooling"),
@@ -192,7 +187,8 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
 def test_impossible_jobs_name_the_key(bases, tmp_path, extra, key):
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     job = embed_job(folder, write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out")
-    job.update(extra)
+    for section, value in extra.items():  # a section's keys beside the job's own
+        job[section] = {**job.get(section, {}), **value} if isinstance(value, dict) else value
     with pytest.raises(BadInput, match=f"`{key}"):
         run_job(job, progress=False)
 
@@ -306,25 +302,9 @@ def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path)
 
 
 def save_classifier(family: str, bases, tmp_path):
-    """A random-weight sequence classifier of the family (3 labels), its head's weights scaled up so the
-    probabilities differ from a third each."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(bases[family])
-    config.id2label = {0: "negative", 1: "neutral", 2: "positive"}
-    config.label2id = {v: k for k, v in config.id2label.items()}
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.lower() or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.startswith(("classifier", "score")):
-                p.mul_(30)
-    folder = tmp_path / f"{family}-classifier"
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(bases[family]).save_pretrained(folder)
-    return folder
+    """A random-weight sequence classifier of the family (3 labels)."""
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    return save_sequence_classifier(bases[family], tmp_path / f"{family}-classifier", labels)
 
 
 @pytest.mark.parametrize("family", [*ENCODERS, "qwen3"])
