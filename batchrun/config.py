@@ -119,6 +119,9 @@ class OutputSpec:
     stats: str | None = None  # default: <path>/.batchrun/stats.parquet
     format: str = field(default="auto", metadata={"check": one_of("auto", "parquet", "jsonl")})
     token_ids: bool = False  # add prompt_token_ids and completion_token_ids columns
+    # task: embed: the embedding column's element type (float16 halves its size; each component rounded to the
+    # nearest float16, as torch's .half() rounds)
+    embedding_dtype: str = field(default="float32", metadata={"check": one_of("float32", "float16")})
     rows_per_part: int = field(default=1000, metadata={"check": at_least(1)})  # a part file every N rows...
     flush_seconds: float = field(default=30.0, metadata={"check": at_least(0)})  # ...or every S seconds
 
@@ -336,6 +339,11 @@ def _check_task(spec: JobSpec, source: str) -> None:
             f"{source}: key `input.pair_column`: task score needs it (the column of each pair's second text)."
             if spec.task == "score"
             else f"{source}: key `input.pair_column` applies to task score (pairs), and task is {spec.task}."
+        )
+    if spec.output.embedding_dtype != "float32" and spec.task != "embed":
+        raise BadInput(
+            f"{source}: key `output.embedding_dtype` applies to task embed (its embedding column), and task is "
+            f"{spec.task}."
         )
     if spec.task == "generate":
         changed = [

@@ -82,7 +82,8 @@ def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
         return {"label": pa.string(), "probs": pa.list_(pa.float32(), plan.output_dim)}
     if spec.task in ("score", "reward"):
         return {"score": pa.float32()}
-    return {"embedding": pa.list_(pa.float32(), plan.output_dim)}
+    element = pa.float16() if spec.output.embedding_dtype == "float16" else pa.float32()
+    return {"embedding": pa.list_(element, plan.output_dim)}
 
 
 def load_runner(

@@ -40,6 +40,7 @@ _LATER_KEYS = {
     ("sampling", "response_format"): None,
     ("output", "format"): "auto",
     ("output", "token_ids"): False,
+    ("output", "embedding_dtype"): "float32",
 }
 
 
@@ -53,7 +54,7 @@ def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
         d["model"]["dtype"] = dtype
     d["input"].pop("limit", None)  # a larger limit continues the same job
     d["input"].pop("on_change", None)  # what a rerun does with changed rows, not what a row's output is
-    output = {"format": d["output"]["format"], "token_ids": d["output"]["token_ids"]}
+    output = {k: d["output"][k] for k in ("format", "token_ids", "embedding_dtype")}
     keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "output": output}
     for (section, key), default in _LATER_KEYS.items():
         if keep[section].get(key, default) == default:

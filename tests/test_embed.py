@@ -172,6 +172,22 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
         run_job(embed_job(folder, data, out, pooler={"dimensions": 8}), progress=False)
 
 
+def test_float16_embeddings_are_sentence_transformers_vectors_rounded_to_float16(bases, tmp_path):
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean", normalize=True)
+    data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
+    job = embed_job(folder, data, out, output={"path": str(out), "embedding_dtype": "float16"})
+    run_job(job, progress=False)
+    table = pq.read_table(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.float16(), 32)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    got = torch.tensor([rows[f"r{i}"]["embedding"] for i in range(len(TEXTS))], dtype=torch.float16)
+    want = theirs(folder).half()
+    assert ((got.float() - want.float()).abs() <= (want.float().abs() * 2**-10)).all()  # within a half's ulp
+    job["task"] = "classify"
+    with pytest.raises(BadInput, match=r"`output\.embedding_dtype` applies to task embed"):
+        run_job(job, progress=False, overwrite=True)
+
+
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
