@@ -356,11 +356,12 @@ def _check_task(spec: JobSpec, source: str) -> None:
             )
         return
     inp = spec.input
+    batch = spec.task == "embed" and inp.openai_batch  # /v1/embeddings requests, answered in OpenAI's shape
     for key, value in (
-        ("input.openai_batch", inp.openai_batch),
+        ("input.openai_batch", None if batch else inp.openai_batch),
         ("input.image_column", inp.image_column),
         ("input.sampling_columns", inp.sampling_columns),
-        ("output.format", spec.output.format if spec.output.format == "jsonl" else None),
+        ("output.format", spec.output.format if spec.output.format == "jsonl" and not batch else None),
     ):
         if value:
             raise BadInput(

@@ -227,7 +227,7 @@ class JsonlParts:
             "custom_id": str(row.id),
             "endpoint": "chat" if isinstance(row.prompt, list) else "completion",
         }
-        if first.finish_reason == "error":
+        if first.finish_reason == "error" or first.error is not None:  # a pooling row's error has no finish
             return openai_batch.error_line(req_id, request.get("custom_id"), first.error)
         return openai_batch.response_line(req_id, request, samples, first.prompt_tokens, self.model_name)
 

@@ -158,9 +158,10 @@ class OpenAIBatchSource:
 
     id_type = pa.string()
 
-    def __init__(self, spec: InputSpec, source: str = "<job>"):
+    def __init__(self, spec: InputSpec, source: str = "<job>", task: str = "generate"):
         self.spec = spec
         self.source = source
+        self.task = task  # which urls its lines may ask for (openai_batch.SERVED_URLS)
         self.files = _matching_files(spec.openai_batch, "input.openai_batch", "JSONL", source, "*.jsonl")
 
     def passthrough_fields(self) -> list[pa.Field]:
@@ -189,7 +190,7 @@ class OpenAIBatchSource:
                 return
             if not shard.owns(index):
                 continue
-            row_id, request = openai_batch.parse_line(text, index)
+            row_id, request = openai_batch.parse_line(text, index, self.task)
             request["line"] = f"{f.name} line {number}"  # where the request is, for its errors
             error = request.get("error")
             yield InputRow(
@@ -294,10 +295,12 @@ def first_duplicate(ids: Iterator[Any]) -> tuple[int, Any] | None:
     return None
 
 
-def open_source(spec: InputSpec, source: str = "<job>") -> InputSource | OpenAIBatchSource:
-    """The job's input, opened and checked."""
+def open_source(
+    spec: InputSpec, source: str = "<job>", task: str = "generate"
+) -> InputSource | OpenAIBatchSource:
+    """The job's input, opened and checked; `task`: the job's (what an OpenAI batch line may ask for)."""
     if spec.openai_batch is not None:
-        return OpenAIBatchSource(spec, source)
+        return OpenAIBatchSource(spec, source, task)
     return InputSource(spec, source)
 
 

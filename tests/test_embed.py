@@ -172,6 +172,50 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
         run_job(embed_job(folder, data, out, pooler={"dimensions": 8}), progress=False)
 
 
+def test_an_openai_batch_of_embeddings_requests_is_answered_in_openais_shape(bases, tmp_path):
+    from batchrun import openai_batch
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean", normalize=True)
+    request = lambda cid, body, url="/v1/embeddings": json.dumps(  # noqa: E731
+        {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **body}}
+    )
+    lines = [
+        request("a", {"input": TEXTS[0]}),
+        request("b", {"input": [TEXTS[1]], "encoding_format": "float"}),
+        request("c", {"messages": [{"role": "user", "content": "hi"}]}, url="/v1/chat/completions"),
+        request("d", {"input": TEXTS[2], "encoding_format": "base64"}),
+        request("e", {"input": ""}),
+        request("f", {"input": ["two", "texts"]}),
+    ]
+    (tmp_path / "batch.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    job = {
+        "name": "emb",
+        "task": "embed",
+        "model": {"path": str(folder), "dtype": "float32"},
+        "input": {"openai_batch": str(tmp_path / "batch.jsonl")},
+        "engine": {"device": "cpu"},
+        "output": {"path": str(out)},
+    }
+    run_job(job, progress=False)
+    answers = {}
+    for part in out.glob("part-*.jsonl"):
+        answers |= {a["custom_id"]: a for a in map(json.loads, part.read_text().splitlines())}
+    assert sorted(answers) == list("abcdef")
+    for cid, text in (("a", TEXTS[0]), ("b", TEXTS[1])):
+        body = answers[cid]["response"]["body"]
+        assert answers[cid]["error"] is None and body["object"] == "list" and body["model"] == "m"
+        (item,) = body["data"]
+        assert item["object"] == "embedding" and item["index"] == 0
+        assert_equal(torch.tensor([item["embedding"]]), theirs(folder, [text]))
+        assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    errors = {cid: answers[cid]["error"]["message"] for cid in "cdef"}
+    assert "is not served by a task embed job" in errors["c"] and "encoding_format" in errors["d"]
+    assert errors["e"] == "text is empty" and "one text per request" in errors["f"]
+    _, wrong = openai_batch.parse_line(lines[0], 0, "generate")  # embeddings asked of a generation job
+    assert "is not served by a task generate job" in wrong["error"]
+
+
 def test_float16_embeddings_are_sentence_transformers_vectors_rounded_to_float16(bases, tmp_path):
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean", normalize=True)
     data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
