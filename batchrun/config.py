@@ -28,7 +28,7 @@ from .checks import (
     parse_size,
 )
 from .engine.config import EngineConfig, SamplingParams
-from .engine.pooler import BUILT_TASKS, TASKS, PoolerConfig
+from .engine.pooler import TASKS, PoolerConfig
 from .errors import BadInput
 from .storage import is_url, location
 
@@ -88,6 +88,9 @@ class InputSpec:
     openai_batch: str | None = None  # an OpenAI Batch API input file (JSONL), or a glob of them
     # strings, conversations (lists of {role, content}), or token ids (lists of integers: no chat template)
     prompt_column: str = "prompt"
+    # task: score: the column of each pair's second text (a passage or document), beside the prompt column's
+    # first (a query); the two are tokenized together, as the model's tokenizer makes a pair
+    pair_column: str | None = None
     # a column of images (an HF Image feature, bytes, or paths and URLs) put before the row's text prompt, for a
     # vision-language model
     image_column: str | None = None
@@ -116,6 +119,9 @@ class OutputSpec:
     stats: str | None = None  # default: <path>/.batchrun/stats.parquet
     format: str = field(default="auto", metadata={"check": one_of("auto", "parquet", "jsonl")})
     token_ids: bool = False  # add prompt_token_ids and completion_token_ids columns
+    # task: embed: the embedding column's element type (float16 halves its size; each component rounded to the
+    # nearest float16, as torch's .half() rounds)
+    embedding_dtype: str = field(default="float32", metadata={"check": one_of("float32", "float16")})
     rows_per_part: int = field(default=1000, metadata={"check": at_least(1)})  # a part file every N rows...
     flush_seconds: float = field(default=30.0, metadata={"check": at_least(0)})  # ...or every S seconds
 
@@ -137,7 +143,8 @@ class JobSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputSpec = field(default_factory=OutputSpec)
-    # what the job computes per row: generate (completions), or a pooling task (embed: a vector per text)
+    # what the job computes per row: generate (completions), or a pooling task (embed: a vector per text; classify:
+    # a label; score: a pair's relevance; reward: a text's or conversation's reward)
     task: str = field(default="generate", metadata={"check": one_of(*TASKS)})
     pooler: PoolerConfig = field(
         default_factory=PoolerConfig
@@ -325,11 +332,18 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
 
 
 def _check_task(spec: JobSpec, source: str) -> None:
-    """A task not built yet, pooler keys on a generation job, and what a pooling job does not take: exit 2
-    naming the key."""
-    if spec.task not in BUILT_TASKS:
+    """Pooler keys on a generation job, a pair column where it does not belong (or missing for score), and what a
+    pooling job does not take: exit 2 naming the key."""
+    if (spec.task == "score") != (spec.input.pair_column is not None):
         raise BadInput(
-            f"{source}: key `task`: {spec.task} is not built yet in batchrun (built: {', '.join(BUILT_TASKS)})."
+            f"{source}: key `input.pair_column`: task score needs it (the column of each pair's second text)."
+            if spec.task == "score"
+            else f"{source}: key `input.pair_column` applies to task score (pairs), and task is {spec.task}."
+        )
+    if spec.output.embedding_dtype != "float32" and spec.task != "embed":
+        raise BadInput(
+            f"{source}: key `output.embedding_dtype` applies to task embed (its embedding column), and task is "
+            f"{spec.task}."
         )
     if spec.task == "generate":
         changed = [
@@ -342,11 +356,12 @@ def _check_task(spec: JobSpec, source: str) -> None:
             )
         return
     inp = spec.input
+    batch = spec.task == "embed" and inp.openai_batch  # /v1/embeddings requests, answered in OpenAI's shape
     for key, value in (
-        ("input.openai_batch", inp.openai_batch),
+        ("input.openai_batch", None if batch else inp.openai_batch),
         ("input.image_column", inp.image_column),
         ("input.sampling_columns", inp.sampling_columns),
-        ("output.format", spec.output.format if spec.output.format == "jsonl" else None),
+        ("output.format", spec.output.format if spec.output.format == "jsonl" and not batch else None),
     ):
         if value:
             raise BadInput(

@@ -336,7 +336,7 @@ def check_job(spec: JobSpec, limit: int | None) -> InputSource | OpenAIBatchSour
     """Everything about a job that needs no model weights, checked before any loads (`batchrun validate` too):
     the input opens and its columns hold what they should, ids are unique, a job-wide response format
     compiles into an enforced grammar, a pooling job's pooler keys fit its checkpoint. Returns the opened input."""
-    source = open_source(spec.input, spec.source_file)
+    source = open_source(spec.input, spec.source_file, spec.task)
     source.check_unique_ids(limit)
     if spec.task != "generate":  # the pooler keys against the checkpoint's files (an impossible combination)
         task_columns(spec)

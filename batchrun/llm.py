@@ -78,15 +78,26 @@ class ClassificationOutput:
 
 
 @dataclass
-class PoolingRequestOutput:
-    """One text's result, in vLLM's shape (`LLM.embed`, `LLM.classify`)."""
+class ScoringOutput:
+    score: float  # the cross-encoder's score of the pair (its logit through its activation)
 
-    request_id: int  # the text's position in the call
-    prompt: str
+
+@dataclass
+class PoolingOutput:
+    data: list[float]  # a reward model's reward, its one logit (vLLM's `outputs.data`)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One input's result, in vLLM's shape (`LLM.embed`, `LLM.classify`, `LLM.score`: vLLM's
+    ScoringRequestOutput, `LLM.reward`)."""
+
+    request_id: int  # the input's position in the call
+    prompt: str | tuple[str, str] | Conversation  # a text; a pair (LLM.score); a conversation (LLM.reward)
     prompt_token_ids: list[int]
     outputs: (
-        EmbeddingOutput | ClassificationOutput | None
-    )  # None when the text could not run (error says why)
+        EmbeddingOutput | ClassificationOutput | ScoringOutput | PoolingOutput | None
+    )  # None when the input could not run (error says why)
     error: str | None = None
 
 
@@ -121,7 +132,6 @@ class LLM:
             from .pooling_worker import load_runner
 
             self.pooling = load_runner(model_spec, engine_config, pooler_config, "LLM(...)")
-            self.pooling_task = self.pooling.task
             self.tokenizer, self.engine = self.pooling.tokenizer, None
             return
         self._load(model_spec, engine_config, "LLM(...)")
@@ -389,32 +399,66 @@ class LLM:
             "classify", prompts, use_tqdm, lambda row: ClassificationOutput(row.probs, row.label)
         )
 
-    def _pool(self, task: str, prompts, use_tqdm: bool, output) -> list[PoolingRequestOutput]:
-        """The texts through the pooling runner (pooling_worker.PoolingWorker, the job's own), in input order."""
+    def score(
+        self, text_1: str | list[str], text_2: str | list[str], use_tqdm: bool = True
+    ) -> list[PoolingRequestOutput]:
+        """A cross-encoder's (reranker's) score per pair, in vLLM's shape: `text_1` one text scored against each
+        of `text_2`, or as many texts as `text_2`, paired in order. Each equals the checkpoint's
+        `AutoModelForSequenceClassification` on the pair alone through its activation (a sigmoid unless its config
+        names another), as sentence-transformers' CrossEncoder.predict gives it. An empty text is that pair's
+        error."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise BadInput(
+                f"LLM.score: text_1 has {len(firsts)} texts and text_2 {len(seconds)}; give one text_1, or as many "
+                "as text_2"
+            )
+        rows = [InputRow(i, i, a, pair=b) for i, (a, b) in enumerate(zip(firsts, seconds))]
+        return self._pool("score", rows, use_tqdm, lambda row: ScoringOutput(row.score))
+
+    def reward(self, prompts: str | Conversation | list, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A reward model's reward per text or conversation (its last reply included, through the chat
+        template), in vLLM's shape (`.outputs.data`: the head's one logit), equal to its
+        `AutoModelForSequenceClassification` on the input alone."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        return self._pool("reward", prompts, use_tqdm, lambda row: PoolingOutput([row.score]))
+
+    def _pool(self, task: str, prompts: list, use_tqdm: bool, output) -> list[PoolingRequestOutput]:
+        """The inputs (texts, or InputRows) through the pooling runner (pooling_worker.PoolingWorker, the job's
+        own), in input order."""
         from tqdm.auto import tqdm
 
-        from .pooling_worker import PoolingWorker
+        from .pooling_worker import PoolingWorker, check_head
         from .stats import PoolingStats
 
-        if self.pooling is None or self.pooling_task != task:
-            made = "generates text" if self.pooling is None else f"is a {self.pooling_task} model"
+        if self.pooling is None or task not in self.pooling.tasks:
+            made = "generates text" if self.pooling is None else f"runs {' / '.join(self.pooling.tasks)}"
             raise BadInput(
                 f"LLM.{task}: this LLM {made}; {task} needs LLM(model, runner='pooling') on such a model"
             )
+        if task != "embed":
+            check_head(self.pooling.classifier.config, task, f"LLM.{task}")
         if isinstance(prompts, str):
             prompts = [prompts]
-        rows = iter(InputRow(i, i, p) for i, p in enumerate(prompts))
-        outputs: list[PoolingRequestOutput | None] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), unit="text", disable=not use_tqdm, desc="batchrun")
+        made_rows = [p if isinstance(p, InputRow) else InputRow(i, i, p) for i, p in enumerate(prompts)]
+        rows = iter(made_rows)
+        outputs: list[PoolingRequestOutput | None] = [None] * len(made_rows)
+        bar = tqdm(total=len(made_rows), unit="text", disable=not use_tqdm, desc="batchrun")
 
         def finished(result: list[OutputRow]) -> None:
             (row,) = result
             ids = row.prompt_token_ids or []
             made = None if row.error else output(row)
-            outputs[row.id] = PoolingRequestOutput(row.id, row.row.prompt, ids, made, row.error)
+            given = row.row.prompt if row.row.pair is None else (row.row.prompt, row.row.pair)
+            outputs[row.id] = PoolingRequestOutput(row.id, given, ids, made, row.error)
             bar.update(1)
 
-        worker = PoolingWorker(self.pooling, PoolingStats(), window=max(self.pooling.max_num_seqs, 16))
+        window = max(self.pooling.max_num_seqs, 16)
+        worker = PoolingWorker(self.pooling, PoolingStats(), window, task)
         try:
             drive(worker, lambda block: next(rows, None), finished)
         finally:

@@ -1,13 +1,13 @@
 """OpenAI Batch API files: the request JSONL batchrun reads, and the output JSONL it writes.
 
 A request line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}`. The body's sampling fields map onto the job's `sampling:` keys (`max_tokens` ->
+"body": {...}}` in a generation job, `"url": "/v1/embeddings"` with `body.input` one text in a task embed job. The body's sampling fields map onto the job's `sampling:` keys (`max_tokens` ->
 `max_new_tokens`, `logprobs` + `top_logprobs` -> `logprobs`, ...); `model` is recorded in the output, not used to
 pick a model. A line that cannot be served (not JSON, no custom_id, an unknown url, a body without messages or
 prompt, a field batchrun cannot honour) becomes an error line in the output; the job goes on.
 
-An output line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion or
-text_completion>}, "error": null}`, or `"response": null, "error": {"code", "message"}` for a failed request.
+An output line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion,
+text_completion, or an embeddings list>}, "error": null}`, or `"response": null, "error": {"code", "message"}` for a failed request.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from typing import Any
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+# the urls a job of each task serves (config.py allows an OpenAI batch input to these tasks alone)
+SERVED_URLS = {"generate": (CHAT_URL, COMPLETIONS_URL), "embed": (EMBEDDINGS_URL,)}
 
 # body field -> sampling key, for the fields that map one to one
 _SAME = ("temperature", "top_p", "n", "seed", "top_k", "ignore_eos", "response_format")
@@ -45,10 +48,10 @@ def line_key(index: int) -> str:
     return f"line {index + 1}"
 
 
-def parse_line(text: str, index: int) -> tuple[Any, dict]:
-    """(custom_id or the line's key, request) from one input line; the request is {} and custom_id the line key
-    when the line is not even an object with a custom_id. Never raises: errors go into request["error"] (the
-    caller says which file and line)."""
+def parse_line(text: str, index: int, task: str = "generate") -> tuple[Any, dict]:
+    """(custom_id or the line's key, request) from one input line of a `task` job; the request is {} and
+    custom_id the line key when the line is not even an object with a custom_id. Never raises: errors go into
+    request["error"] (the caller says which file and line)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -59,21 +62,25 @@ def parse_line(text: str, index: int) -> tuple[Any, dict]:
     if not isinstance(custom_id, str) or not custom_id:
         return line_key(index), {"error": "no custom_id (a non-empty string)"}
     try:
-        return custom_id, parse_request(obj)
+        return custom_id, parse_request(obj, task)
     except BadRequest as e:
         return custom_id, {"custom_id": custom_id, "error": str(e)}
 
 
-def parse_request(obj: dict) -> dict:
-    """{custom_id, endpoint: chat|completion, prompt, model, sampling: {key: value}} from a request object."""
+def parse_request(obj: dict, task: str = "generate") -> dict:
+    """{custom_id, endpoint: chat|completion|embeddings, prompt, model, sampling: {key: value}} from a request
+    object of a `task` job."""
     url = obj.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise BadRequest(f"url {url!r} is not served; expected {CHAT_URL} or {COMPLETIONS_URL}")
+    served = SERVED_URLS[task]
+    if url not in served:
+        raise BadRequest(f"url {url!r} is not served by a task {task} job; expected {' or '.join(served)}")
     if obj.get("method", "POST") != "POST":
         raise BadRequest(f"method {obj.get('method')!r}: only POST is served")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadRequest("body is missing or not a JSON object")
+    if url == EMBEDDINGS_URL:
+        return _embeddings_request(obj, body)
     chat = url == CHAT_URL
     if chat:
         prompt = body.get("messages")
@@ -112,6 +119,30 @@ def parse_request(obj: dict) -> dict:
         "model": body.get("model"),
         "sampling": sampling,
         "fields": fields,
+    }
+
+
+def _embeddings_request(obj: dict, body: dict) -> dict:
+    """An embeddings request: one text (`input`: a string, or a list of one), as the job's pooler embeds it."""
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str):
+        raise BadRequest(
+            "body.input is missing or not a string (batchrun serves one text per request, as a string or a list "
+            "of one)"
+        )
+    if body.get("encoding_format", "float") != "float":
+        raise BadRequest(f"body.encoding_format {body['encoding_format']!r}: only float is served")
+    if body.get("dimensions") is not None:
+        raise BadRequest("body.dimensions is not served per request: the job's pooler.dimensions sets it")
+    return {
+        "custom_id": obj["custom_id"],
+        "endpoint": "embeddings",
+        "prompt": text,
+        "model": body.get("model"),
+        "sampling": {},
+        "fields": {},
     }
 
 
@@ -181,6 +212,14 @@ def completion_logprobs(entries: list[dict]) -> dict:
 
 def response_line(req_id: str, request: dict, samples: list, prompt_tokens: int, model: str) -> dict:
     """The output line of a served request; `samples` are the row's OutputRows, sample 0 first."""
+    if request["endpoint"] == "embeddings":
+        body = {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": samples[0].embedding}],
+            "model": request.get("model") or model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+        return _served(req_id, request, body)
     chat = request["endpoint"] == "chat"
     choices = []
     for s in samples:
@@ -208,6 +247,10 @@ def response_line(req_id: str, request: dict, samples: list, prompt_tokens: int,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    return _served(req_id, request, body)
+
+
+def _served(req_id: str, request: dict, body: dict) -> dict:
     return {
         "id": req_id,
         "custom_id": request["custom_id"],

@@ -1,7 +1,9 @@
-"""The engine side of a pooling job (task: embed): rows in, one output row each out, on one pooling runner
-(engine/pooling.py). It is worker.py's `RowWorker` for generation, in the same loop (loop.drive), job, replicas,
-part files and resume: a row's text is tokenized as sentence-transformers does (a bad row becomes its error row
-at once), queued, and comes back with its vector when its step is done."""
+"""The engine side of a pooling job (task: embed, classify, score, reward): rows in, one output row each out, on
+one pooling runner (engine/pooling.py, engine/classifier.py). It is worker.py's `RowWorker` for generation, in the
+same loop (loop.drive), job, replicas, part files and resume: a row's input is tokenized as its task takes it
+(`TASK_INPUTS`: a text as sentence-transformers does, a pair as the tokenizer makes a pair, a conversation through
+the chat template; a bad row becomes its error row at once), queued, and comes back with its result when its step
+is done."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .engine.sentence_config import SentenceConfigError, read_sentence_config
 from .errors import BadInput
 from .host import Placement, place
 from .model_loader import load_config, resolve_model_dir
-from .rows import InputRow, OutputRow
+from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
 
 
@@ -28,19 +30,39 @@ def checkpoint_task(model_dir: Path) -> str:
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
 
 
+def check_head(config, task: str, where: str) -> None:
+    """What a sequence-classification checkpoint can do: score and reward read one logit (BadInput naming `task`
+    for a head of several labels), and score's activation must be one batchrun applies."""
+    from .engine.attention import UnsupportedModel
+    from .engine.classifier import score_activation
+
+    if task in ("score", "reward") and config.num_labels != 1:
+        raise BadInput(
+            f"{where}: key `task`: {task} reads a head of one label (a cross-encoder's or a reward model's), and "
+            f"this checkpoint's has {config.num_labels} ({', '.join(map(str, config.id2label.values()))}); "
+            "task classify gives its probabilities"
+        )
+    if task == "score":
+        try:
+            score_activation(config)
+        except UnsupportedModel as e:
+            raise BadInput(f"{where}: key `task`: {e}") from None
+
+
 def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "embed") -> PoolingPlan:
     """The plan of a checkpoint folder for `task`, from its config files alone."""
-    if task == "classify":
+    if task != "embed":  # the checkpoint's own head
         config = load_config(model_dir)
         if checkpoint_task(model_dir) != "classify":
             names = ", ".join(getattr(config, "architectures", None) or ["none named"])
             raise BadInput(
-                f"{where}: key `task`: classify needs a sequence-classification checkpoint (its config's "
+                f"{where}: key `task`: {task} needs a sequence-classification checkpoint (its config's "
                 f"architectures: {names})"
             )
+        check_head(config, task, where)
         for f in dataclasses.fields(PoolerConfig):  # the checkpoint's head decides all but the longest text
             if f.name != "truncate_prompt_tokens" and getattr(options, f.name) is not None:
-                raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task classify")
+                raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task {task}")
         labels = len(config.id2label)
         return PoolingPlan((), True, (), False, None, "", options.truncate_prompt_tokens, labels, "")
     try:
@@ -58,7 +80,10 @@ def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
     plan = plan_for(model_dir, spec.pooler, spec.source_file, spec.task)
     if spec.task == "classify":
         return {"label": pa.string(), "probs": pa.list_(pa.float32(), plan.output_dim)}
-    return {"embedding": pa.list_(pa.float32(), plan.output_dim)}
+    if spec.task in ("score", "reward"):
+        return {"score": pa.float32()}
+    element = pa.float16() if spec.output.embedding_dtype == "float16" else pa.float32()
+    return {"embedding": pa.list_(element, plan.output_dim)}
 
 
 def load_runner(
@@ -77,7 +102,7 @@ def load_runner(
     placement = placement or place(engine.device, model.dtype)
     model_dir = resolve_model_dir(model.path, source)
     task = task or checkpoint_task(model_dir)
-    runner = ClassifierRunner if task == "classify" else PoolingRunner
+    runner = PoolingRunner if task == "embed" else ClassifierRunner
     return runner(
         model_dir,
         plan_for(model_dir, pooler, source, task),
@@ -89,26 +114,48 @@ def load_runner(
     )
 
 
-def text_of(prompt) -> str:
-    """A row's text to pool; ValueError for one that is not a non-empty string."""
-    if prompt is None:
-        raise ValueError("text is null")
-    if not isinstance(prompt, str):
-        raise ValueError(f"text is not a string (got {type(prompt).__name__}); an embedding job takes texts")
-    if not prompt.strip():
-        raise ValueError("text is empty")
-    return prompt
+def text_of(value, what: str = "text") -> str:
+    """A row's text to pool; ValueError for one that is not a non-empty string (`what`: which text)."""
+    if value is None:
+        raise ValueError(f"{what} is null")
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is not a string (got {type(value).__name__}); a {what} is text")
+    if not value.strip():
+        raise ValueError(f"{what} is empty")
+    return value
+
+
+def _text(runner, row: InputRow):
+    return runner.encode(text_of(row.prompt))
+
+
+def _text_or_conversation(runner, row: InputRow):
+    """A reward row: a text, or a conversation (its last reply included) through the chat template."""
+    if isinstance(row.prompt, list | tuple):
+        return runner.encode_conversation(check_conversation(row.prompt, reply=True))
+    return _text(runner, row)
+
+
+# how each task's runner takes a row's input (ValueError: the row's error)
+TASK_INPUTS = {
+    "embed": _text,
+    "classify": _text,
+    "score": lambda runner, row: runner.encode_pair(text_of(row.prompt), text_of(row.pair, "pair")),
+    "reward": _text_or_conversation,
+}
 
 
 class PoolingWorker:
     """Rows in, output rows out, on one pooling runner (loop.Worker): a job's (worker.load_worker) and
-    LLM.embed's."""
+    LLM.embed's, LLM.classify's, LLM.score's and LLM.reward's."""
 
-    def __init__(self, runner, stats: PoolingStats, window: int):
-        """`window`: how many texts to keep queued (worker.row_window)."""
+    def __init__(self, runner, stats: PoolingStats, window: int, task: str):
+        """`window`: how many texts to keep queued (worker.row_window); `task`: one of the runner's tasks."""
         self.runner = runner
         self.stats = stats
         self.window = window
+        self.task = task
+        self.tokens_of = TASK_INPUTS[task]
 
     @property
     def wants_rows(self) -> bool:
@@ -123,10 +170,10 @@ class PoolingWorker:
         try:
             if row.error:
                 raise ValueError(row.error)
-            ids, truncated = self.runner.encode(text_of(row.prompt))
+            text = self.tokens_of(self.runner, row)
         except ValueError as e:
             return [OutputRow(row.id, 0, None, None, str(e), 0, 0, 0, row=row)]
-        self.runner.add(ids, row, truncated)
+        self.runner.add(text, row)
         return None
 
     def step(self) -> list[list[OutputRow]]:
@@ -139,7 +186,7 @@ class PoolingWorker:
         row = text.request
         return OutputRow(
             row.id, 0, None, None, None, len(text.token_ids), 0, 0,
-            prompt_token_ids=text.token_ids, row=row, **self.runner.result(vector),
+            prompt_token_ids=text.token_ids, row=row, **self.runner.result(vector, self.task),
         )  # fmt: skip
 
     def status_line(self) -> str:

@@ -28,6 +28,7 @@ class InputRow:
     request: dict | None = None  # an OpenAI batch request: custom_id, endpoint (chat | completion), model
     error: str | None = None  # why the row cannot be served, known from reading it
     input_hash: str | None = None  # what its output is made from (content_hash); its output records it
+    pair: Any = None  # task score: the pair's second text (input.pair_column), not yet checked
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,16 @@ class Shard:
 
 def _column(arrow_type: pa.DataType | None, task: str | None = None):
     """An output column of every job (`task` None), or of jobs of one task only."""
-    return field(metadata={"arrow": arrow_type, "task": task})
+    return field(metadata={"arrow": arrow_type, "tasks": (task,) if task else None})
 
 
 def _optional_column(arrow_type: pa.DataType):
-    return field(default=None, metadata={"arrow": arrow_type, "optional": True, "task": "generate"})
+    return field(default=None, metadata={"arrow": arrow_type, "optional": True, "tasks": ("generate",)})
 
 
-def _task_column(task: str):
+def _task_column(*tasks: str):
     """A pooling task's result column; its Arrow type is the job's (an embedding's length is the model's)."""
-    return field(default=None, metadata={"arrow": None, "task": task})
+    return field(default=None, metadata={"arrow": None, "tasks": tasks})
 
 
 _TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
@@ -79,7 +80,7 @@ LOGPROBS_TYPE = pa.list_(
 class OutputRow:
     """One output row (a sample of an input row): its fields with an Arrow type are the output columns, in
     order (the one list of them); the optional ones are columns only when the job asks for them, and those of a
-    task (metadata `task`) only in that task's jobs (a pooling job writes id, sample 0, error, prompt_tokens
+    task (metadata `tasks`) only in that task's jobs (a pooling job writes id, sample 0, error, prompt_tokens
     and its result)."""
 
     id: Any = _column(None)  # the input's id type
@@ -97,6 +98,7 @@ class OutputRow:
     embedding: list[float] | None = _task_column("embed")  # fixed_size_list<float32>[the vector's length]
     label: str | None = _task_column("classify")  # id2label of the most likely class
     probs: list[float] | None = _task_column("classify")  # fixed_size_list<float32>[the classes]
+    score: float | None = _task_column("score", "reward")  # a pair's relevance, a reward model's reward
     row: InputRow | None = None  # the input row: passthrough columns, the OpenAI request
 
 
@@ -151,9 +153,10 @@ def _parts(parts, turn: int, role: str, images: bool) -> str | list[dict]:
     return "\n".join(texts)
 
 
-def check_conversation(messages: Any, images: bool = False) -> list[dict[str, Any]]:
+def check_conversation(messages: Any, images: bool = False, reply: bool = False) -> list[dict[str, Any]]:
     """A conversation as the chat template takes it; ValueError saying what is wrong with a malformed one.
-    `images`: the model takes images, so a turn with image parts keeps them (as a list of parts)."""
+    `images`: the model takes images, so a turn with image parts keeps them (as a list of parts). `reply`: the
+    conversation may end with the assistant's reply (a reward model judges it) rather than wait for one."""
     if not isinstance(messages, list | tuple):
         raise ValueError(f"conversation is not a list of turns (got {type(messages).__name__})")
     turns = []
@@ -172,7 +175,7 @@ def check_conversation(messages: Any, images: bool = False) -> list[dict[str, An
                 f"conversation turn {i} ({role}) has no content (a string, or a list of content parts)"
             )
         turns.append({"role": role, "content": content})
-    if not any(t["role"] == "user" for t in turns) or turns[-1]["role"] == "assistant":
+    if not any(t["role"] == "user" for t in turns) or (turns[-1]["role"] == "assistant" and not reply):
         raise ValueError(
             "conversation has nothing to answer (no user turn, or it ends with an assistant turn)"
         )

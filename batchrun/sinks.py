@@ -34,11 +34,13 @@ _LATER_KEYS = {
     ("input", "openai_batch"): None,
     ("input", "sampling_columns"): {},
     ("input", "image_column"): None,
+    ("input", "pair_column"): None,
     ("sampling", "logprobs"): None,
     ("sampling", "prompt_logprobs"): False,
     ("sampling", "response_format"): None,
     ("output", "format"): "auto",
     ("output", "token_ids"): False,
+    ("output", "embedding_dtype"): "float32",
 }
 
 
@@ -52,7 +54,7 @@ def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
         d["model"]["dtype"] = dtype
     d["input"].pop("limit", None)  # a larger limit continues the same job
     d["input"].pop("on_change", None)  # what a rerun does with changed rows, not what a row's output is
-    output = {"format": d["output"]["format"], "token_ids": d["output"]["token_ids"]}
+    output = {k: d["output"][k] for k in ("format", "token_ids", "embedding_dtype")}
     keep = {"model": d["model"], "input": d["input"], "sampling": d["sampling"], "output": output}
     for (section, key), default in _LATER_KEYS.items():
         if keep[section].get(key, default) == default:
@@ -92,7 +94,7 @@ def output_schema(
         pa.field(f.name, f.metadata["arrow"] or types[f.name])
         for f in fields(OutputRow)
         if "arrow" in f.metadata
-        and f.metadata["task"] in (None, task)
+        and task in (f.metadata["tasks"] or (task,))
         and (not f.metadata.get("optional") or f.name in optional)
     ]
     return pa.schema([*own, *passthrough])
@@ -225,7 +227,7 @@ class JsonlParts:
             "custom_id": str(row.id),
             "endpoint": "chat" if isinstance(row.prompt, list) else "completion",
         }
-        if first.finish_reason == "error":
+        if first.finish_reason == "error" or first.error is not None:  # a pooling row's error has no finish
             return openai_batch.error_line(req_id, request.get("custom_id"), first.error)
         return openai_batch.response_line(req_id, request, samples, first.prompt_tokens, self.model_name)
 

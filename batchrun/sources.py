@@ -55,6 +55,8 @@ class InputSource:
             wanted.append(("input.id_column", self.spec.id_column))
         if self.spec.image_column:
             wanted.append(("input.image_column", self.spec.image_column))
+        if self.spec.pair_column:
+            wanted.append(("input.pair_column", self.spec.pair_column))
         wanted += [(f"input.passthrough[{i}]", c) for i, c in enumerate(self.spec.passthrough)]
         wanted += [(f"input.sampling_columns.{k}", c) for k, c in self.spec.sampling_columns.items()]
         for key, col in wanted:
@@ -102,7 +104,8 @@ class InputSource:
         """Rows of this shard among the first `limit` rows of the input, in input order."""
         spec = self.spec
         columns = [spec.prompt_column] + ([spec.id_column] if spec.id_column else [])
-        extra = [*spec.passthrough, *spec.sampling_columns.values(), *filter(None, [spec.image_column])]
+        extra = [*spec.passthrough, *spec.sampling_columns.values()]
+        extra += [c for c in (spec.image_column, spec.pair_column) if c]
         columns += [c for c in extra if c not in columns]
         index = 0
         for batch in self._batches(columns):
@@ -155,9 +158,10 @@ class OpenAIBatchSource:
 
     id_type = pa.string()
 
-    def __init__(self, spec: InputSpec, source: str = "<job>"):
+    def __init__(self, spec: InputSpec, source: str = "<job>", task: str = "generate"):
         self.spec = spec
         self.source = source
+        self.task = task  # which urls its lines may ask for (openai_batch.SERVED_URLS)
         self.files = _matching_files(spec.openai_batch, "input.openai_batch", "JSONL", source, "*.jsonl")
 
     def passthrough_fields(self) -> list[pa.Field]:
@@ -186,7 +190,7 @@ class OpenAIBatchSource:
                 return
             if not shard.owns(index):
                 continue
-            row_id, request = openai_batch.parse_line(text, index)
+            row_id, request = openai_batch.parse_line(text, index, self.task)
             request["line"] = f"{f.name} line {number}"  # where the request is, for its errors
             error = request.get("error")
             yield InputRow(
@@ -223,6 +227,8 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
             error = str(e)
     passthrough = {c: data[c][j] for c in spec.passthrough}
     sampling = {k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None}
+    pair = data[spec.pair_column][j] if spec.pair_column else None
+    cells = (prompt, pair, sampling, passthrough) if spec.pair_column else (prompt, sampling, passthrough)
     return InputRow(
         index=index,
         id=data[spec.id_column][j] if spec.id_column else index,
@@ -230,7 +236,8 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
         passthrough=passthrough,
         sampling=sampling,
         error=error,
-        input_hash=content_hash(prompt, sampling, passthrough),
+        input_hash=content_hash(*cells),
+        pair=pair,
     )
 
 
@@ -288,10 +295,12 @@ def first_duplicate(ids: Iterator[Any]) -> tuple[int, Any] | None:
     return None
 
 
-def open_source(spec: InputSpec, source: str = "<job>") -> InputSource | OpenAIBatchSource:
-    """The job's input, opened and checked."""
+def open_source(
+    spec: InputSpec, source: str = "<job>", task: str = "generate"
+) -> InputSource | OpenAIBatchSource:
+    """The job's input, opened and checked; `task`: the job's (what an OpenAI batch line may ask for)."""
     if spec.openai_batch is not None:
-        return OpenAIBatchSource(spec, source)
+        return OpenAIBatchSource(spec, source, task)
     return InputSource(spec, source)
 
 

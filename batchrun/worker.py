@@ -244,4 +244,4 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "packed_weights": runner.packed_weights,
     }
     stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
-    return PoolingWorker(runner, stats, row_window(spec))
+    return PoolingWorker(runner, stats, row_window(spec), spec.task)

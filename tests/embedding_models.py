@@ -106,6 +106,40 @@ def save_base_model(config, tokenizer, folder: Path) -> Path:
     return folder
 
 
+def save_bases(root: Path, default_model_dir: Path, encoders: list[str]) -> dict[str, Path]:
+    """Base models: the encoders on a WordPiece vocabulary, and `qwen3` (a Qwen3-Embedding-shaped decoder) on the
+    default model's tokenizer appending an end-of-text."""
+    tok = wordpiece_tokenizer(root / "wordpiece")
+    out = {f: save_base_model(encoder_config(f, len(tok)), tok, root / f) for f in encoders}
+    dtok = eos_appending_tokenizer(default_model_dir)
+    out["qwen3"] = save_base_model(decoder_config(len(dtok), dtok.eos_token_id), dtok, root / "qwen3")
+    return out
+
+
+def save_sequence_classifier(
+    base: Path, folder: Path, id2label: dict, tokenizer_dir: Path | None = None
+) -> Path:
+    """A random-weight `*ForSequenceClassification` of `base`'s config with these labels (one: a cross-encoder's
+    or a reward model's head), its head's weights scaled up so the results are far from the head's bias;
+    `tokenizer_dir`: whose tokenizer it ships (default: the base's)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(base)
+    config.id2label = id2label
+    config.label2id = {v: k for k, v in id2label.items()}
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.startswith(("classifier", "score")):
+                p.mul_(30)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir or base).save_pretrained(folder)
+    return folder
+
+
 def save_sentence_model(
     base: Path,
     folder: Path,

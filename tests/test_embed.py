@@ -12,12 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from embedding_models import (
-    decoder_config,
-    encoder_config,
-    eos_appending_tokenizer,
     save_base_model,
+    save_bases,
     save_legacy_layout,
     save_sentence_model,
+    save_sequence_classifier,
     wordpiece_tokenizer,
 )
 from helpers import run_cli
@@ -43,12 +42,7 @@ QUERY = {"query": "query: search the passage "}
 def bases(tmp_path_factory, model_dir):
     """Base models: the three encoders on a WordPiece vocabulary, the decoder on the default model's tokenizer
     appending an end-of-text."""
-    root = tmp_path_factory.mktemp("bases")
-    tok = wordpiece_tokenizer(root / "wordpiece")
-    out = {f: save_base_model(encoder_config(f, len(tok)), tok, root / f) for f in ENCODERS}
-    dtok = eos_appending_tokenizer(model_dir)
-    out["qwen3"] = save_base_model(decoder_config(len(dtok), dtok.eos_token_id), dtok, root / "qwen3")
-    return out
+    return save_bases(tmp_path_factory.mktemp("bases"), model_dir, ENCODERS)
 
 
 def ours(folder, texts=TEXTS, **pooler) -> torch.Tensor:
@@ -178,11 +172,72 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
         run_job(embed_job(folder, data, out, pooler={"dimensions": 8}), progress=False)
 
 
+def test_an_openai_batch_of_embeddings_requests_is_answered_in_openais_shape(bases, tmp_path):
+    from batchrun import openai_batch
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean", normalize=True)
+    request = lambda cid, body, url="/v1/embeddings": json.dumps(  # noqa: E731
+        {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **body}}
+    )
+    lines = [
+        request("a", {"input": TEXTS[0]}),
+        request("b", {"input": [TEXTS[1]], "encoding_format": "float"}),
+        request("c", {"messages": [{"role": "user", "content": "hi"}]}, url="/v1/chat/completions"),
+        request("d", {"input": TEXTS[2], "encoding_format": "base64"}),
+        request("e", {"input": ""}),
+        request("f", {"input": ["two", "texts"]}),
+    ]
+    (tmp_path / "batch.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    job = {
+        "name": "emb",
+        "task": "embed",
+        "model": {"path": str(folder), "dtype": "float32"},
+        "input": {"openai_batch": str(tmp_path / "batch.jsonl")},
+        "engine": {"device": "cpu"},
+        "output": {"path": str(out)},
+    }
+    run_job(job, progress=False)
+    answers = {}
+    for part in out.glob("part-*.jsonl"):
+        answers |= {a["custom_id"]: a for a in map(json.loads, part.read_text().splitlines())}
+    assert sorted(answers) == list("abcdef")
+    for cid, text in (("a", TEXTS[0]), ("b", TEXTS[1])):
+        body = answers[cid]["response"]["body"]
+        assert answers[cid]["error"] is None and body["object"] == "list" and body["model"] == "m"
+        (item,) = body["data"]
+        assert item["object"] == "embedding" and item["index"] == 0
+        assert_equal(torch.tensor([item["embedding"]]), theirs(folder, [text]))
+        assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    errors = {cid: answers[cid]["error"]["message"] for cid in "cdef"}
+    assert "is not served by a task embed job" in errors["c"] and "encoding_format" in errors["d"]
+    assert errors["e"] == "text is empty" and "one text per request" in errors["f"]
+    _, wrong = openai_batch.parse_line(lines[0], 0, "generate")  # embeddings asked of a generation job
+    assert "is not served by a task generate job" in wrong["error"]
+
+
+def test_float16_embeddings_are_sentence_transformers_vectors_rounded_to_float16(bases, tmp_path):
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean", normalize=True)
+    data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
+    job = embed_job(folder, data, out, output={"path": str(out), "embedding_dtype": "float16"})
+    run_job(job, progress=False)
+    table = pq.read_table(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.float16(), 32)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    got = torch.tensor([rows[f"r{i}"]["embedding"] for i in range(len(TEXTS))], dtype=torch.float16)
+    want = theirs(folder).half()
+    assert ((got.float() - want.float()).abs() <= (want.float().abs() * 2**-10)).all()  # within a half's ulp
+    job["task"] = "classify"
+    with pytest.raises(BadInput, match=r"`output\.embedding_dtype` applies to task embed"):
+        run_job(job, progress=False, overwrite=True)
+
+
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
         ({"task": "classify"}, "task"),  # an embedding checkpoint has no classification head
-        ({"task": "score"}, "task"),  # not built
+        ({"task": "score"}, "input.pair_column"),  # pairs need their second text
+        ({"task": "score", "input": {"pair_column": "topic"}}, "task"),  # an embedder has no head
         ({"pooler": {"dimensions": 999}}, "pooler.dimensions"),
         ({"pooler": {"prompt_name": "nope"}}, "pooler.prompt_name"),
         ({"pooler": {"pooling": "median"}}, "pooler.pooling"),
@@ -192,7 +247,8 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
 def test_impossible_jobs_name_the_key(bases, tmp_path, extra, key):
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     job = embed_job(folder, write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out")
-    job.update(extra)
+    for section, value in extra.items():  # a section's keys beside the job's own
+        job[section] = {**job.get(section, {}), **value} if isinstance(value, dict) else value
     with pytest.raises(BadInput, match=f"`{key}"):
         run_job(job, progress=False)
 
@@ -306,25 +362,9 @@ def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path)
 
 
 def save_classifier(family: str, bases, tmp_path):
-    """A random-weight sequence classifier of the family (3 labels), its head's weights scaled up so the
-    probabilities differ from a third each."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(bases[family])
-    config.id2label = {0: "negative", 1: "neutral", 2: "positive"}
-    config.label2id = {v: k for k, v in config.id2label.items()}
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.lower() or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.startswith(("classifier", "score")):
-                p.mul_(30)
-    folder = tmp_path / f"{family}-classifier"
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(bases[family]).save_pretrained(folder)
-    return folder
+    """A random-weight sequence classifier of the family (3 labels)."""
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    return save_sequence_classifier(bases[family], tmp_path / f"{family}-classifier", labels)
 
 
 @pytest.mark.parametrize("family", [*ENCODERS, "qwen3"])

@@ -1,21 +1,52 @@
-"""The classification runner (task: classify): a sequence-classification checkpoint's base model over the packed
-row, then its own head per text.
+"""The runner of a sequence-classification checkpoint (task: classify, score, reward): its base model over the
+packed row, then its own head per text.
 
 The head is the model's own code: its `*ForSequenceClassification.forward` runs once per text with its base
 model replaced, for that call, by `_TextStates`, which hands over the text's token states from the packed row
 (and its pooler's output, for a base model with a pooler, as BERT's). So whatever the head reads (BERT's pooled
 first token, RoBERTa's first token, ModernBERT's mean or CLS, a decoder's last token that is not padding, found
-from the text's own ids) is what it reads when transformers runs the text alone. Probabilities are the softmax
-of the logits (a sigmoid each for a `multi_label_classification` checkpoint), and the label is `id2label` of the
-most likely.
+from the text's own ids) is what it reads when transformers runs the text alone.
+
+What a task makes of the logits (`HEAD_RESULTS`):
+- classify: probabilities, the softmax of the logits (a sigmoid each for a `multi_label_classification`
+  checkpoint), and the label, `id2label` of the most likely;
+- score (a cross-encoder or reranker over a pair): its one logit through the checkpoint's activation, as
+  sentence-transformers' CrossEncoder applies it (`score_activation`: a sigmoid unless its config names another);
+- reward (a reward model's score head): its one logit as it is.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .attention import UnsupportedModel
 from .packed_attention import PackedLayout
 from .pooling import PooledText, PoolingRunner
+
+# the activations a cross-encoder's config may name (sentence-transformers' `activation_fn`, a torch class path)
+_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.Tanh": torch.tanh,
+}
+
+
+def score_activation(config):
+    """What a cross-encoder's score is of its logit, as sentence-transformers' CrossEncoder decides it: the
+    activation its config names (`sentence_transformers.activation_fn`, or the older
+    `sbert_ce_default_activation_function`), else a sigmoid (a one-label head). One batchrun cannot apply is
+    refused (UnsupportedModel naming it), never replaced by another."""
+    named = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") or getattr(
+        config, "sbert_ce_default_activation_function", None
+    )
+    if named is None:
+        return torch.sigmoid
+    if named not in _ACTIVATIONS:
+        raise UnsupportedModel(
+            f"the cross-encoder's activation {named!r} (its config's sentence_transformers.activation_fn) is not "
+            f"one batchrun applies ({', '.join(_ACTIVATIONS)})"
+        )
+    return _ACTIVATIONS[named]
 
 
 class _TextStates(torch.nn.Module):
@@ -37,8 +68,28 @@ class _TextStates(torch.nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=states)
 
 
+def _classification(runner: ClassifierRunner, logits: torch.Tensor) -> dict:
+    config = runner.classifier.config
+    if config.problem_type == "multi_label_classification":
+        probs = logits.sigmoid()
+    else:
+        probs = logits.softmax(dim=-1)
+    return {"label": str(config.id2label[int(probs.argmax())]), "probs": probs.tolist()}
+
+
+def _relevance(runner: ClassifierRunner, logits: torch.Tensor) -> dict:
+    return {"score": float(score_activation(runner.classifier.config)(logits)[0])}
+
+
+def _reward(runner: ClassifierRunner, logits: torch.Tensor) -> dict:
+    return {"score": float(logits[0])}
+
+
+HEAD_RESULTS = {"classify": _classification, "score": _relevance, "reward": _reward}
+
+
 class ClassifierRunner(PoolingRunner):
-    task = "classify"
+    tasks = tuple(HEAD_RESULTS)
     auto_class = "AutoModelForSequenceClassification"
 
     def _base_model(self, model):
@@ -47,6 +98,7 @@ class ClassifierRunner(PoolingRunner):
 
     @torch.inference_mode()
     def _heads(self, hidden: torch.Tensor, texts: list[PooledText], layout: PackedLayout) -> torch.Tensor:
+        """[len(texts), num_labels] fp32: each text's logits from its head."""
         prefix = self.classifier.base_model_prefix
         stand_in = _TextStates(self.model)
         setattr(self.classifier, prefix, stand_in)
@@ -58,11 +110,7 @@ class ClassifierRunner(PoolingRunner):
                 logits.append(self.classifier(input_ids=ids).logits[0])
         finally:
             setattr(self.classifier, prefix, self.model)
-        logits = torch.stack(logits).float()
-        if self.classifier.config.problem_type == "multi_label_classification":
-            return logits.sigmoid()
-        return logits.softmax(dim=-1)
+        return torch.stack(logits).float()
 
-    def result(self, vector: torch.Tensor) -> dict:
-        labels = self.classifier.config.id2label
-        return {"label": str(labels[int(vector.argmax())]), "probs": vector.tolist()}
+    def result(self, logits: torch.Tensor, task: str) -> dict:
+        return HEAD_RESULTS[task](self, logits)

@@ -22,7 +22,6 @@ from ..checks import at_least, check_fields, one_of
 from .sentence_config import POOLING_MODES, SentenceConfig, SentenceConfigError
 
 TASKS = ("generate", "embed", "classify", "score", "reward")
-BUILT_TASKS = ("generate", "embed", "classify")
 
 
 @dataclass

@@ -32,6 +32,15 @@ from .sentence_config import DenseLayer
 
 
 @dataclass
+class EncodedText:
+    """A text's tokens as the runner takes them (`PoolingRunner.encode`, `encode_pair`, `encode_conversation`)."""
+
+    token_ids: list[int]
+    truncated: bool = False  # cut at the longest text allowed
+    token_type_ids: list[int] | None = None  # a pair's segments (BERT's 0s, then 1s); None: all 0
+
+
+@dataclass
 class PooledText:
     """A queued text: its tokens, how many of the first are the prompt's (pooled or not, as the plan says)."""
 
@@ -39,6 +48,7 @@ class PooledText:
     token_ids: list[int]
     prompt_tokens: int
     truncated: bool = False  # cut at the longest text allowed
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -65,7 +75,7 @@ class PoolingRunner:
     """Texts in, one vector each out (task: embed); engine/classifier.py's runner puts the model's own
     classification head in place of the pooling."""
 
-    task = "embed"
+    tasks = ("embed",)  # what the runner computes (LLM.embed; a job's `task`)
     auto_class = "AutoModel"  # the transformers class the checkpoint loads as
 
     def __init__(
@@ -109,16 +119,37 @@ class PoolingRunner:
         """The model the packed row runs through (the loaded model itself: a base model)."""
         return model
 
-    def result(self, vector: torch.Tensor) -> dict:
-        """A text's output columns from its vector."""
+    def result(self, vector: torch.Tensor, task: str) -> dict:
+        """A text's output columns from its vector (task: embed)."""
         return {"embedding": vector.float().tolist()}
 
     # ---- texts -> tokens ---------------------------------------------------------------------------------------
-    def encode(self, text: str) -> tuple[list[int], bool]:
+    def encode(self, text: str) -> EncodedText:
         """The text's tokens as sentence-transformers makes them: the plan's prompt before it, the tokenizer's
-        special tokens, cut at the longest text allowed; and whether it was cut. ValueError for a text the model
-        cannot take."""
-        encoded = self.tokenizer(self.plan.prompt + text, truncation=True, max_length=self.max_length)
+        special tokens, cut at the longest text allowed. ValueError for a text the model cannot take."""
+        return self._checked(
+            self.tokenizer(self.plan.prompt + text, truncation=True, max_length=self.max_length)
+        )
+
+    def encode_pair(self, text: str, pair: str) -> EncodedText:
+        """A pair's tokens as the model's tokenizer makes a pair (as sentence-transformers' CrossEncoder and
+        transformers do): both texts between the tokenizer's special tokens, with their segment ids, the longer
+        one cut first when the two are over the longest text allowed."""
+        return self._checked(self.tokenizer(text, pair, truncation=True, max_length=self.max_length))
+
+    def encode_conversation(self, turns: list[dict]) -> EncodedText:
+        """A conversation's tokens through the tokenizer's chat template, with no generation prompt (a reward
+        model reads the whole conversation, its last reply included), as `apply_chat_template(tokenize=True)`
+        makes them. ValueError when the tokenizer has no chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("a conversation, and the model's tokenizer has no chat template (give a text)")
+        text = self.tokenizer.apply_chat_template(turns, tokenize=False)
+        return self._checked(
+            self.tokenizer(text, add_special_tokens=False, truncation=True, max_length=self.max_length)
+        )
+
+    def _checked(self, encoded) -> EncodedText:
+        """The tokenizer's output as the runner takes it; ValueError for a text the model cannot take."""
         ids = encoded["input_ids"]
         truncated = bool(encoded.encodings and encoded.encodings[0].overflowing)
         if not ids:
@@ -128,7 +159,8 @@ class PoolingRunner:
                 f"the text has {len(ids)} tokens, more than the model's {self.max_positions} positions (set "
                 "pooler.truncate_prompt_tokens to cut it)"
             )
-        return ids, truncated
+        types = encoded.get("token_type_ids") if self.takes_token_types else None
+        return EncodedText(ids, truncated, types if types and any(types) else None)
 
     def _prompt_length(self, prompt: str) -> int:
         """The prompt's tokens at the head of every text, as sentence-transformers counts them: the prompt
@@ -137,8 +169,10 @@ class PoolingRunner:
         return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     # ---- the queue and the steps --------------------------------------------------------------------------------
-    def add(self, token_ids: list[int], request: Any, truncated: bool = False) -> None:
-        self.queue.append(PooledText(request, token_ids, self.prompt_length, truncated))
+    def add(self, text: EncodedText, request: Any) -> None:
+        self.queue.append(
+            PooledText(request, text.token_ids, self.prompt_length, text.truncated, text.token_type_ids)
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -164,7 +198,7 @@ class PoolingRunner:
     @torch.inference_mode()
     def embed_packed(self, texts: list[PooledText]) -> torch.Tensor:
         """[len(texts), output_dim]: the texts in one packed row through the model, then each text's vector."""
-        hidden, layout = self._forward([t.token_ids for t in texts])
+        hidden, layout = self._forward([t.token_ids for t in texts], [t.token_type_ids for t in texts])
         return self._heads(hidden, texts, layout)
 
     def _heads(self, hidden: torch.Tensor, texts: list[PooledText], layout: PackedLayout) -> torch.Tensor:
@@ -174,13 +208,20 @@ class PoolingRunner:
         )
         return self._after_pooling(pooled)
 
-    def _forward(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, PackedLayout]:
+    def _forward(
+        self, token_lists: list[list[int]], type_lists: list[list[int] | None] | None = None
+    ) -> tuple[torch.Tensor, PackedLayout]:
+        """The packed row through the model: its last hidden states [T, H] and its layout. `type_lists`: each
+        text's segment ids (None: all 0), for a model that takes them."""
         layout = PackedLayout.of_lengths([len(ids) for ids in token_lists], self.device)
         ids = int_tensor([i for ids in token_lists for i in ids], device=self.device)[None]
         offset = self.position_offset
         positions = [p + offset for ids in token_lists for p in range(len(ids))]
         inputs = {"input_ids": ids, "position_ids": int_tensor(positions, device=self.device)[None]}
-        if self.takes_token_types:
+        if self.takes_token_types and any(type_lists or ()):
+            segments = [t for ids, kinds in zip(token_lists, type_lists) for t in (kinds or [0] * len(ids))]
+            inputs["token_type_ids"] = int_tensor(segments, device=self.device)[None]
+        elif self.takes_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         out = self.model(**inputs, use_cache=False, batchrun_packed=layout)
         return out.last_hidden_state[0], layout
