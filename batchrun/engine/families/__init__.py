@@ -1,70 +1,44 @@
 """Family rules: what particular model families compute around their attention, states, pages or images that
-batchrun must adapt to, one adapter per quirk, each in its own module with the reason it exists, what it checks
-at load and which hooks it provides (adapter.FamilyAdapter lists them).
+batchrun must adapt to, one adapter per quirk, each in a module of its own that says why the quirk exists, what
+the adapter checks at load and which hooks it provides (adapter.FamilyAdapter lists the hooks and who calls them).
 
-The engine asks this registry, never a family's name: the functions below ask every adapter that applies to the
-model (`adapters_for`) and combine their answers. Adding a family's rule is one module here, its entry in
-ADAPTERS, and its test. A family none of them covers runs on transformers' code as it is, or is refused at load
+The engine asks this registry, never a family's name (tests/test_family_adapters.py holds the rest of the
+package to that): the functions below ask every adapter that applies to the model (`adapters_for`) and combine
+their answers. Every module here that declares an `ADAPTER` is registered, so adding a family's rule is adding
+its module and its test. A family none of them covers runs on transformers' code as it is, or is refused at load
 with the reason (architecture.py, image_refusal below), never computed by another family's rule.
-
-| adapter | hooks the engine calls | called from |
-|---|---|---|
-| llama4_query_scale | query_scale_fixes | architecture.check_config |
-| recurrent_gemma_states | keeps_own_states, stateful_forward | architecture (stateful modules) |
-| inkling_relative_bias, inkling_own_attention | adapt_modules | architecture.inspect_model |
-| minimax_linear_cache | cache_methods, cache_interface_calls | state_cache, architecture |
-| sparse_attention | refusal | architecture.check_config |
-| stateful_module_names | looks_stateful | architecture.stateful_modules |
-| mla, inkling_sliding_heads, kv_sharing | kv_shape, sliding_kv_keys, kv_sources | kv_cache.KVCacheSpec.of_model |
-| qwen_mrope | image_positions | engine (prompts), model_runner (steps) |
-| qwen_deepstack | extra_feature_streams, feature_streams, with_feature_streams | multimodal |
-| gemma_image_blocks | image_blocks | engine, model_runner (prefill masks) |
-| smolvlm_video_defaults | video_stand_in | loading (processors without torchvision) |
 
 What is found by structure rather than by a family's name stays with its mechanism: Zamba 2's shared attention
 block (an attention module without a `layer_idx` is a layer of its own at each call: architecture.ModelLayers),
-KV-shared layers at load (the probe sees the same K/V tensors: architecture.kv_reads), a VLM wrapper's attention
-(loading.attention_implementation asks the class whether it takes SDPA).
+KV-shared layers at load (the probe sees the same K/V tensors: architecture.kv_reads), a vision-language
+wrapper's own attention (loading.attention_implementation asks its class whether it takes SDPA).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 
 from .adapter import IMAGE_ATTENTION, IMAGE_POSITIONS, FamilyAdapter
-from .gemma_image_blocks import GemmaImageBlocks, ImageBlocks, bidirectional_attention
-from .inkling_own_attention import InklingOwnAttention
-from .inkling_relative_bias import InklingRelativeBias
-from .inkling_sliding_heads import InklingSlidingHeads
-from .kv_sharing import KVSharing
-from .llama4_query_scale import Llama4QueryScale, QueryScaleFix
-from .minimax_linear_cache import MiniMaxLinearCache
-from .mla import MultiHeadLatentAttention
-from .qwen_deepstack import QwenDeepstack
-from .qwen_mrope import MRope, QwenMRope
-from .recurrent_gemma_states import RecurrentGemmaStates
-from .smolvlm_video_defaults import SmolVLMVideoDefaults
-from .sparse_attention import SparseAttention
-from .stateful_module_names import StatefulModuleNames
+from .gemma_image_blocks import ImageBlocks, bidirectional_attention
+from .llama4_query_scale import QueryScaleFix
+from .qwen_mrope import MRope
 
 __all__ = ["ADAPTERS", "FamilyAdapter", "ImageBlocks", "MRope", "QueryScaleFix", "adapters_for"]
 
-ADAPTERS: tuple[FamilyAdapter, ...] = (
-    SparseAttention(),
-    StatefulModuleNames(),
-    Llama4QueryScale(),
-    RecurrentGemmaStates(),
-    MiniMaxLinearCache(),
-    InklingRelativeBias(),
-    InklingOwnAttention(),
-    MultiHeadLatentAttention(),
-    InklingSlidingHeads(),
-    KVSharing(),
-    QwenMRope(),
-    QwenDeepstack(),
-    GemmaImageBlocks(),
-    SmolVLMVideoDefaults(),
-)
+
+def _registered() -> tuple[FamilyAdapter, ...]:
+    """The `ADAPTER` of every module of this package that declares one, in module name order."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        adapter = getattr(importlib.import_module(f"{__name__}.{info.name}"), "ADAPTER", None)
+        if adapter is not None:
+            found.append(adapter)
+    return tuple(found)
+
+
+ADAPTERS: tuple[FamilyAdapter, ...] = _registered()
 
 
 def adapters_for(model_or_config) -> tuple[FamilyAdapter, ...]:

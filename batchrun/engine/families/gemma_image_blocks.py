@@ -48,3 +48,6 @@ class GemmaImageBlocks(FamilyAdapter):
 def bidirectional_attention(config):
     """The language model's `use_bidirectional_attention` (None where it has none)."""
     return getattr(config.get_text_config(), "use_bidirectional_attention", None)
+
+
+ADAPTER = GemmaImageBlocks()

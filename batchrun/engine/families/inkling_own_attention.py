@@ -32,3 +32,6 @@ class InklingOwnAttention(FamilyAdapter):
             if own is None:
                 raise refusal(model.config.model_type, f"{name}'s module has no eager attention of its own")
             m._batchrun_own_attention = own
+
+
+ADAPTER = InklingOwnAttention()

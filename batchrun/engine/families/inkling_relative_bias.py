@@ -38,3 +38,6 @@ def _relative_bias_forward(
     T, extent = hidden_states.shape[1], getattr(self, RELATIVE_BIAS[type(self).__name__])
     every = torch.arange(extent, device=hidden_states.device).expand(T, extent)
     return RelativeBias(self._batchrun_bias_forward(hidden_states, every, *args, **kwargs))
+
+
+ADAPTER = InklingRelativeBias()

@@ -20,3 +20,6 @@ class InklingSlidingHeads(FamilyAdapter):
 
     def sliding_kv_keys(self, cfg) -> dict[str, int]:
         return {key: value for key in KEYS if (value := getattr(cfg, f"swa_{key}", None))}
+
+
+ADAPTER = InklingSlidingHeads()

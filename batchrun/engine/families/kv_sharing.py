@@ -20,3 +20,6 @@ class KVSharing(FamilyAdapter):
         types = list(getattr(cfg, "layer_types", None) or [])
         stores = {types[i]: i for i, m in enumerate(modes) if m == "store"}
         return {i: stores[types[i]] for i, m in enumerate(modes) if m == "reuse" and types[i] in stores}
+
+
+ADAPTER = KVSharing()

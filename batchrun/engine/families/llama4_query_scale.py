@@ -43,3 +43,6 @@ class Llama4QueryScale(FamilyAdapter):
             if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
                 fixes[m.layer_idx] = QueryScaleFix(float(m.floor_scale), float(m.attn_scale))
         return fixes
+
+
+ADAPTER = Llama4QueryScale()

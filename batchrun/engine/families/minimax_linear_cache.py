@@ -30,3 +30,6 @@ def _get_linear_cache(self, layer_idx: int):
 def _set_linear_cache(self, layer_idx: int, state) -> None:
     self.update_recurrent_state(state, layer_idx)
     self.layers[layer_idx].has_previous_state[0] = True
+
+
+ADAPTER = MiniMaxLinearCache()

@@ -20,3 +20,6 @@ class MultiHeadLatentAttention(FamilyAdapter):
         if not getattr(cfg, "kv_lora_rank", None):
             return None
         return cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+
+
+ADAPTER = MultiHeadLatentAttention()

@@ -28,3 +28,6 @@ class QwenDeepstack(FamilyAdapter):
     def with_feature_streams(self, output, streams: list) -> None:
         if streams:
             output.deepstack_features = [(rows,) for rows in streams]
+
+
+ADAPTER = QwenDeepstack()

@@ -73,3 +73,6 @@ class MRope:
                 rows[:, offset : offset + end - a] = rope[:, a:end]
             offset += b - a
         return rows[:, None]
+
+
+ADAPTER = QwenMRope()

@@ -68,3 +68,6 @@ def _attribute(module: torch.nn.Module, path: str) -> tuple[Any, str]:
     for part in owners:
         module = getattr(module, part)
     return module, name
+
+
+ADAPTER = RecurrentGemmaStates()

@@ -19,3 +19,6 @@ class SmolVLMVideoDefaults(FamilyAdapter):
 
     def video_stand_in(self, config) -> dict:
         return {"num_frames": None, "fps": None}
+
+
+ADAPTER = SmolVLMVideoDefaults()

@@ -33,3 +33,6 @@ class SparseAttention(FamilyAdapter):
             "attention does not compute (it would need the indexer's keys paged beside K/V and a top-k gather "
             "in every backend)"
         )
+
+
+ADAPTER = SparseAttention()

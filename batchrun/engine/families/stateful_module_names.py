@@ -24,3 +24,6 @@ class StatefulModuleNames(FamilyAdapter):
     def looks_stateful(self, model, module) -> bool:
         prefix = re.sub(r"(For\w+|Model)$", "", type(model).__name__)
         return bool(STATEFUL_MODULE.search(type(module).__name__.removeprefix(prefix)))
+
+
+ADAPTER = StatefulModuleNames()
