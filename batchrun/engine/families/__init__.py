@@ -20,6 +20,8 @@ import importlib
 import inspect
 import pkgutil
 
+import torch
+
 from .adapter import IMAGE_ATTENTION, IMAGE_POSITIONS, FamilyAdapter
 from .gemma_image_blocks import ImageBlocks, bidirectional_attention
 from .llama4_query_scale import QueryScaleFix
@@ -44,7 +46,7 @@ ADAPTERS: tuple[FamilyAdapter, ...] = _registered()
 def adapters_for(model_or_config) -> tuple[FamilyAdapter, ...]:
     """The adapters that apply to a model (or a config): those of its `model_type`, and those that look for
     what they concern in every model."""
-    config = getattr(model_or_config, "config", model_or_config)
+    config = model_or_config.config if isinstance(model_or_config, torch.nn.Module) else model_or_config
     return tuple(a for a in ADAPTERS if a.applies(config))
 
 
