@@ -175,18 +175,21 @@ def test_inklings_terms_of_each_query_count(term, monkeypatch):
     assert got != expected
 
 
-@pytest.mark.parametrize("adapter", ["RELATIVE_BIAS", "OWN_ATTENTION"])
+@pytest.mark.parametrize("adapter", ["InklingRelativeBias", "InklingOwnAttention"])
 def test_inkling_without_its_adapters_is_refused(adapter, monkeypatch):
     """Without batchrun's adapter, Inkling 2's bias over the packed row's indices (not the tokens' positions),
     and its attention over the stack of earlier layers' outputs, are refused at load, never computed."""
     from batchrun.engine import families
     from batchrun.engine.architecture import inspect_model
 
-    monkeypatch.setattr(families, adapter, type(getattr(families, adapter))())
+    others = tuple(a for a in families.ADAPTERS if type(a).__name__ != adapter)
+    assert len(others) == len(families.ADAPTERS) - 1
+    monkeypatch.setattr(families, "ADAPTERS", others)
     model = build("inkling2_text", SUPPORTED["inkling2_text"][1], "paged")
     with pytest.raises(UnsupportedModel) as err:
         inspect_model(model)
-    assert ("position_bias" if adapter == "RELATIVE_BIAS" else "step metadata") in str(err.value), err.value
+    expected = "position_bias" if adapter == "InklingRelativeBias" else "step metadata"
+    assert expected in str(err.value), err.value
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

@@ -2,9 +2,9 @@
 (processor + model, one conversation at a time, greedy fp32), on tiny random-weight models:
 
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen 3.5 (and the MoE ones of the last two): 3-D rotary positions
-  (multimodal.MRope); Qwen3-VL's deepstack features added after its first decoder layers; Qwen 3.5 a hybrid
+  (families.qwen_mrope); Qwen3-VL's deepstack features added after its first decoder layers; Qwen 3.5 a hybrid
   (Gated DeltaNet layers with a state slot per sequence beside gated attention).
-- Gemma 3 and 4: one image's tokens attend to each other, later ones included (multimodal.ImageBlocks), on every
+- Gemma 3 and 4: one image's tokens attend to each other, later ones included (families.gemma_image_blocks), on every
   layer (Gemma 3) or on the sliding layers (Gemma 4), so a prefill chunk never splits an image.
 - Mistral 3: causal, at 1-D positions, but its processor (Pixtral's) imports torchvision: skipped where torchvision
   does not import (beside the CPU torch wheel `make install` uses); run with torch 2.14.1 and torchvision 0.29.1.
@@ -462,9 +462,11 @@ def test_images_equal_hf_generate_under_swap(vlm):
 
 def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
     """What the model needs, each taken away in turn: (what, engine options, target, replacement)."""
+    from batchrun.engine import families
+
     if family.startswith("gemma"):
         return [
-            ("causal images", {}, multimodal.ImageBlocks, ("applies", lambda self, kind: False)),
+            ("causal images", {}, families.ImageBlocks, ("applies", lambda self, kind: False)),
             (
                 "images split across chunks of 8 tokens",
                 {"max_num_batched_tokens": 8},
@@ -489,7 +491,7 @@ def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
 
         return [("no image features", {}, multimodal, ("_feature_rows", zeroed))]
     return [
-        ("1-D positions", {}, multimodal.MRope, ("prompt_positions", lambda self, prompt, images: (None, 0)))
+        ("1-D positions", {}, families.MRope, ("prompt_positions", lambda self, prompt, images: (None, 0)))
     ]
 
 

@@ -19,11 +19,13 @@ layers. A module that keeps it through transformers' cache interface (`get_conv_
 `update_recurrent_state`, or MiniMax's `set_linear_cache`) is run by batchrun on a state slot of its own
 (state_cache.py): `prepare_stateful_layers` routes its calls through the running step's `StepStates`, and the
 probe records the state shapes the module creates and whether its prompt form continues a state it is given. A
-module that keeps its states in attributes of its own is run alike where families.ATTRIBUTE_STATES names them
-(RecurrentGemma's); one that keeps a state any other way is refused.
+module that keeps its states in attributes of its own is run alike where a family adapter moves them
+(families.recurrent_gemma_states); one that keeps a state any other way is refused.
 
 What particular families compute around their attention (Llama 4's query scale, Inkling 2's relative bias and
-its attention over earlier blocks) is adapted by the rules in families.py, installed here before the probe.
+its attention over earlier blocks), and the families refused by what their modules are (sparse attention,
+states kept outside the cache interface), are the family adapters' rules (families/): this module asks them,
+and installs their changes before the probe.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import families
 from .attention import (
     AttentionMetadata,
     AttentionServices,
@@ -46,25 +49,20 @@ from .attention import (
     refusal,
 )
 from .attention.reference import attend
-from .families import (
-    ATTRIBUTE_STATES,
-    QueryScaleFix,
-    adapt_modules,
-    query_scale_fixes,
-)
+from .families import QueryScaleFix
 from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
-from .state_cache import AttributeStates, StatefulCall, StateProbe, StateSpec
+from .state_cache import StatefulCall, StateProbe, StateSpec
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
 FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
-# modules that carry a state from one step to the next (linear attention, convolutions, state-space mixers)
-STATEFUL_MODULE = re.compile(r"Mamba|DeltaNet|ShortConv|LinearAttention|Rwkv|RWKV|xLSTM|Recurrent")
-# sparse attention: an indexer picks each query's keys by a score over every earlier token, a compressor pools
-# old keys into entries (DeepSeek V3.2 and V4, GLM-MoE-DSA, Qwen 4's indexed layers)
-SPARSE_MODULE = re.compile(r"Indexer|Compressor")
-SPARSE_LAYER_TYPE = re.compile(r"index|compress|sparse")
-# how a module keeps that state through transformers' cache interface
-CACHE_INTERFACE = re.compile(r"\.update_conv_state\(|\.update_recurrent_state\(|\.set_linear_cache\(")
+# how a module keeps a state through transformers' cache interface: the calls of it in its source (a family's
+# own names for them included)
+CACHE_INTERFACE = re.compile(
+    "|".join(
+        re.escape(f".{call}(")
+        for call in ("update_conv_state", "update_recurrent_state", *families.cache_interface_calls())
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -179,22 +177,19 @@ def _class_uses_cache_interface(cls: type) -> bool:
 
 def stateful_modules(model) -> list[torch.nn.Module]:
     """The modules that keep a state per sequence; UnsupportedModel for one that keeps it outside transformers'
-    cache interface and attributes ATTRIBUTE_STATES names (batchrun could not give it a slot)."""
+    cache interface and the attributes a family adapter moves (batchrun could not give it a slot)."""
     arch = model.config.model_type
-    # the name after the family's prefix: KimiLinearAttention is Kimi Linear's attention, not linear attention
-    prefix = re.sub(r"(For\w+|Model)$", "", type(model).__name__)
     found, other = [], set()
     for m in model.modules():
         name = type(m).__name__
-        if name in ATTRIBUTE_STATES and not isinstance(getattr(m, "layer_idx", None), int):
+        own_states = families.keeps_own_states(m)
+        if own_states and not isinstance(getattr(m, "layer_idx", None), int):
             m.layer_idx = _decoder_layer_of(model, m)  # RecurrentGemma's block keeps no index of its own
-        if uses_cache_interface(m) or name in ATTRIBUTE_STATES:
+        if uses_cache_interface(m) or own_states:
             if not isinstance(getattr(m, "layer_idx", None), int):
                 raise refusal(arch, f"its stateful module {name} has no `layer_idx`")
             found.append(m)
-        elif STATEFUL_MODULE.search(name.removeprefix(prefix)) and not any(
-            uses_cache_interface(c) for c in m.modules()
-        ):
+        elif families.looks_stateful(model, m) and not any(uses_cache_interface(c) for c in m.modules()):
             other.add(type(m).__name__)
     if other:
         raise refusal(
@@ -224,9 +219,9 @@ def prepare_stateful_layers(modules: list[torch.nn.Module]) -> None:
     for m in modules:
         if "_batchrun_call" in m.__dict__:
             continue
-        attributes = ATTRIBUTE_STATES.get(type(m).__name__)
-        if attributes is not None:
-            m._batchrun_call = StatefulCall(AttributeStates(m.forward, m, *attributes), "cache", ())
+        own = families.stateful_forward(m)  # a module keeping its states in attributes of its own
+        if own is not None:
+            m._batchrun_call = StatefulCall(own, "cache", ())
             m.forward = _stateful_forward.__get__(m)
             continue
         params = inspect.signature(m.forward).parameters
@@ -299,16 +294,9 @@ def check_config(model) -> ModelLayers:
     arch = model.config.model_type
     if getattr(model.config, "is_encoder_decoder", False):
         raise refusal(arch, "an encoder-decoder model; batchrun runs decoder-only causal language models")
-    sparse = sorted({type(m).__name__ for m in model.modules() if SPARSE_MODULE.search(type(m).__name__)})
-    sparse += sorted({t for t in getattr(cfg, "layer_types", None) or [] if SPARSE_LAYER_TYPE.search(t)})
-    if sparse:
-        raise refusal(
-            arch,
-            f"sparse attention ({', '.join(sparse)}): an indexer or compressor chooses or pools each query's keys "
-            "from a score over all earlier tokens and keeps its own cache of them, which batchrun's paged "
-            "attention does not compute (it would need the indexer's keys paged beside K/V and a top-k gather "
-            "in every backend)",
-        )
+    reason = families.refusal(model)  # a family adapter's (sparse attention)
+    if reason is not None:
+        raise refusal(arch, reason)
     for rope in sorted(rope_types(cfg) & BATCH_DEPENDENT_ROPE.keys()):
         raise refusal(
             arch,
@@ -320,7 +308,7 @@ def check_config(model) -> ModelLayers:
     chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
     if any(t == "chunked_attention" for t in layer_types) and not chunk_size:
         raise refusal(arch, "chunked-attention layers without `attention_chunk_size` in the config")
-    fixes = query_scale_fixes(model)
+    fixes = families.query_scale_fixes(model)
     num_layers = max([len(layer_types), *[i + 1 for i in fixes]])
     scale_fixes = tuple(fixes.get(i) for i in range(num_layers)) if fixes else ()
     indices = [m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
@@ -352,7 +340,7 @@ def inspect_model(model) -> ModelAttention:
     layers = check_config(model)
     stateful = stateful_modules(model)
     prepare_stateful_layers(stateful)
-    adapt_modules(model)
+    families.adapt_modules(model)
     probe, states = ProbeAttention(), StateProbe()
     T = 5
     vocab = text_config(model.config).vocab_size

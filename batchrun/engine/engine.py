@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput
-from . import memory
+from . import families, memory
 from .architecture import inspect_model
 from .attention import AttentionServices, make_backend
 from .block_manager import BlockManager
@@ -24,9 +24,7 @@ from .model_runner import ModelRunner
 from .multimodal import (
     EncoderBudget,
     EncoderCache,
-    ImageBlocks,
     ImageInputs,
-    MRope,
     image_feature_bytes,
     image_token_id,
     images_unsupported_reason,
@@ -119,7 +117,7 @@ class Engine:
         # features may wait for prefill (their bytes come out of the KV budget)
         self.images_refusal = images_unsupported_reason(model)
         self.image_token_id = image_token_id(model.config)
-        image_blocks = ImageBlocks.of(model) if self.images_refusal is None else None
+        image_blocks = families.image_blocks(model) if self.images_refusal is None else None
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
         if image_blocks is not None and not self.attention.capabilities.image_blocks:
             self.images_refusal = (
@@ -127,7 +125,7 @@ class Engine:
                 "compute"
             )
             image_blocks = None
-        self.mrope = MRope.of(model) if self.images_refusal is None else None
+        self.mrope = families.image_positions(model) if self.images_refusal is None else None
         encoder_budget = EncoderBudget(config.max_num_batched_tokens) if self.images_refusal is None else None
         self.encoder_budget_bytes = (
             encoder_budget.max_tokens * image_feature_bytes(model) if encoder_budget else 0

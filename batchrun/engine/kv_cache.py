@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import families
 from .page_pool import PageCopy
 
 
@@ -141,28 +142,20 @@ class KVCacheSpec:
                 continue
             layer = per_layer[i] if i < len(per_layer) else None
             layers.append((kind, layer_kv_shape(cfg, layer, sliding=kind == "sliding_attention")))
-        return cls(KVGroups.of_layers(layers, shared_kv_sources(cfg)), page_size, dtype)
+        return cls(KVGroups.of_layers(layers, families.kv_sources(cfg)), page_size, dtype)
 
 
 def layer_kv_shape(cfg, layer=None, sliding: bool = False) -> KVShape:
     """A layer's K/V shape from the config (`layer`: its entry in a per-layer config, as Gemma 4's; `sliding`:
-    a sliding-window layer, whose heads Inkling 2 sizes by `swa_` keys of their own)."""
-    if getattr(cfg, "kv_lora_rank", None):  # MLA: keys of the nope + rope dims, one KV head per query head
-        k_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        return KVShape(cfg.num_attention_heads, k_dim, cfg.v_head_dim)
-    own = lambda key: getattr(cfg, f"swa_{key}", None) if sliding else None
-    read = lambda key: own(key) or getattr(layer, key, None) or getattr(cfg, key, None)
+    a sliding-window layer). A family adapter may size it (families.kv_shape: MLA) or give a sliding layer keys
+    of its own (families.sliding_kv_keys: Inkling 2's `swa_` keys)."""
+    shape = families.kv_shape(cfg, layer, sliding)
+    if shape is not None:
+        return KVShape(*shape)
+    own = families.sliding_kv_keys(cfg) if sliding else {}
+    read = lambda key: own.get(key) or getattr(layer, key, None) or getattr(cfg, key, None)
     head_dim = read("head_dim") or cfg.hidden_size // cfg.num_attention_heads
     return KVShape(read("num_key_value_heads") or cfg.num_attention_heads, head_dim, head_dim)
-
-
-def shared_kv_sources(cfg) -> dict[int, int]:
-    """Layer -> the layer whose K/V it reuses, from a config's `kv_sharing_modes` (Gemma 3n, Gemma 4: a "reuse"
-    layer attends over the K/V of the "store" layer of its type)."""
-    modes = getattr(cfg, "kv_sharing_modes", None) or []
-    types = list(getattr(cfg, "layer_types", None) or [])
-    stores = {types[i]: i for i, m in enumerate(modes) if m == "store"}
-    return {i: stores[types[i]] for i, m in enumerate(modes) if m == "reuse" and types[i] in stores}
 
 
 def text_config(cfg):

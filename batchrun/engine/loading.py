@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput
+from . import families
 from .architecture import not_the_models_fault
 from .attention import ATTENTION_NAME, UnsupportedModel, refusal, register
 from .multimodal import is_vision_language
@@ -104,7 +105,7 @@ def _processor_without_torchvision(model_dir: Path, config):
         elif attribute == "tokenizer":
             parts[attribute] = AutoTokenizer.from_pretrained(model_dir)
         elif attribute == "video_processor":
-            parts[attribute] = NoVideo()  # batchrun gives no video
+            parts[attribute] = NoVideo(**families.video_stand_in(config))  # batchrun gives no video
         elif attribute == "feature_extractor":
             parts[attribute] = None  # nor audio
         else:
@@ -130,11 +131,12 @@ def _processor_without_torchvision(model_dir: Path, config):
 
 
 class NoVideo:
-    """The video processor a processor is built without: batchrun gives no video. SmolVLM's `apply_chat_template`
-    reads its frame-sampling defaults even when the conversation has no video; there are none (None: sample no
-    frames). Anything else asked of it is an error, never a silent default."""
+    """The video processor a processor is built without: batchrun gives no video. It answers only what a family
+    adapter says its processor reads of it even with no video (families.video_stand_in: SmolVLM's
+    frame-sampling defaults); anything else asked of it is an error, never a silent default."""
 
-    num_frames = fps = None
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
 
     def __getattr__(self, name: str):
         raise AttributeError(f"batchrun built this processor without a video processor (asked for {name!r})")

@@ -14,8 +14,9 @@ import torch
 
 from .attention import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
 from .block_table_buffer import BlockTableBuffer, slot_mapping
+from .families import ImageBlocks, MRope
 from .kv_cache import text_config
-from .multimodal import EncoderCache, ImageBlocks, MRope
+from .multimodal import EncoderCache
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
 from .timing import PhaseTimes

@@ -8,10 +8,10 @@ manager for this resource, its bytes counted), and hands the rows of the image t
 model's own forward as `mm_encoder_outputs`: the model merges them into its embeddings itself (its placeholder
 mask, its scatter), as under `generate`. Nothing of the merge is written here.
 
-The image tokens are computed at 1-D positions or at the model's own 3-D ones (`MRope`: Qwen-VL, Qwen 3.5),
-causally, and may then be split across prefill chunks, or, where one image's tokens see each other (Gemma 3 and
-4: `ImageBlocks`), with that mask and each image in one chunk; a family with a rule of its own batchrun has not
-written down is refused at load (`images_unsupported_reason`). The image tokens' K/V live in the pages like any
+The image tokens are computed at 1-D positions or at the model's own 3-D ones (families.qwen_mrope: Qwen-VL,
+Qwen 3.5), causally, and may then be split across prefill chunks, or, where one image's tokens see each other
+(families.gemma_image_blocks: Gemma 3 and 4), with that mask and each image in one chunk; a family with a rule of
+its own that no family adapter writes down is refused images at load (`images_unsupported_reason`). The image tokens' K/V live in the pages like any
 other tokens', so they are swapped, shared and counted like them; for prefix sharing, each image token is keyed
 by the bytes of the prompt's images (`ImageInputs.key_tokens`), so two different images never share a page.
 A sequence's features wait for prefill within a budget the scheduler keeps (`EncoderBudget`)."""
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import families
 from .kv_cache import text_config
 
 
@@ -50,7 +51,7 @@ class ImageInputs:
     packed: bool = False  # the images' patches are concatenated for the encoder, not stacked
     # the processor's per-token tensors [1, prompt length] (Qwen-VL's mm_token_type_ids)
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    # a model with 3-D rotary positions (MRope): the prompt's positions [3, prompt length] and the offset of
+    # a model with 3-D rotary positions (families.MRope): the prompt's positions [3, prompt length] and the offset of
     # every later token's position from its index; None: each token's position is its index
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
@@ -111,7 +112,7 @@ class ImageInputs:
     @functools.cached_property
     def blocks(self) -> list[tuple[int, int]]:
         """The prompt's runs of consecutive image tokens, (start, end) positions: one image's tokens, which
-        attend to each other on models with bidirectional image attention (ImageBlocks)."""
+        attend to each other on models with bidirectional image attention (families.ImageBlocks)."""
         runs: list[tuple[int, int]] = []
         for p in self.positions:
             if runs and runs[-1][1] == p:
@@ -151,150 +152,38 @@ def image_token_id(config) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class ImageBlocks:
-    """Bidirectional image attention: during prefill, one image's tokens see each other, the later ones
-    included, on top of what the layer's mask shows (for a sliding layer, within its window: transformers'
-    AND(window, OR(causal, same image))). Gemma 3 opens every layer (`sliding_only` False); Gemma 4 opens
-    its sliding layers only (with use_bidirectional_attention "vision"). A prefill chunk then never splits an
-    image's tokens (`ImageInputs.keep_whole`); a decoding token, never an image token, is causal as ever."""
-
-    sliding_only: bool
-
-    def applies(self, kind) -> bool:
-        """Whether layers of this mask kind (attention.MaskKind) open an image's tokens to each other."""
-        return not self.sliding_only or kind.window is not None
-
-    @staticmethod
-    def of(model) -> ImageBlocks | None:
-        """The model's rule: None where images attend causally (or the model takes no images)."""
-        family, bidirectional = getattr(model.config, "model_type", None), _bidirectional(model.config)
-        if family == "gemma3" and not bidirectional:  # (set, every token sees every other: an encoder)
-            return ImageBlocks(sliding_only=False)
-        if family == "gemma4" and bidirectional == "vision":
-            return ImageBlocks(sliding_only=True)
-        return None
-
-
-def _bidirectional(config):
-    return getattr(text_config(config), "use_bidirectional_attention", None)
-
-
-# The families whose image tokens are more than causal tokens at 1-D positions that batchrun computes, each
-# against HF `generate` in tests/test_image_families.py: their 3-D rotary positions (MRope), or token types that
-# open one image's tokens to each other (ImageBlocks: Gemma 3 on every layer, Gemma 4 with
-# use_bidirectional_attention="vision" on its sliding layers, causally otherwise). Another family with its own
-# positions (`get_rope_index`) or token types in its forward is refused, rather than computed by a rule written
-# for another.
-MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
-IMAGE_BLOCK_FAMILIES = frozenset({"gemma3", "gemma4"})
-
-
 def images_unsupported_reason(model) -> str | None:
     """Why batchrun cannot feed this model images exactly, or None. It passes the images' features to the
-    model's own forward (`mm_encoder_outputs`, with Qwen3-VL's deepstack features) over a packed row of causal
-    attention (one image's tokens seeing each other on the families of IMAGE_BLOCK_FAMILIES), with 1-D positions
-    or, on MROPE_FAMILIES, the model's own 3-D ones."""
+    model's own forward (`mm_encoder_outputs`) over a packed row of causal attention at 1-D positions, or with
+    what a family adapter writes down for the model's family (its 3-D positions, one image's tokens seeing each
+    other: families.image_refusal refuses a family with such rules of its own that no adapter covers)."""
     if image_token_id(model.config) is None or not is_vision_language(model.config):
         return "it is a text model"
     if not hasattr(model, "get_image_features"):
         return "it has no image encoder (`get_image_features`)"
-    params = inspect.signature(model.forward).parameters
-    if "mm_encoder_outputs" not in params:
+    if "mm_encoder_outputs" not in inspect.signature(model.forward).parameters:
         return "its forward takes no precomputed image features (`mm_encoder_outputs`)"
-    family = getattr(model.config, "model_type", None)
-    if _bidirectional(model.config) and ImageBlocks.of(model) is None:  # beyond one image's tokens
-        return (
-            "its tokens attend to later ones (use_bidirectional_attention), which batchrun does not compute"
-        )
-    if family in MROPE_FAMILIES or family in IMAGE_BLOCK_FAMILIES:
-        return None
-    if MRope.find_owner(model) is not None:
-        return (
-            "its image tokens take 3-D rotary positions of its own family (get_rope_index), which batchrun "
-            f"computes for {', '.join(sorted(MROPE_FAMILIES))} only"
-        )
-    typed = [name for name in ("token_type_ids", "mm_token_type_ids") if name in params]
-    if typed:
-        return (
-            f"its token types (`{typed[0]}`) steer its image attention, which batchrun computes for "
-            f"{', '.join(sorted(IMAGE_BLOCK_FAMILIES))} only"
-        )
-    return None
-
-
-class MRope:
-    """Qwen-VL's and Qwen 3.5's 3-D rotary positions (mrope). An image token's position is its (time, row,
-    column) in the image's grid of merged patches, offset by where the image starts; the text after an image
-    goes on from the image's start plus its larger side, so a prompt with images ends `rope_delta` positions
-    below its length (a negative delta), and every token after the prompt is at its index plus that delta.
-
-    A prompt's positions come from the model's own `get_rope_index`, once per prompt (`prompt_positions`); a
-    step's are its tokens' indices plus their sequence's delta, with each prompt chunk's taken from its prompt's
-    positions (`step_positions`), and reach the model's forward as `position_ids` [3, 1, T], as `generate` gives
-    them. A prompt without images has the 1-D positions in all three rows, as under `generate`."""
-
-    def __init__(self, owner: torch.nn.Module):
-        self.owner = owner  # the module with the model's `get_rope_index`
-
-    @staticmethod
-    def find_owner(model: torch.nn.Module) -> torch.nn.Module | None:
-        """The module with the model's `get_rope_index`, if it has one."""
-        return next((m for m in (model, getattr(model, "model", None)) if hasattr(m, "get_rope_index")), None)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> MRope | None:
-        """The model's 3-D positions, on the families batchrun computes them for (MROPE_FAMILIES)."""
-        owner = cls.find_owner(model)
-        return cls(owner) if owner is not None and model.config.model_type in MROPE_FAMILIES else None
-
-    def prompt_positions(self, prompt: list[int], images: ImageInputs) -> tuple[torch.Tensor, int]:
-        """The prompt's positions [3, prompt length] and the delta of the tokens after it."""
-        grids = torch.stack([e["image_grid_thw"] for e in images.extra])
-        with torch.inference_mode():
-            positions, delta = self.owner.get_rope_index(
-                torch.tensor([prompt]), image_grid_thw=grids, **images.token_inputs
-            )
-        return positions[:, 0], int(delta.reshape(-1)[0])
-
-    @staticmethod
-    def step_positions(positions: torch.Tensor, chunks: list[tuple[Any, int, int]]) -> torch.Tensor:
-        """A step's position_ids [3, 1, T] from its 1-D positions [T] and its (sequence, start, end) chunks in
-        packed order."""
-        deltas = [s.images.rope_delta if s.images is not None else 0 for s, _, _ in chunks]
-        rows = positions
-        if any(deltas):
-            lengths = torch.tensor([b - a for _, a, b in chunks])
-            rows = positions + torch.repeat_interleave(torch.tensor(deltas), lengths).to(positions)
-        rows = rows.expand(3, -1).clone()
-        offset = 0
-        for s, a, b in chunks:
-            rope = s.images.rope_positions if s.images is not None else None
-            if rope is not None and a < rope.shape[1]:
-                end = min(b, rope.shape[1])
-                rows[:, offset : offset + end - a] = rope[:, a:end]
-            offset += b - a
-        return rows[:, None]
+    return families.image_refusal(model)
 
 
 def _feature_rows(output: Any, hidden: int) -> list[torch.Tensor]:
     """Per image, its features [tokens, hidden x streams], from what `get_image_features` returned: the
-    features that replace its placeholder tokens' embeddings, then (Qwen3-VL's deepstack) those the model adds
-    to the same tokens' hidden states after each of its first decoder layers, side by side."""
+    features that replace its placeholder tokens' embeddings, then the further streams a family adapter reads
+    (families.feature_streams: Qwen3-VL's deepstack), side by side."""
     pooled = output.pooler_output if hasattr(output, "pooler_output") else output
     if isinstance(pooled, torch.Tensor) and pooled.dim() == 2:
         pooled = [pooled]
     streams = [[p.reshape(-1, hidden) for p in pooled]]
-    for layer in getattr(output, "deepstack_features", None) or []:
+    for layer in families.feature_streams(output):
         streams.append([p.reshape(-1, hidden) for p in layer])
     return [torch.cat(rows, dim=-1) for rows in zip(*streams, strict=True)]
 
 
 def image_feature_bytes(model) -> int:
     """Bytes of one image token's features while they wait for prefill: the language model's hidden size, once
-    and once more per deepstack layer (Qwen3-VL), in the model's dtype."""
-    vision = getattr(model.config, "vision_config", None)
-    streams = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    and once more per further stream (families.extra_feature_streams: Qwen3-VL's deepstack layers), in the
+    model's dtype."""
+    streams = 1 + families.extra_feature_streams(model)
     itemsize = next(model.parameters()).dtype.itemsize
     return text_config(model.config).hidden_size * streams * itemsize
 
@@ -430,8 +319,7 @@ class EncoderCache:
                 del self.held[s.seq_id]
         streams = torch.cat(rows).split(self.hidden, dim=-1)
         output = self.output_class(pooler_output=(streams[0],) if self.pooled_per_image else streams[0])
-        if len(streams) > 1:  # deepstack: per layer, the step's rows, as one image
-            output.deepstack_features = [(rows,) for rows in streams[1:]]
+        families.with_feature_streams(self.model, output, list(streams[1:]))  # Qwen3-VL's deepstack
         return {"mm_encoder_outputs": {"image": output}}
 
     def release(self, sequences: list) -> None:

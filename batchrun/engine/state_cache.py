@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import families
 from .state_slots import StateCopy
 
 
@@ -164,20 +165,11 @@ def layer_cache(layer_idx: int, layer) -> Any:
 
 @functools.cache
 def _cache_class():
+    """transformers' cache interface, and the names a family's own code gives it (families.cache_methods:
+    MiniMax's `get_linear_cache` / `set_linear_cache`)."""
     from transformers.cache_utils import Cache
 
-    class SlotCache(Cache):
-        """transformers' cache interface, and MiniMax's names for it: its lightning attention keeps its one
-        recurrent state through its own cache class's `get_linear_cache` / `set_linear_cache`."""
-
-        def get_linear_cache(self, layer_idx: int):
-            return self.get_recurrent_state(layer_idx)
-
-        def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
-            self.update_recurrent_state(state, layer_idx)
-            self.layers[layer_idx].has_previous_state[0] = True
-
-    return SlotCache
+    return type("SlotCache", (Cache,), families.cache_methods())
 
 
 class StatefulCall(NamedTuple):
@@ -188,46 +180,6 @@ class StatefulCall(NamedTuple):
     forward: Any
     cache_keyword: str
     positional: tuple[str, ...]
-
-
-class AttributeStates:
-    """A stateful module that keeps its states in attributes of its own rather than through transformers' cache
-    interface (RecurrentGemma's recurrent block: its convolution window in `conv1d_state`, its RG-LRU's state in
-    `rg_lru.recurrent_states`; `generate` sets them up and the module replaces them at every call). It is called
-    as the cache-interface layers are (StatefulCall): each call sets the attributes from the cache layer batchrun
-    hands it (views of the sequences' slots; None for a sequence with no state yet, which the module then starts
-    from zeros), runs the module's own forward with its cache on, puts the states it left into the layer, and
-    clears the attributes again, so no sequence's state stays behind in the module."""
-
-    def __init__(self, forward, module: torch.nn.Module, conv: str, recurrent: str):
-        self.forward = forward  # the module's own
-        # (owner, attribute name) of its convolution state, then of its recurrent state
-        self.places = [_attribute(module, conv), _attribute(module, recurrent)]
-        self.layer_idx = module.layer_idx
-
-    def __call__(self, hidden: torch.Tensor, cache, **kwargs):
-        layer = cache.layers[self.layer_idx]
-        held = (layer.conv_states, layer.recurrent_states)
-        initialized = (layer.is_conv_states_initialized, layer.is_recurrent_states_initialized)
-        for (owner, name), states, ready in zip(self.places, held, initialized):
-            setattr(owner, name, states[0] if ready[0] and layer.has_previous_state[0] else None)
-        try:
-            out = self.forward(hidden, **{**kwargs, "use_cache": True})
-            for (owner, name), states, ready in zip(self.places, held, initialized):
-                states[0], ready[0] = getattr(owner, name), True
-        finally:
-            for owner, name in self.places:
-                setattr(owner, name, None)
-        layer.has_previous_state[0] = True
-        return out
-
-
-def _attribute(module: torch.nn.Module, path: str) -> tuple[Any, str]:
-    """(the object holding the attribute at a dotted path from module, the attribute's name)."""
-    *owners, name = path.split(".")
-    for part in owners:
-        module = getattr(module, part)
-    return module, name
 
 
 class StepStates:

@@ -86,7 +86,7 @@ def token_scores(where: str, kwargs: dict, query_shape) -> TokenScores | None:
         raise UnsupportedModel(
             f"{where} passes a `position_bias` of its own ({type(bias).__name__}), made over the packed row "
             "rather than each sequence's positions; batchrun takes only a relative bias module it knows "
-            "(families.RELATIVE_BIAS)"
+            "(families.inkling_relative_bias)"
         )
     if sinks is not None and tuple(sinks.shape) != (1, num_heads, num_tokens, 1):
         raise UnsupportedModel(
@@ -141,7 +141,7 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]. A module that
     attends over something other than the sequence's tokens runs its model's own eager attention
-    (families.OWN_ATTENTION marks it at load)."""
+    (a family adapter marks it at load: families.inkling_own_attention)."""
     own = getattr(module, "_batchrun_own_attention", None)
     if own is not None:
         return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -32,7 +32,7 @@ def refusal(architecture: str, reason: str) -> UnsupportedModel:
 class RelativeBias(NamedTuple):
     """A relative position bias by backward distance: `logits` [1, Hq, T, R], the bias each query token and head
     adds to the score of the key d = 0..R-1 positions back (none further). The model's own bias module computes
-    it, asked for every distance (families.RELATIVE_BIAS), in place of the [T, T] bias it would build from
+    it, asked for every distance (families.inkling_relative_bias), in place of the [T, T] bias it would build from
     the packed row's indices, which are not the tokens' positions."""
 
     logits: torch.Tensor

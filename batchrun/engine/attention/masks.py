@@ -39,7 +39,7 @@ class MaskKind:
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, images: list[tuple[int, int]] | None = None
     ) -> torch.Tensor:
         """[n, m] bool: query_pos [n] sees key_pos [m]. `images`: (start, end) positions of images whose tokens
-        see each other (multimodal.ImageBlocks), later ones included, within the window or chunk."""
+        see each other (families.ImageBlocks), later ones included, within the window or chunk."""
         q, k = query_pos[:, None], key_pos[None, :]
         seen = k <= q
         if images:

@@ -9,6 +9,6 @@ from dataclasses import dataclass
 class Capabilities:
     """What a backend computes beyond paged causal attention. Every backend computes sliding windows, chunks,
     soft-capping, per-head and per-token sinks and the relative bias (the family matrix runs each); they differ
-    in `image_blocks`: one image's tokens seeing each other during prefill (multimodal.ImageBlocks)."""
+    in `image_blocks`: one image's tokens seeing each other during prefill (families.ImageBlocks)."""
 
     image_blocks: bool
