@@ -70,6 +70,19 @@ def test_prompts_of_a_common_prefix_and_a_model_that_ran_longer_ones(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_forward_reads_nothing_back_nor_makes_tensors_from_python_data(family):
+    """The per-sequence cos/sin are made in `ModelRunner.prepare`; the rotary module's forward only casts them
+    (tests/test_no_sync.py's watch, on chunked prompts beside decodes, crossing the original context)."""
+    from test_no_sync import watch_engine
+
+    model, _ = models(family)
+    token_lists = [prompts(256)[1], prompts(256)[3]]  # 11 and 33 tokens: one crosses the original context
+    watched = watch_engine(engine(model, max_num_batched_tokens=16), token_lists)
+    assert not watched.reads, watched.reads[0]
+    assert not watched.made, watched.made[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_without_per_sequence_factors_rows_differ(family, monkeypatch):
     """Why: the model's own rotary call over the packed step picks the factors of the step's longest sequence
     (and for dynamic NTK keeps the longest length it has seen), and the rows differ from HF on them alone."""
