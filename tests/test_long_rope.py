@@ -123,3 +123,16 @@ def test_dynamic_ntk_where_the_model_recomputes_at_the_switch_is_refused(monkeyp
     model = build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged")
     with pytest.raises(UnsupportedModel, match="llama.*dynamic"):
         engine(model)
+
+
+def test_dynamic_ntk_on_one_layer_type_is_refused():
+    """Gemma 3 with dynamic NTK on its full layers alone: RoPE types per layer type are not chosen per sequence;
+    refused at load naming the scaling, never a crash on the dict of types."""
+    overrides = dict(SUPPORTED["gemma3_text"][1])
+    overrides["rope_parameters"] = {
+        "full_attention": dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0),
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+    }
+    model = build("gemma3_text", overrides, "paged")
+    with pytest.raises(UnsupportedModel, match="gemma3_text.*`dynamic`.*per layer type"):
+        engine(model)

@@ -70,7 +70,8 @@ class PerSequenceRope:
         if not found:
             return None
         arch = model.config.model_type
-        modules = [m for m in model.modules() if getattr(m, "rope_type", None) in found]
+        # a module with RoPE types per layer type holds them in a dict: none found, refused below
+        modules = [m for m in model.modules() if _rope_type(m) in found]
         if len(modules) != 1 or not hasattr(modules[0], "original_inv_freq"):
             raise refusal(
                 arch,
@@ -151,6 +152,12 @@ class PerSequenceRope:
         if self.rope_type == "dynamic":
             m.register_buffer("inv_freq", m.original_inv_freq, persistent=False)
             m.max_seq_len_cached = m.original_max_seq_len
+
+
+def _rope_type(module: torch.nn.Module) -> str | None:
+    """A rotary module's one RoPE type; None for a module with none, or with one per layer type."""
+    rope_type = getattr(module, "rope_type", None)
+    return rope_type if isinstance(rope_type, str) else None
 
 
 def _original_context(module: torch.nn.Module, rope_type: str) -> int:
