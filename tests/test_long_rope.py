@@ -136,3 +136,22 @@ def test_dynamic_ntk_on_one_layer_type_is_refused():
     model = build("gemma3_text", overrides, "paged")
     with pytest.raises(UnsupportedModel, match="gemma3_text.*`dynamic`.*per layer type"):
         engine(model)
+
+
+def test_longrope_outside_the_phi3_family_keeps_each_tokens_rotation():
+    """LongRoPE on a Llama, whose `generate` never drops its cache: the prompt's tokens keep the short factors
+    after the sequence passes the original context, the generated ones past it take the long ones; equal to HF
+    `generate` on each prompt alone, with chunked prompts."""
+    from model_families import perturb
+
+    rope = SUPPORTED["phi3:longrope"][1]["rope_parameters"]
+    overrides = dict(rope_parameters=rope, max_position_embeddings=128)
+    model, ref = build("llama", overrides, "paged"), build("llama", overrides, "eager")
+    perturb(model, seed=3)
+    ref.load_state_dict(model.state_dict())
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    eng = engine(model, max_num_batched_tokens=16)
+    assert eng.scheduler.recompute_at is None
+    token_lists = [prompts(256)[i] for i in (0, 1, 3)]  # 4, 11 (crossing) and 33 tokens
+    assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
