@@ -10,6 +10,8 @@ sequences (prompts of 4-75 tokens and 24 new ones), so every masked path is exer
 from __future__ import annotations
 
 WINDOW = 32
+# LongRoPE's and dynamic NTK's original context: the prompts and generations run on both sides of it
+ORIGINAL_CONTEXT = 32
 
 # every family: hidden 64, 4 heads of 16 over 2 KV heads, vocabulary 256; `layers` is the number of layers
 TINY = dict(
@@ -131,6 +133,28 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
     "granite": ("scaled residuals and logits", {}),
     "phi": ("partial rotary, parallel blocks", {}),
     "phi3": ("fused projections", dict(sliding_window=None)),
+    # Phi-3.5-mini / Phi-4-mini: LongRoPE past an original context of 32, its factors per sequence
+    "phi3:longrope": (
+        "LongRoPE: short factors to 32 tokens, long past them, cache computed again at the switch",
+        dict(
+            sliding_window=None,
+            original_max_position_embeddings=ORIGINAL_CONTEXT,
+            rope_parameters=dict(
+                rope_type="longrope",
+                short_factor=[1.0 + i / 8 for i in range(8)],  # one per rotary frequency (head_dim 16)
+                long_factor=[4.0 + i for i in range(8)],
+                original_max_position_embeddings=ORIGINAL_CONTEXT,
+                rope_theta=10000.0,
+            ),
+        ),
+    ),
+    "llama:dynamic_ntk": (
+        "dynamic NTK scaling past 32 tokens, frequencies per sequence",
+        dict(
+            max_position_embeddings=ORIGINAL_CONTEXT,
+            rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0),
+        ),
+    ),
     "gpt_neox": ("parallel residual", dict(_drop=["num_key_value_heads"])),  # no GQA: heads = KV heads
     "gpt2": ("learned positions", dict(_drop=["num_key_value_heads"])),
     "olmo2": ("post-norms", {}),
@@ -340,13 +364,14 @@ REFUSED: dict[str, tuple[str, dict]] = {
 
 
 def tiny_config(family: str, overrides: dict):
+    """`family`: a `model_type`, or `model_type:variant` for a second configuration of it."""
     from transformers import AutoConfig
 
     kw = dict(TINY)
     kw.update(overrides)
     for key in kw.pop("_drop", []):  # keys a family's config does not take
         del kw[key]
-    return AutoConfig.for_model(family, **kw)
+    return AutoConfig.for_model(family.split(":")[0], **kw)
 
 
 def perturb(model, seed: int) -> None:

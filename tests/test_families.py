@@ -67,9 +67,20 @@ def hf_tokens(ref, token_lists: list[list[int]]) -> list[list[int]]:
     out = []
     with torch.inference_mode():
         for p in token_lists:
+            fresh_rotary_state(ref)
             ids = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+def fresh_rotary_state(model) -> None:
+    """Each prompt as on a freshly loaded model: dynamic NTK's rotary module keeps the longest length it has
+    seen, and uses its frequencies for any later sequence between the original context and that length
+    (transformers' `dynamic_rope_update`), so without this a prompt would depend on the prompts before it."""
+    for m in model.modules():
+        if getattr(m, "rope_type", None) == "dynamic":
+            m.register_buffer("inv_freq", m.original_inv_freq, persistent=False)
+            m.max_seq_len_cached = m.original_max_seq_len
 
 
 @functools.cache

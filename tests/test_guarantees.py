@@ -1,6 +1,6 @@
-"""Promises at the edges: no row depends on its batch-mates through RoPE scaling, load failures that are
-not the model's fault keep their own error, sharded statistics never overwrite each other, a dead run's temporary
-files go, the prefix chain cannot collide."""
+"""Promises at the edges: no row depends on its batch-mates through static RoPE scaling (LongRoPE and dynamic
+NTK: tests/test_long_rope.py), load failures that are not the model's fault keep their own error, sharded
+statistics never overwrite each other, a dead run's temporary files go, the prefix chain cannot collide."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ import subprocess
 import pytest
 import torch
 from helpers import run_engine
-from model_families import TINY, perturb, tiny_config
+from model_families import perturb, tiny_config
 from test_families import NEW_TOKENS, hf_tokens, prompts
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.attention import UnsupportedModel
 
-HALF = TINY["head_dim"] // 2  # rotary frequencies per head
 ROPE = {
     "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0),
     "llama3": dict(
@@ -28,14 +27,6 @@ ROPE = {
         original_max_position_embeddings=32,
         rope_theta=10000.0,
     ),
-    "longrope": dict(
-        rope_type="longrope",
-        short_factor=[1.0] * HALF,
-        long_factor=[4.0] * HALF,
-        original_max_position_embeddings=32,
-        rope_theta=10000.0,
-    ),
-    "dynamic": dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0),
 }
 
 
@@ -45,8 +36,6 @@ def rope_models(family: str, rope: str):
     from batchrun.engine.loading import paged_model_from_config
 
     overrides = dict(rope_parameters=ROPE[rope], max_position_embeddings=128)
-    if family == "phi3":  # Phi-3 reads the original context from its own key
-        overrides.update(original_max_position_embeddings=32, sliding_window=None)
     torch.manual_seed(0)
     ours = paged_model_from_config(tiny_config(family, overrides)).eval()
     perturb(ours, seed=1)
@@ -70,33 +59,6 @@ def test_static_rope_scaling_is_exact_and_batch_invariant(rope):
     alone = Engine(ours, None, EngineConfig(device="cpu", num_pages=128), torch.device("cpu"))
     seqs, _ = run_engine(alone, token_lists[:1], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert seqs[0][0].output_token_ids == expected[0]
-
-
-@pytest.mark.parametrize(("family", "rope"), [("phi3", "longrope"), ("llama", "dynamic")])
-def test_batch_dependent_rope_is_refused_at_load(family, rope):
-    """LongRoPE picks its factors, dynamic NTK its frequencies, from the longest sequence of the forward: in a
-    packed step a short row would get its long batch-mate's choice. Refused at load, naming the scaling."""
-    ours, _ = rope_models(family, rope)
-    with pytest.raises(UnsupportedModel, match=rope):
-        Engine(ours, None, EngineConfig(device="cpu", num_pages=64), torch.device("cpu"))
-
-
-def test_batch_dependent_rope_would_change_a_short_row():
-    """Why it is refused: with the refusal lifted, the short prompts beside a long one differ from HF on them
-    alone (the reason the check exists, measured)."""
-    from batchrun.engine import architecture
-
-    ours, ref = rope_models("phi3", "longrope")
-    token_lists = prompts(256)
-    expected = hf_tokens(ref, token_lists)
-    saved = dict(architecture.BATCH_DEPENDENT_ROPE)
-    architecture.BATCH_DEPENDENT_ROPE.clear()
-    try:
-        engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=128), torch.device("cpu"))
-        seqs, _ = run_engine(engine, token_lists, SamplingParams(max_new_tokens=NEW_TOKENS))
-    finally:
-        architecture.BATCH_DEPENDENT_ROPE.update(saved)
-    assert [s[0].output_token_ids for s in seqs] != expected
 
 
 def test_out_of_memory_at_the_probe_is_not_a_bad_model(monkeypatch):

@@ -71,6 +71,11 @@ def watch_forward(model: torch.nn.Module, mode: HostReadsInForward):
 
 def run_watched(tok_model, prompts, attention: str, extra_hook=None) -> HostReadsInForward:
     engine = make_engine(tok_model, attention=attention, max_num_batched_tokens=96, num_pages=128)
+    return watch_engine(engine, prompts, extra_hook)
+
+
+def watch_engine(engine, prompts, extra_hook=None) -> HostReadsInForward:
+    """Run the prompts on `engine`, recording the host reads and tensors from Python data of its forwards."""
     decoder = engine.runner.model.get_decoder()  # also what runs when no sequence samples
     mode = HostReadsInForward()
     hooks = watch_forward(decoder, mode)

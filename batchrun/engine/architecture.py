@@ -26,6 +26,8 @@ What particular families compute around their attention (Llama 4's query scale, 
 its attention over earlier blocks), and the families refused by what their modules are (sparse attention,
 states kept outside the cache interface), are the family adapters' rules (families/): this module asks them,
 and installs their changes before the probe.
+RoPE scalings whose factors depend on the sequence's length (LongRoPE, dynamic NTK) get them per packed sequence
+(per_sequence_rope.py), also installed here.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .attention import (
 from .attention.reference import attend
 from .families import QueryScaleFix
 from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
+from .per_sequence_rope import PerSequenceRope
 from .state_cache import StatefulCall, StateProbe, StateSpec
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
@@ -100,6 +103,8 @@ class ModelAttention:
     calls: tuple[LayerCall | None, ...]  # per layer: its call as the probe read it
     kv_reads: tuple[tuple[int, int], ...] = ()  # (layer, earlier layer whose K/V it was given: KV sharing)
     states: StateSpec | None = None  # what a hybrid model's stateful layers keep per sequence
+    # RoPE factors chosen per sequence (LongRoPE, dynamic NTK); None: the model's own call, the same for all
+    rope: PerSequenceRope | None = field(default=None, compare=False)
 
     @property
     def groups(self) -> KVGroups:
@@ -268,15 +273,6 @@ def not_the_models_fault(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("out of memory" in text or "not enough memory" in text)
 
 
-# RoPE scalings that transformers picks per forward from the longest sequence in the batch: in a packed step
-# every sequence would get the choice made for its longest batch-mate (LongRoPE's short or long factors, dynamic
-# NTK's rescaled frequencies), a silent difference from the model run on that sequence alone
-BATCH_DEPENDENT_ROPE = {
-    "longrope": "LongRoPE picks its short or long factors from the batch's longest sequence",
-    "dynamic": "dynamic NTK rescales its frequencies from the batch's longest sequence",
-}
-
-
 def rope_types(cfg) -> set[str]:
     """The RoPE scaling types a config asks for (transformers 5's `rope_parameters`, per layer type or one)."""
     found = set()
@@ -297,12 +293,6 @@ def check_config(model) -> ModelLayers:
     reason = families.refusal(model)  # a family adapter's (sparse attention)
     if reason is not None:
         raise refusal(arch, reason)
-    for rope in sorted(rope_types(cfg) & BATCH_DEPENDENT_ROPE.keys()):
-        raise refusal(
-            arch,
-            f"its RoPE scaling `{rope}` depends on the batch ({BATCH_DEPENDENT_ROPE[rope]}); batchrun packs "
-            "sequences of every length into one step, so rows would depend on their batch-mates",
-        )
     layer_types = list(getattr(cfg, "layer_types", None) or [])
     chunk_size = getattr(cfg, "attention_chunk_size", None)
     chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
@@ -338,6 +328,8 @@ def inspect_model(model) -> ModelAttention:
     attention layers are and what its stateful layers keep."""
     arch = model.config.model_type
     layers = check_config(model)
+    # LongRoPE and dynamic NTK: factors per packed sequence (refused where they cannot be)
+    rope = PerSequenceRope.of(model, rope_types(text_config(model.config)))
     stateful = stateful_modules(model)
     prepare_stateful_layers(stateful)
     families.adapt_modules(model)
@@ -414,6 +406,7 @@ def inspect_model(model) -> ModelAttention:
         calls=tuple(layer_calls),
         kv_reads=kv_reads(probe, layer_kv),
         states=state_spec if state_spec.layers else None,
+        rope=rope,
     )
 
 

@@ -144,7 +144,8 @@ class Engine:
             self.num_pages,
             config.page_size,
             sizes.num_cpu_pages,
-            config.prefix_sharing,
+            # a page of a model with RoPE factors per sequence holds K/V rotated for its own sequence's length
+            config.prefix_sharing and self.model_attention.rope is None,
             [kind.first_key for kind in self.kv_groups.kinds],
         )
         self.state_slots = (
@@ -160,6 +161,7 @@ class Engine:
             whole_prompts=not chunks,
             whole_images=image_blocks is not None,
             encoder_budget=encoder_budget,
+            recompute_at=self.model_attention.rope and self.model_attention.rope.recompute_at,
         )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
@@ -192,6 +194,7 @@ class Engine:
             self.encoder,
             self.mrope,
             image_blocks,
+            self.model_attention.rope,
         )
         self.outputs = OutputProcessor(
             tokenizer,

@@ -17,6 +17,7 @@ from .block_table_buffer import BlockTableBuffer, slot_mapping
 from .families import ImageBlocks, MRope
 from .kv_cache import text_config
 from .multimodal import EncoderCache
+from .per_sequence_rope import PerSequenceRope
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
 from .timing import PhaseTimes
@@ -34,8 +35,10 @@ class ModelRunner:
         encoder: EncoderCache | None = None,
         mrope: MRope | None = None,
         image_blocks: ImageBlocks | None = None,
+        rope: PerSequenceRope | None = None,
     ):
         self.model = model
+        self.rope = rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
         self.mrope = mrope  # a model with 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = image_blocks  # Gemma's bidirectional image attention; None: images are causal
         self.encoder = encoder  # a vision-language model's image features (multimodal.py); None: text only
@@ -111,6 +114,8 @@ class ModelRunner:
             slots = [s.seq.state_slot for s in scheduled]
             states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
         meta = AttentionMetadata(self.services, step, groups, states, self.dtype)
+        if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors
+            meta.rotary_embeddings = self.rope.step_embeddings(scheduled, step.positions)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = step.positions[None]
         if self.mrope is not None:  # [3, 1, T]

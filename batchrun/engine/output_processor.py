@@ -87,6 +87,8 @@ class OutputProcessor:
                 if self._check_finished(seq):
                     self.scheduler.finish(seq)
                     result.finished.append(seq)
+                elif seq.num_tokens == self.scheduler.recompute_at:
+                    self.scheduler.recompute(seq)  # Phi-3's LongRoPE switch (per_sequence_rope.py)
 
     def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
         """One token for each sampling sequence, from its logits row (grammar-masked where it has one); the

@@ -85,8 +85,12 @@ class Scheduler:
         whole_prompts: bool = False,
         whole_images: bool = False,
         encoder_budget: EncoderBudget | None = None,
+        recompute_at: int | None = None,
     ):
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
+        # a sequence reaching this many tokens is computed again whole (`recompute`: Phi-3's LongRoPE switches to
+        # its long factors there, per_sequence_rope.py); None: never
+        self.recompute_at = recompute_at
         self.bm = block_manager
         # a hybrid model's state slots: a running sequence holds one beside its pages
         self.states = states if states is not None else NoStateSlots()
@@ -230,11 +234,20 @@ class Scheduler:
             _add(out.state_swap_out, self.states.swap_out(seq))
             self.swapped.append(seq)
         else:
-            self.bm.free_sequence(seq)
-            self.states.free(seq)
-            seq.num_computed_tokens = 0
+            self._drop_for_recompute(seq)
             out.recomputed.append(seq)
-            self.waiting.appendleft(seq)
+
+    def recompute(self, seq: Sequence) -> None:
+        """A running sequence computes its tokens again, as one prompt, next admitted (not a preemption: the
+        model asks for it, `recompute_at`)."""
+        del self.running[seq]
+        self._drop_for_recompute(seq)
+
+    def _drop_for_recompute(self, seq: Sequence) -> None:
+        self.bm.free_sequence(seq)
+        self.states.free(seq)
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:

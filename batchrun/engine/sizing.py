@@ -54,9 +54,19 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
 
 
 def model_max_len(model_config) -> int:
+    """The model's own limit on prompt + completion. Dynamic NTK scaling is made to run past
+    `max_position_embeddings` (its original context): up to `factor` times it."""
+    cfg = text_config(model_config)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(text_config(model_config), key, None)
+        value = getattr(cfg, key, None)
         if isinstance(value, int) and value > 0:
+            rope = getattr(cfg, "rope_parameters", None)
+            if (
+                key == "max_position_embeddings"
+                and isinstance(rope, dict)
+                and rope.get("rope_type") == "dynamic"
+            ):
+                value = int(value * rope.get("factor", 1.0))
             return value
     return 8192
 

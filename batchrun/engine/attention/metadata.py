@@ -155,6 +155,10 @@ class AttentionMetadata:
     slots (`states`: state_cache.StepStates, or the load probe's StateProbe; None for a model without
     stateful layers). Everything is built here, before the forward."""
 
+    # the step's cos/sin per packed sequence (per_sequence_rope.PerSequenceRope, set by `ModelRunner.prepare`
+    # for LongRoPE and dynamic NTK); None: the model's rotary module computes them
+    rotary_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def __init__(
         self,
         services: AttentionServices,

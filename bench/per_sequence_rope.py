@@ -1,0 +1,49 @@
+"""The host time of per-sequence RoPE factors (engine/per_sequence_rope.py): `step_embeddings` for a step of
+decodes past the original context, on the test matrix's tiny LongRoPE Phi-3 and dynamic NTK Llama.
+
+  python -m bench.per_sequence_rope
+
+LongRoPE has two choices of factors, so a step makes at most two rotary calls; dynamic NTK has frequencies of
+each sequence's own length past the original context, so one call per such sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def main() -> None:
+    from test_families import models
+
+    from batchrun.engine import SamplingParams
+    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.scheduler import ScheduledSequence
+    from batchrun.engine.sequence import Sequence
+
+    for family in ("phi3:longrope", "llama:dynamic_ntk"):
+        rope = inspect_model(models(family)[0]).rope
+        for n in (1, 64):
+            step = []
+            for i in range(n):  # prompts of 40.. tokens (past the original 32), 8 generated
+                seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
+                seq.output_token_ids = [5] * 8
+                step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1))
+            positions = torch.tensor([s.start for s in step])
+            repeats = 50
+            with torch.inference_mode():
+                rope.step_embeddings(step, positions)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    rope.step_embeddings(step, positions)
+            ms = 1e3 * (time.perf_counter() - start) / repeats
+            print(f"{family}: {n} decodes past the original context: {ms:.2f} ms per step")
+
+
+if __name__ == "__main__":
+    main()

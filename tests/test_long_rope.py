@@ -1,0 +1,157 @@
+"""LongRoPE (Phi-3.5-mini / Phi-4-mini) and dynamic NTK scaling, their factors chosen per packed sequence
+(batchrun/engine/per_sequence_rope.py): each row equals HF `generate` on it alone (a freshly loaded model) under
+chunked prefill, swap and recompute preemption, prefix-sharing prompts and a model that ran longer sequences
+before; and what each part is for: without per-sequence factors, or without Phi-3's recompute at the switch, the
+rows differ. The matrix (tests/test_families.py, test_family_invariance.py) runs both models on every CPU backend
+and checks batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_engine
+from model_families import ORIGINAL_CONTEXT, SUPPORTED
+from test_families import NEW_TOKENS, build, hf_tokens, model_and_reference, models, prompts
+
+from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine.attention import UnsupportedModel
+from batchrun.engine.per_sequence_rope import PerSequenceRope
+
+FAMILIES = ["phi3:longrope", "llama:dynamic_ntk"]
+
+
+def engine(model, **config) -> Engine:
+    cfg = dict(device="cpu", num_pages=128, page_size=16, max_num_batched_tokens=64)
+    cfg.update(config)
+    return Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
+
+
+def generate(eng: Engine, token_lists: list[list[int]]) -> list[list[int]]:
+    seqs, _ = run_engine(eng, token_lists, SamplingParams(max_new_tokens=NEW_TOKENS))
+    eng.check_integrity()
+    return [s[0].output_token_ids for s in seqs]
+
+
+def test_the_prompts_and_generations_cross_the_original_context():
+    lengths = [len(p) for p in prompts(256)]
+    assert min(lengths) < ORIGINAL_CONTEXT < max(lengths)
+    assert any(n <= ORIGINAL_CONTEXT < n + NEW_TOKENS for n in lengths), "no generation crosses it"
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_and_preemption_equal_hf_generate(family, preemption):
+    """Prompts prefilled 8 tokens a step (each chunk rotated for the whole prompt's length, not the chunk's), and
+    sequences preempted (a recomputed sequence's generated tokens keep the rotation they were first computed
+    with; Phi-3's all take the factors of the whole length, as its cache drop does)."""
+    model, expected = model_and_reference(family)
+    eng = engine(model, num_pages=10, max_num_batched_tokens=8, preemption=preemption, swap_space=1 << 22)
+    seqs, steps = run_engine(eng, prompts(256), SamplingParams(max_new_tokens=NEW_TOKENS))
+    got = [s[0].output_token_ids for s in seqs]
+    eng.check_integrity()
+    assert any(s.plan.preempted for s in steps), "no sequence was preempted"
+    assert got == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_of_a_common_prefix_and_a_model_that_ran_longer_ones(family):
+    """Two prompts sharing a 20-token prefix, one ending before the original context and one past it: their
+    pages hold K/V rotated for their own lengths, so nothing is shared (prefix sharing is off for these models).
+    Then a prompt just past the original context on the same engine, after the long ones finished: it keeps no
+    dynamic NTK length of theirs."""
+    model, ref = models(family)
+    prefix = prompts(256)[-1][:20]
+    token_lists = [prefix + [5] * 6, prefix + [7] * 30]
+    eng = engine(model, prefix_sharing=True)
+    assert not eng.block_manager.prefix_cache.enabled
+    assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
+    after = [prompts(256)[3]]  # 33 tokens
+    assert generate(eng, after) == hf_tokens(ref, after)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_forward_reads_nothing_back_nor_makes_tensors_from_python_data(family):
+    """The per-sequence cos/sin are made in `ModelRunner.prepare`; the rotary module's forward only casts them
+    (tests/test_no_sync.py's watch, on chunked prompts beside decodes, crossing the original context)."""
+    from test_no_sync import watch_engine
+
+    model, _ = models(family)
+    token_lists = [prompts(256)[1], prompts(256)[3]]  # 11 and 33 tokens: one crosses the original context
+    watched = watch_engine(engine(model, max_num_batched_tokens=16), token_lists)
+    assert not watched.reads, watched.reads[0]
+    assert not watched.made, watched.made[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_per_sequence_factors_rows_differ(family, monkeypatch):
+    """Why: the model's own rotary call over the packed step picks the factors of the step's longest sequence
+    (and for dynamic NTK keeps the longest length it has seen), and the rows differ from HF on them alone."""
+    model, expected = model_and_reference(family)
+    monkeypatch.setattr(PerSequenceRope, "step_embeddings", lambda self, scheduled, positions: None)
+    assert generate(engine(model), prompts(256)) != expected
+
+
+def test_phi3_computes_the_sequence_again_at_the_switch(monkeypatch):
+    """Phi-3's `prepare_inputs_for_generation` drops the cache when a sequence first passes the original context:
+    every earlier token is computed again with the long factors. batchrun recomputes the sequence there (its
+    pages dropped); without that recompute, the rows that cross differ."""
+    from batchrun.engine.scheduler import Scheduler
+
+    model, expected = model_and_reference("phi3:longrope")
+    eng = engine(model)
+    assert eng.scheduler.recompute_at == ORIGINAL_CONTEXT + 1
+    recomputed = []
+    real = Scheduler.recompute
+    monkeypatch.setattr(Scheduler, "recompute", lambda self, seq: recomputed.append(seq) or real(self, seq))
+    assert generate(eng, prompts(256)) == expected
+    crossing = [p for p in prompts(256) if len(p) <= ORIGINAL_CONTEXT < len(p) + NEW_TOKENS]
+    assert sorted(s.num_prompt_tokens for s in recomputed) == sorted(len(p) for p in crossing)
+    eng = engine(model)
+    eng.scheduler.recompute_at = None
+    got = generate(eng, prompts(256))
+    for p, g, e in zip(prompts(256), got, expected):
+        assert (g == e) == (p not in crossing), f"prompt of {len(p)} tokens"
+
+
+def test_dynamic_ntk_where_the_model_recomputes_at_the_switch_is_refused(monkeypatch):
+    """Dynamic NTK on a model whose cache is dropped at the original context (Phi-3's configs take LongRoPE only,
+    so a Llama said to do it): the drop would mix both rules (generated tokens keep their rotation, but all are
+    rotated again once), which is not computed per sequence; refused at load naming it."""
+    from batchrun.engine import per_sequence_rope
+
+    monkeypatch.setattr(per_sequence_rope, "recomputes_cache_at_original_context", lambda model: True)
+    model = build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged")
+    with pytest.raises(UnsupportedModel, match="llama.*dynamic"):
+        engine(model)
+
+
+def test_dynamic_ntk_on_one_layer_type_is_refused():
+    """Gemma 3 with dynamic NTK on its full layers alone: RoPE types per layer type are not chosen per sequence;
+    refused at load naming the scaling, never a crash on the dict of types."""
+    overrides = dict(SUPPORTED["gemma3_text"][1])
+    overrides["rope_parameters"] = {
+        "full_attention": dict(rope_type="dynamic", factor=4.0, rope_theta=10000.0),
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+    }
+    model = build("gemma3_text", overrides, "paged")
+    with pytest.raises(UnsupportedModel, match="gemma3_text.*`dynamic`.*per layer type"):
+        engine(model)
+
+
+def test_longrope_outside_the_phi3_family_keeps_each_tokens_rotation():
+    """LongRoPE on a Llama, whose `generate` never drops its cache: the prompt's tokens keep the short factors
+    after the sequence passes the original context, the generated ones past it take the long ones; equal to HF
+    `generate` on each prompt alone, with chunked prompts."""
+    from model_families import perturb
+
+    rope = SUPPORTED["phi3:longrope"][1]["rope_parameters"]
+    overrides = dict(rope_parameters=rope, max_position_embeddings=128)
+    model, ref = build("llama", overrides, "paged"), build("llama", overrides, "eager")
+    perturb(model, seed=3)
+    ref.load_state_dict(model.state_dict())
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    eng = engine(model, max_num_batched_tokens=16)
+    assert eng.scheduler.recompute_at is None
+    token_lists = [prompts(256)[i] for i in (0, 1, 3)]  # 4, 11 (crossing) and 33 tokens
+    assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
