@@ -288,6 +288,26 @@ def test_models_and_modules_batchrun_cannot_reproduce_are_refused(bases, tmp_pat
         plan_for(chat, PoolerConfig(), "job.yaml")
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
+def test_a_decoder_whose_rope_factors_follow_the_longest_text_is_refused(bases, tmp_path, rope):
+    """Dynamic NTK and LongRoPE pick their factors from the forward's longest position: packed beside a long
+    text, a short text's vector would change. Refused at load, naming the scaling."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from batchrun import LLM
+    from batchrun.engine.attention import UnsupportedModel
+
+    config = AutoConfig.from_pretrained(bases["qwen3"])
+    config.rope_parameters = {**config.rope_parameters, **rope}
+    if rope["rope_type"] == "longrope":
+        half = config.head_dim // 2
+        config.rope_parameters.update(short_factor=[1.0] * half, long_factor=[2.0] * half)
+        config.original_max_position_embeddings = 64
+    folder = save_base_model(config, AutoTokenizer.from_pretrained(bases["qwen3"]), tmp_path / "m")
+    with pytest.raises(UnsupportedModel, match=rope["rope_type"]):
+        LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler={"pooling": "mean"})
+
+
 def test_embed_on_a_bad_text_is_that_texts_error(bases, tmp_path):
     from batchrun import LLM
 

@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 from ..errors import BadInput
 from . import cpu_linear
+from .architecture import rope_types
 from .attention import UnsupportedModel, int_tensor
 from .packed_attention import PACKED_ATTENTION, PackedLayout, register
+from .per_sequence_rope import LENGTH_DEPENDENT_ROPE
 from .pooler import PoolingPlan
 from .sentence_config import DenseLayer
 
@@ -239,6 +241,14 @@ class PoolingRunner:
         """Short texts through the model at load: every layer must reach batchrun's attention function, and a
         text's token states must not change beside another (its positions restart, nothing crosses texts)."""
         name = type(self.model).__name__
+        # LongRoPE and dynamic NTK take their factors from the longest position of the forward: over a packed
+        # row of texts, a text's vector would depend on its batch-mates (generation computes them per sequence,
+        # per_sequence_rope.py; a pooling forward has no such split)
+        for rope in sorted(rope_types(self.model.config) & LENGTH_DEPENDENT_ROPE):
+            raise UnsupportedModel(
+                f"{name} cannot run on batchrun: its RoPE scaling `{rope}` takes its factors from the longest "
+                "text of a packed row, so a text's vector would depend on the texts beside it"
+            )
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             raise UnsupportedModel(f"{name} cannot run on batchrun: its forward takes no position_ids")
         vocab = self.model.config.vocab_size
