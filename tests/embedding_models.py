@@ -91,16 +91,21 @@ def decoder_config(vocab_size: int, eos_token_id: int):
     )  # fmt: skip
 
 
+def perturb_norms_and_biases(model) -> None:
+    """Norms and biases moved off their initial 1s and 0s (randomly, after the caller's seed)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+
+
 def save_base_model(config, tokenizer, folder: Path) -> Path:
     """A random-weight base model (seed 0, biases and norms perturbed so no weight is a plain 0 or 1)."""
     from transformers import AutoModel
 
     torch.manual_seed(0)
     model = AutoModel.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.lower() or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_norms_and_biases(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -129,10 +134,9 @@ def save_sequence_classifier(
     config.label2id = {v: k for k, v in id2label.items()}
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)
+    perturb_norms_and_biases(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name.lower() or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
             if name.startswith(("classifier", "score")):
                 p.mul_(30)
     model.save_pretrained(folder)

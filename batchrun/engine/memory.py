@@ -57,13 +57,15 @@ class MemorySnapshot:
 def count(
     bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
 ) -> MemorySnapshot:
-    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
+    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens."""
+    counter = _count_shared if bm.pool.num_shared else _count_unshared
+    return _snapshot(bm, states, running, num_waiting, num_swapped, **counter(bm, running, reservation))
 
-    Every step, so it touches one page per sequence in Python: a sequence's pages before its computed end are
-    full for every holder (set unions, in C), the page holding that end is partly filled, the rest are empty;
-    a page's count is its fullest holder's."""
-    if not bm.pool.num_shared:
-        return _count_unshared(bm, states, running, num_waiting, num_swapped, reservation)
+
+def _count_shared(bm: BlockManager, running: list[Sequence], reservation) -> dict[str, int]:
+    """`count` where pages are shared: every step, so it touches one page per sequence in Python: a sequence's
+    pages before its computed end are full for every holder (set unions, in C), the page holding that end is
+    partly filled, the rest are empty; a page's count is its fullest holder's."""
     P = bm.page_size
     used: set[int] = set()  # physical pages in the block tables
     full: set[int] = set()  # pages some holder has filled
@@ -84,17 +86,9 @@ def count(
                 partial[table[k]] = rest
             cached += computed - null * P
         reserved += reservation(seq)
-    tokens_stored = P * len(full) + sum(n for page, n in partial.items() if page not in full)
-    return _snapshot(
-        bm,
-        states,
-        running,
-        num_waiting,
-        num_swapped,
+    return dict(
         pages_used=len(used),
-        pages_allocatable=bm.num_free_pages,
-        state_slots_used=states.num_used,
-        tokens_stored=tokens_stored,
+        tokens_stored=P * len(full) + sum(n for page, n in partial.items() if page not in full),
         logical_pages=logical_pages,
         tokens_cached_per_sequence=cached,
         reserved_slots_contiguous=reserved,
@@ -102,9 +96,7 @@ def count(
     )
 
 
-def _count_unshared(
-    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
-) -> MemorySnapshot:
+def _count_unshared(bm: BlockManager, running: list[Sequence], reservation) -> dict[str, int]:
     """`count` while no page is held by two tables (the pool counts those): every page in the tables is
     distinct and holds its own table's tokens, so a table of n pages whose sequence computed c tokens holds
     min(c, n P) of them, less P for each entry given back behind a window (always before c). One pass of
@@ -123,15 +115,8 @@ def _count_unshared(
                 freed += table.count(NULL_PAGE)
         reserved += reservation(seq)
     logical_pages -= freed
-    return _snapshot(
-        bm,
-        states,
-        running,
-        num_waiting,
-        num_swapped,
+    return dict(
         pages_used=logical_pages,
-        pages_allocatable=bm.num_free_pages,
-        state_slots_used=states.num_used,
         tokens_stored=stored - freed * P,
         logical_pages=logical_pages,
         tokens_cached_per_sequence=computed_sum - freed * P,
@@ -183,7 +168,10 @@ def recount(
 def _snapshot(
     bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, **counted: int
 ) -> MemorySnapshot:
-    """A snapshot of what was counted, with the queue sizes and the block manager's own counters."""
+    """A snapshot of what was counted, with the queue sizes and the block manager's own counters (and, unless
+    recounted, the free pages and used state slots as their managers count them)."""
+    counted.setdefault("pages_allocatable", bm.num_free_pages)
+    counted.setdefault("state_slots_used", states.num_used)
     return MemorySnapshot(
         num_running=len(running),
         num_waiting=num_waiting,
