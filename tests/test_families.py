@@ -1,6 +1,7 @@
 """The architecture matrix (tests/model_families.py): every supported family equal to HF `generate` (eager
 attention, one prompt at a time) token for token in fp32 on prompts longer than its window, on each CPU backend
-and once under preemption; every refused family refused at load with its reason; the README's table generated
+and once under preemption (tests/test_families_preemption.py, a file of its own so that the test workers share
+the matrix); every refused family refused at load with its reason; the README's table generated
 from the same lists."""
 
 from __future__ import annotations
@@ -129,16 +130,6 @@ def test_family_equals_hf_generate(family, attention):
     assert engine.attention.name == attention
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{family} on {attention}: prompt {i} differs"
-
-
-@pytest.mark.parametrize("family", sorted(SUPPORTED))
-def test_family_equals_hf_generate_under_preemption(family):
-    model, expected = model_and_reference(family)
-    got, steps, _ = run(
-        model, family, "torch", full_pages=8, preemption="recompute" if len(family) % 2 else "swap"
-    )
-    assert any(s.plan.preempted for s in steps), "no sequence was preempted"
-    assert got == expected, f"{family} differs under preemption"
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text"])
