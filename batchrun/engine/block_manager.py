@@ -105,25 +105,24 @@ class BlockManager:
         self.num_window_freed += freed
         return freed
 
-    def _shared_first_page(self, seq: Sequence, table: list[int]) -> bool:
-        """The page seq's next token is written into is held by another table too (a fork): copy on write."""
-        first = seq.num_computed_tokens // self.page_size
-        return first < len(table) and table[first] != NULL_PAGE and self.pool.ref_count[table[first]] > 1
+    def _is_shared(self, table: list[int], block: int) -> bool:
+        """Block `block` of `table` (the one the next token is written into) is a page another table holds too
+        (a fork): copy on write."""
+        return block < len(table) and table[block] != NULL_PAGE and self.pool.ref_count[table[block]] > 1
 
     def num_pages_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free pages that computing seq's next `num_new_tokens` tokens takes: new pages past the end of each
         block table, plus a private copy when the first page written into is shared (copy-on-write)."""
         computed, P = seq.num_computed_tokens, self.page_size
         end_pages = -(-(computed + num_new_tokens) // P)
-        first, ref_count, windowed = computed // P, self.pool.ref_count, self.layout.windowed
+        first, windowed = computed // P, self.layout.windowed
         needed = 0
         for g, table in enumerate(seq.block_tables):  # every step, for every sequence: kept lean
             n = len(table)
             start = max(n, self.layout.first_block(g, computed)) if windowed else n
             if end_pages > start:
                 needed += end_pages - start
-            if first < n and table[first] != NULL_PAGE and ref_count[table[first]] > 1:
-                needed += 1  # the page written into is shared: copy on write
+            needed += self._is_shared(table, first)
         return needed
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> list[PageCopy]:
@@ -132,7 +131,7 @@ class BlockManager:
         first = seq.num_computed_tokens // self.page_size
         end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
         for g, table in enumerate(seq.block_tables):
-            if self._shared_first_page(seq, table):
+            if self._is_shared(table, first):
                 page, new_page = table[first], self.pool.allocate()
                 self.pool.release(page)
                 table[first] = new_page

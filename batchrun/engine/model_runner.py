@@ -91,7 +91,7 @@ class ModelRunner:
         host_positions = int_tensor(positions)
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
         tables = self.block_tables.step_tables([s.seq for s in scheduled])
-        if len(input_ids) == len(scheduled):  # decode-only: token i is sequence i's
+        if step.decode_only:  # token i is sequence i's
             token_seq = torch.arange(len(scheduled))
         else:
             token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
