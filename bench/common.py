@@ -24,6 +24,21 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out" / "bench"
+# SmolLM2-135M's shape (its config.json but rope_theta, which bench/host.py adds; bench/quant.py starts from the
+# embedded model's config, which has it): every dimension a multiple of 64, which FP8's blocks and bitsandbytes'
+# need (compressed-tensors' W4A16 groups of 128 do not divide 576: W8A8 stands for it)
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    initializer_range=0.02,
+)
 WORDS = (
     "river stone paper light window garden music number planet engine silver forest market winter bridge "
     "letter signal harbor candle mirror ladder basket circle thunder meadow lantern orchard copper valley"

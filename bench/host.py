@@ -27,7 +27,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .common import OUT, environment, save, table
+from .common import OUT, SMOLLM2_135M, environment, save, table
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 16
@@ -52,17 +52,7 @@ def tiny_config():
 def smollm2_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    )
+    return LlamaConfig(**SMOLLM2_135M, rope_theta=100000.0)
 
 
 def save_model(config, name: str) -> Path:

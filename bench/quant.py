@@ -17,23 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import OUT, environment, save, table
+from .common import OUT, SMOLLM2_135M, environment, save, table
 
 ROOT = Path(__file__).resolve().parent.parent
-# SmolLM2-135M's shape (its config.json); every dimension a multiple of 64, which FP8's blocks and
-# bitsandbytes' need (compressed-tensors' W4A16 groups of 128 do not divide 576: W8A8 stands for it)
-SMOLLM2_135M = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    initializer_range=0.02,
-)
 FORMATS = ["float32", "ct-w8a8", "torchao-int8", "bnb-8bit", "bnb-4bit", "fp8"]
 
 
