@@ -120,6 +120,57 @@ def test_a_vector_does_not_depend_on_its_batch_mates(bases, tmp_path, family):
     assert (alone[0] - beside[1]).abs().max().item() < 1e-6
 
 
+# texts of equal lengths (1 and 4, 2 and 5) in no length order: the runner packs them longest first, each
+# length's texts attending in one call on a view of the row, and must hand each vector back to its own row
+MIXED = [
+    "a",
+    TEXTS[4],
+    "the cats and dogs",
+    "rain on the sea is water",
+    TEXTS[4].replace("water", "rain"),
+    "the dogs and cats",
+]
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
+def test_texts_packed_out_of_order_land_on_their_own_rows(bases, tmp_path, family):
+    """Equal to sentence-transformers and to each text alone, whatever order the packed row holds them in."""
+    from batchrun import LLM
+
+    if family == "qwen3":
+        folder = save_legacy_layout(
+            bases[family], tmp_path / "st", "lasttoken", normalize=False, max_seq_length=64
+        )
+    else:
+        folder = save_sentence_model(bases[family], tmp_path / "st", pooling="mean")
+    llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+    outs = llm.embed(MIXED, use_tqdm=False)
+    lengths = [len(o.prompt_token_ids) for o in outs]
+    assert lengths[1] == lengths[4] > lengths[2] == lengths[5] > lengths[0]  # two runs of two texts
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    assert_equal(got, theirs(folder, MIXED))
+    alone = torch.tensor([llm.embed([t], use_tqdm=False)[0].outputs.embedding for t in MIXED])
+    assert (got - alone).abs().max().item() < 1e-6
+
+
+def test_the_packed_layout_puts_texts_of_one_length_side_by_side():
+    from batchrun.engine.packed_attention import PackedLayout
+
+    lengths = [3, 5, 3, 7, 5, 1]
+    layout = PackedLayout.of_lengths(lengths)
+    spans = list(layout.spans())
+    assert [b - a for a, b in spans] == lengths
+    assert sorted(a for a, _ in spans) == [0, 7, 12, 17, 20, 23]  # the row, longest first, no gap or overlap
+    assert [(r.count, r.length) for r in layout.runs] == [(1, 7), (2, 5), (2, 3), (1, 1)]
+    for run in layout.runs:  # each run holds exactly the texts of its length, side by side
+        inside = sorted(a for a, b in spans if run.start <= a and b <= run.end)
+        assert inside == list(range(run.start, run.end, run.length))
+        assert all(lengths[i] == run.length for i, (a, _) in enumerate(spans) if a in inside)
+    tokens = [[(i, p) for p in range(n)] for i, n in enumerate(lengths)]
+    row = layout.packed(tokens)
+    assert all(row[a:b] == tokens[i] for i, (a, b) in enumerate(spans))
+
+
 def test_overriding_pooling_on_a_plain_checkpoint(bases):
     """No sentence-transformers files: pooler.pooling says how (sentence-transformers' default chain for a
     plain checkpoint is a mean over the transformer's states)."""
@@ -358,11 +409,14 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
     from batchrun.engine import packed_attention
     from batchrun.engine.attention import UnsupportedModel
 
-    one_text = classmethod(lambda cls, lengths, device=None: cls._of_lengths([sum(lengths)], device))
-    monkeypatch.setattr(
-        packed_attention.PackedLayout, "_of_lengths", packed_attention.PackedLayout.of_lengths, raising=False
-    )
-    monkeypatch.setattr(packed_attention.PackedLayout, "of_lengths", one_text)
+    made = packed_attention.PackedLayout.of_lengths
+
+    def seen_by_all(lengths):
+        layout = made(lengths)
+        layout.runs = [packed_attention.AttentionRun(0, 1, sum(lengths))]
+        return layout
+
+    monkeypatch.setattr(packed_attention.PackedLayout, "of_lengths", staticmethod(seen_by_all))
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     with pytest.raises(UnsupportedModel, match="beside another text"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling")

@@ -213,16 +213,17 @@ class PoolingRunner:
     def _forward(
         self, token_lists: list[list[int]], type_lists: list[list[int] | None] | None = None
     ) -> tuple[torch.Tensor, PackedLayout]:
-        """The packed row through the model: its last hidden states [T, H] and its layout. `type_lists`: each
-        text's segment ids (None: all 0), for a model that takes them."""
-        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists], self.device)
-        ids = int_tensor([i for ids in token_lists for i in ids], device=self.device)[None]
+        """The packed row through the model: its last hidden states [T, H] and its layout (the texts in the
+        layout's packing order: text i's states are at `layout.spans()`'s i-th). `type_lists`: each text's
+        segment ids (None: all 0), for a model that takes them."""
+        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists])
+        ids = int_tensor(layout.packed(token_lists), device=self.device)[None]
         offset = self.position_offset
-        positions = [p + offset for ids in token_lists for p in range(len(ids))]
+        positions = layout.packed([range(offset, offset + len(ids)) for ids in token_lists])
         inputs = {"input_ids": ids, "position_ids": int_tensor(positions, device=self.device)[None]}
         if self.takes_token_types and any(type_lists or ()):
-            segments = [t for ids, kinds in zip(token_lists, type_lists) for t in (kinds or [0] * len(ids))]
-            inputs["token_type_ids"] = int_tensor(segments, device=self.device)[None]
+            segments = [kinds or [0] * len(ids) for ids, kinds in zip(token_lists, type_lists)]
+            inputs["token_type_ids"] = int_tensor(layout.packed(segments), device=self.device)[None]
         elif self.takes_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         out = self.model(**inputs, use_cache=False, batchrun_packed=layout)
@@ -256,7 +257,7 @@ class PoolingRunner:
         try:
             with torch.inference_mode():
                 alone, layout = self._forward([text])
-                beside, _ = self._forward([other, text])
+                beside, layout_beside = self._forward([other, text])
         except UnsupportedModel as e:
             raise UnsupportedModel(f"{name} cannot run on batchrun: {e}") from None
         layers = getattr(self.model.config, "num_hidden_layers", None)
@@ -267,7 +268,8 @@ class PoolingRunner:
             )
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         scale = alone.abs().max().item() + 1.0
-        if (alone - beside[len(other) :]).abs().max().item() > tolerance * scale:
+        a, b = list(layout_beside.spans())[1]
+        if (alone - beside[a:b]).abs().max().item() > tolerance * scale:
             raise UnsupportedModel(
                 f"{name} cannot run on batchrun: a text's token states change beside another text in one packed "
                 "row (something in the model reaches across texts besides attention)"

@@ -1,7 +1,8 @@
-"""Two operations of a packed embedding step, timed on the CPU (bench/RESULTS.md, issue 41): gathering a group
-of texts' queries out of the packed row (advanced indexing against `index_select`, what packed_attention.py
-uses), and a MiniLM-sized linear layer on a 4096-token row (stock `nn.Linear` against its weights packed for
-oneDNN, what the pooling runner does on the CPU).
+"""Two operations of a packed embedding step, timed on the CPU in one thread (bench/RESULTS.md, issue 41): a
+text's attention (SDPA) per text, alone on a [1, H, L, D] slice of the packed row (what packed_attention.py does),
+on a 3-D [H, L, D] slice (SDPA's slower path), in a batch of 16 texts of its length, and padded with a mask (what
+a padded group costs); and a MiniLM-sized linear layer on a 4096-token row (stock `nn.Linear` against its weights
+packed for oneDNN, what the pooling runner does on the CPU).
 
 Usage: python -m bench.micro.embed_ops
 """
@@ -9,6 +10,7 @@ Usage: python -m bench.micro.embed_ops
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from batchrun.engine.cpu_linear import PackedLinear
 
@@ -16,21 +18,31 @@ from ..common import best_seconds
 
 
 def main() -> None:
-    heads, tokens, dim, texts = 12, 4096, 32, 16
-    row = torch.randn(heads, tokens, dim)
-    index = torch.arange(tokens).view(texts, tokens // texts)
-    flat = index.flatten()
+    torch.set_num_threads(1)
+    heads, length, dim, texts = 12, 256, 32, 16
+    row = torch.randn(1, texts * length, heads, dim).transpose(1, 2)  # [1, H, T, D], as transformers gives it
+    one = row[:, :, :length]
+    batch = row[0].unflatten(1, (texts, length)).transpose(0, 1)  # [16, H, L, D]: a view, no copy
+    mask = torch.ones(texts, 1, length, length, dtype=torch.bool)
+
+    def attend(*qkv, **kw):
+        return F.scaled_dot_product_attention(*qkv, **kw)
+
     with torch.inference_mode():
-        fancy = best_seconds(lambda: row[:, index])
-        select = best_seconds(lambda: row.index_select(1, flat).view(heads, texts, -1, dim))
-        x = torch.randn(1, tokens, 384)
+        sdpa = {
+            "alone, 4-D": best_seconds(lambda: attend(one, one, one)),
+            "alone, 3-D": best_seconds(lambda: attend(one[0], one[0], one[0])),
+            "16 side by side": best_seconds(lambda: attend(batch, batch, batch)) / texts,
+            "16 with a mask": best_seconds(lambda: attend(batch, batch, batch, attn_mask=mask)) / texts,
+        }
+        x = torch.randn(1, 4096, 384)
         linear = torch.nn.Linear(384, 1536)
         packed = PackedLinear(linear)
         stock_s, packed_s = best_seconds(lambda: linear(x)), best_seconds(lambda: packed(x))
-    print(f"gather [{heads}, {tokens}, {dim}] into {texts} texts: advanced indexing {fancy * 1e3:.2f} ms, "
-          f"index_select {select * 1e3:.2f} ms")  # fmt: skip
+    each = ", ".join(f"{name} {s * 1e3:.2f}" for name, s in sdpa.items())
+    print(f"SDPA of one text of {length} tokens ({heads} heads of {dim}), ms per text, one thread: {each}")
     print(
-        f"linear [{tokens}, 384] x [384, 1536]: nn.Linear {stock_s * 1e3:.1f} ms, packed {packed_s * 1e3:.1f} ms"
+        f"linear [4096, 384] x [384, 1536]: nn.Linear {stock_s * 1e3:.1f} ms, packed {packed_s * 1e3:.1f} ms"
     )
 
 
