@@ -132,6 +132,24 @@ def run_batchrun(work: Path, label: str, sections: dict[str, dict]) -> dict:
     }
 
 
+# ---- vLLM, the peer -----------------------------------------------------------------------------------------
+# vLLM's CPU build, in a virtual environment of its own, never batchrun's (bench/vs_vllm.py says how to make it)
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/tmp/vllm-venv/bin/python"))
+
+
+def run_vllm_peer(script: str, args: list, kv_cache_gib: int = 4) -> subprocess.CompletedProcess:
+    """bench/`script` with `args` in vLLM's environment, on both cores (its default keeps one for its scheduler)
+    with `kv_cache_gib` of KV cache; the finished process (its output captured), whatever its exit status."""
+    env = dict(
+        os.environ,
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    cmd = [str(VLLM_PYTHON), str(ROOT / "bench" / script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+
+
 # ---- measuring -----------------------------------------------------------------------------------------------
 def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
     """The best of `repeat` calls (after one warm-up call), in seconds."""

@@ -1,12 +1,15 @@
 """Embedding: batchrun's `task: embed` against sentence-transformers' `encode` (its default batch size of 32 and
-its length sorting), side by side in one run, each side in a process of its own (its own start, imports, load,
-peak RSS), fp32 on the CPU, on the same texts and the same checkpoint folder: jobs/make_embed_data.py's
-MiniLM-L6-shaped BERT (random weights, the embedded model's tokenizer) on passages of 5 to N words.
+its length sorting) and vLLM's pooling runner (`LLM(runner="pooling").embed`, its CPU build), side by side in one
+run, each side in a process of its own (its own start, imports, load, peak RSS), fp32 on the CPU, on the same
+texts and the same checkpoint folder: jobs/make_embed_data.py's MiniLM-L6-shaped BERT (random weights, the
+embedded model's tokenizer) on passages of 5 to N words.
 
 Reports texts/s and tokens/s of the whole process and of the embedding alone, peak RSS, the padding each
-computed (batchrun: none; sentence-transformers: its length-sorted batches padded to their longest), and the
-largest difference between the two sides' vectors. vLLM's pooling runner is not installed here (no CPU build of
-it on this machine's registry), so it is not a column.
+computed (batchrun: none; sentence-transformers: its length-sorted batches padded to their longest; vLLM: none,
+it packs too), and the largest difference of each side's vectors from sentence-transformers'. vLLM is handed the
+token ids sentence-transformers' tokenizer makes (so its embedding time has no tokenizing in it) and runs in its
+own virtual environment (`$VLLM_PYTHON`, default /tmp/vllm-venv/bin/python; bench/vs_vllm.py says how to make
+it) with both cores; without it the table has no vLLM row and says so.
 
 Usage: python -m bench.embed [--texts 2000] [--max-words 400]
 """
@@ -14,9 +17,20 @@ Usage: python -m bench.embed [--texts 2000] [--max-words 400]
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
-from .common import OUT, columns, environment, in_process, peak_rss_mib, save
+from .common import (
+    OUT,
+    VLLM_PYTHON,
+    columns,
+    environment,
+    in_process,
+    peak_rss_mib,
+    run_vllm_peer,
+    save,
+)
 
 MODULE = "bench.embed"
 
@@ -69,6 +83,24 @@ def run_sentence_transformers(model: str, data: str, label: str) -> dict:
     }
 
 
+def run_vllm(model: str, texts: list[str], work: Path, label: str) -> dict:
+    """vLLM's pooling runner on the token ids sentence-transformers' tokenizer makes of `texts`, in its own
+    environment (bench/vllm_embed_peer.py); the process's wall time from its start to the last vector."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)(texts, truncation=True)["input_ids"]  # cut at max_seq_length
+    (work / "vllm-ids.json").write_text(json.dumps(ids))
+    result = work / "vllm-result.json"
+    print(f"  running {label} ...", flush=True)
+    t0 = time.perf_counter()
+    proc = run_vllm_peer("vllm_embed_peer.py", [model, work / "vllm-ids.json", result])
+    process_s = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
+    r = json.loads(result.read_text())
+    return {**r, "label": label, "process_s": process_s, "texts": len(texts), "padding": 0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=2000)
@@ -85,16 +117,23 @@ def main() -> None:
     pq.write_table(pa.table({"text": texts}), work / "texts.parquet")
     model = make_model(work / "model")
     common = {"model": str(model), "data": str(work / "texts.parquet")}
-    results = [
-        in_process(MODULE, "run_batchrun", label="batchrun", **common),
-        in_process(MODULE, "run_sentence_transformers", label="sentence-transformers", **common),
-    ]
-    diff = max(abs(a - b) for u, v in zip(results[0]["vectors"], results[1]["vectors"]) for a, b in zip(u, v))
+    reference = in_process(MODULE, "run_sentence_transformers", label="sentence-transformers", **common)
+    results = [in_process(MODULE, "run_batchrun", label="batchrun", **common), reference]
+    if VLLM_PYTHON.exists():
+        results.append(run_vllm(common["model"], texts, work, "vLLM"))
+        peer = (
+            "vLLM: its CPU build, both cores, eager, prefix caching off, fed sentence-transformers' token ids"
+        )
+    else:
+        peer = f"vLLM: not run ({VLLM_PYTHON} absent; bench/vs_vllm.py says how to install its CPU build)"
+    expected = reference["vectors"]
     for r in results:
-        r.pop("vectors")
+        vectors = r.pop("vectors")
+        r["diff"] = max(abs(a - b) for u, v in zip(vectors, expected) for a, b in zip(u, v))
         r["texts_per_s"] = r["texts"] / r["process_s"]
         r["embed_texts_per_s"] = r["texts"] / r["embed_s"]
         r["tokens_per_s"] = r["tokens"] / r["embed_s"]
+        r["ratio"] = reference["embed_s"] / r["embed_s"]
     env = environment()
     text = "\n".join(
         [
@@ -105,16 +144,18 @@ def main() -> None:
                     "texts/s (process)": "{texts_per_s:.1f}",
                     "texts/s (embedding)": "{embed_texts_per_s:.1f}",
                     "tokens/s (embedding)": "{tokens_per_s:.0f}",
+                    "x sentence-transformers (embedding)": "{ratio:.2f}",
                     "tokens": "{tokens}",
                     "padding computed": "{padding}",
                     "peak RSS MiB": "{peak_rss_mib:.0f}",
+                    "max abs diff from sentence-transformers (first 50 texts)": "{diff:.1e}",
                 },
                 results,
             ),
-            f"largest difference between the two sides' vectors (first 50 texts): {diff:.2e}",
+            peer,
         ]
     )
-    save({"results": results, "max_abs_diff": diff, "environment": env}, work / "report.json", text)
+    save({"results": results, "environment": env}, work / "report.json", text)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
-from .common import OUT, SMOLLM2_135M, environment, save, table
+from .common import OUT, SMOLLM2_135M, VLLM_PYTHON, environment, run_vllm_peer, save, table
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 16
-VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/tmp/vllm-venv/bin/python"))  # as bench/vs_vllm.py
 
 
 def tiny_config():
@@ -157,10 +154,8 @@ def vllm_steps(model_dir: Path, n: int) -> dict | None:
     work = OUT / "host"
     prompts_file, result_file = work / f"vllm-prompts-{n}.json", work / f"vllm-result-{n}.json"
     prompts_file.write_text(json.dumps(prompts(n, 512)))
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
-    cmd = [str(VLLM_PYTHON), "bench/vllm_peer.py", str(model_dir), str(prompts_file), "float32", "off"]
-    cmd += [str(NEW_TOKENS), str(result_file), "ignore_eos"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent)
+    args = [model_dir, prompts_file, "float32", "off", NEW_TOKENS, result_file, "ignore_eos"]
+    proc = run_vllm_peer("vllm_peer.py", args, kv_cache_gib=2)
     if proc.returncode != 0:
         print(f"  vLLM failed at {n} sequences:\n{proc.stderr[-2000:]}")
         return None

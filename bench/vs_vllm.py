@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from batchrun.engine.timing import PHASES
 
 from .common import (
     OUT,
-    ROOT,
+    VLLM_PYTHON,
     WORDS,
     best_seconds,
     chat_ids,
@@ -44,13 +43,13 @@ from .common import (
     random_model,
     reference_prompts,
     run_batchrun,
+    run_vllm_peer,
     save,
     table,
     write_prompts,
 )
 
 MODULE = "bench.vs_vllm"
-VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/tmp/vllm-venv/bin/python")
 MAX_NEW = 64
 HOST_PHASES = ("schedule", "prepare", "sample", "finish", "stats", "write")
 
@@ -89,12 +88,8 @@ def matmul_limit(dtype: str) -> dict:
 
 
 def run_vllm(model_dir: Path, prompts_file: Path, dtype: str, sharing: str) -> dict:
-    env = dict(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
     result = prompts_file.parent / "vllm-result.json"
-    args = [ROOT / "bench" / "vllm_peer.py", model_dir, prompts_file, dtype, sharing, MAX_NEW, result]
-    proc = subprocess.run(
-        [VLLM_PYTHON, *map(str, args)], capture_output=True, text=True, env={**os.environ, **env}
-    )
+    proc = run_vllm_peer("vllm_peer.py", [model_dir, prompts_file, dtype, sharing, MAX_NEW, result])
     if proc.returncode != 0:
         raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
     r = json.loads(result.read_text())
@@ -119,7 +114,7 @@ def workload_flops(config, prompt_lens: list[int], completion_lens: list[int], p
 
 def compare(work: Path, model_dir: Path, config, ids: list[list[int]], runs: int, limits: dict) -> dict:
     """Section 1: every configuration, batchrun and vLLM alternating."""
-    have_vllm = Path(VLLM_PYTHON).exists()
+    have_vllm = VLLM_PYTHON.exists()
     configs = {}
     for dtype in ("float32", "bfloat16"):
         for sharing in ("on", "off"):
