@@ -16,7 +16,9 @@ training) is an error (`UnsupportedModel`), never ignored: the runner's load pro
 
 Why not pad texts of near lengths into one call: on the CPU, SDPA costs the same per text in a batch of one as in
 a batch of sixteen (bench/RESULTS.md, issue 41), while padding adds gathers, scatters, masks (a masked call is
-slower) and the padding's own arithmetic.
+slower) and the padding's own arithmetic. On a GPU each run is a kernel launch of its own (a step of texts of many
+lengths makes one per length and layer); a variable-length kernel taking the whole row at once would remove them,
+and is not written.
 """
 
 from __future__ import annotations
