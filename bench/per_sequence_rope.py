@@ -33,7 +33,7 @@ def main() -> None:
             for i in range(n):  # prompts of 40.. tokens (past the original 32), 8 generated
                 seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
                 seq.output_token_ids = [5] * 8
-                step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1))
+                step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1, [[]], -1))
             positions = torch.tensor([s.start for s in step])
             repeats = 50
             with torch.inference_mode():

@@ -29,10 +29,10 @@ def test_allocate_free_roundtrip_and_lru_order():
     bm = BlockManager(8, 4)
     a = seq(0, range(10))
     assert bm.allocate_sequence(a, 100) == 10
-    assert len(a.block_table) == 3 and bm.num_free_pages == 5
+    assert len(bm.block_tables(a)[0]) == 3 and bm.num_free_pages == 5
     a.num_computed_tokens = 10
     bm.prefix_cache.register_full_pages(a, a.num_computed_tokens)
-    assert a.num_registered_pages == 2 and len(a.page_hash_chain) == 2  # two full pages of 4
+    assert bm.pages(a).num_registered == 2 and len(bm.pages(a).hash_chain) == 2  # two full pages of 4
     bm.check_integrity([a])
     bm.free_sequence(a)
     bm.check_integrity([])
@@ -54,7 +54,7 @@ def test_hash_collision_is_checked_against_tokens():
     bm.allocate_sequence(a, 10)
     a.num_computed_tokens = 3
     bm.prefix_cache.register_full_pages(a, a.num_computed_tokens)
-    page = a.block_table[0]
+    page = bm.block_tables(a)[0][0]
     bm.pool.page_tokens[page] = (7, 7)  # as if another prefix had hashed the same
     assert bm.prefix_cache.match(seq(1, [1, 2, 3])).num_blocks == 0
 
@@ -77,13 +77,13 @@ def test_fork_shares_pages_and_copy_on_write():
     parent.num_computed_tokens = 6
     child = seq(1, range(6))
     bm.fork(parent, child)
-    assert child.block_table == parent.block_table
-    assert all(bm.pool.ref_count[p] == 2 for p in parent.block_table)
+    assert bm.block_tables(child)[0] == bm.block_tables(parent)[0]
+    assert all(bm.pool.ref_count[p] == 2 for p in bm.block_tables(parent)[0])
     parent.append_token(50)
     child.append_token(51)
     assert bm.num_pages_to_grow(child, 1) == 1  # the shared half-full page must be copied
     (cow,) = bm.grow(child, 1)
-    assert cow.src == parent.block_table[1] and cow.dst == child.block_table[1]
+    assert cow.src == bm.block_tables(parent)[0][1] and cow.dst == bm.block_tables(child)[0][1]
     assert bm.num_pages_to_grow(parent, 1) == 0  # the parent now holds that page alone
     bm.check_integrity([parent, child])
 
@@ -223,7 +223,7 @@ def test_scheduler_never_deadlocks_or_leaks(
         sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
     done = drive(sched)
     assert len(done) == sum(n for _, _, n in lengths)
-    assert all(not any(s.block_tables) and not any(s.cpu_block_tables) for s in done)
+    assert not bm.sequences  # nothing kept of a finished sequence
     bm.check_integrity([])
     assert bm.num_free_pages == bm.num_pages and bm.num_free_cpu_pages == cpu_pages
 
@@ -280,7 +280,7 @@ def test_a_sliding_group_gives_back_the_pages_behind_its_window():
     s.num_computed_tokens = 20  # the next query is at 20: it sees keys 16..20, pages 4 (16-19) and on
     assert bm.num_used_pages == 10
     assert bm.trim(s) == 4
-    full, window = s.block_tables
+    full, window = bm.block_tables(s)
     assert NULL_PAGE not in full and window[:4] == [NULL_PAGE] * 4 and NULL_PAGE not in window[4:]
     assert bm.num_used_pages == 6 and bm.num_window_freed == 4
     assert bm.trim(s) == 0
@@ -300,12 +300,12 @@ def test_prefix_sharing_with_a_window_matches_only_what_the_window_reads():
     a.num_computed_tokens = 30
     bm.prefix_cache.register_full_pages(a, 30)
     bm.trim(a)  # the window group keeps the pages from 26 - 2 on: blocks 6, 7
-    window_a = list(a.block_tables[1])
+    window_a = list(bm.block_tables(a)[1])
     b = seq(1, list(range(29)) + [99, 98])  # shares 29 tokens: 7 full pages
     match = bm.prefix_cache.match(b)
     assert match.num_blocks == 7  # positions 0..27; the next query (28) reads keys 24.. (block 6) only
     full, window = match.tables
-    assert full == a.block_tables[0][:7] and window == [NULL_PAGE] * 6 + window_a[6:7]
+    assert full == bm.block_tables(a)[0][:7] and window == [NULL_PAGE] * 6 + window_a[6:7]
     # a prefix whose window reads a page `a` gave back: it is free but cached, so it is revived
     c = seq(2, list(range(12)) + [77] * 10)
     match_c = bm.prefix_cache.match(c)

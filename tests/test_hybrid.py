@@ -11,8 +11,9 @@ from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine.sequence import Sequence
 from batchrun.engine.state_cache import LayerStates, StateCache, StateShape, StateSpec
-from batchrun.engine.state_slots import StateCopy, StateSlots
+from batchrun.engine.state_slots import SequenceSlots, StateCopy, StateSlots
 from batchrun.errors import BadInput
 
 FAMILY = "qwen3_5_text"  # 3 Gated DeltaNet layers (a conv and a recurrent state each) : 1 attention
@@ -114,7 +115,7 @@ def test_statistics_count_state_slots():
     def check(eng, result):
         counted = eng.memory_snapshot()
         assert counted == eng.memory_snapshot(recount=True)
-        held = sum(1 + len(s.reserved_state_slots) for s in eng.running_sequences())
+        held = sum(1 + len(eng.state_slots.sequences[s.seq_id].reserved) for s in eng.running_sequences())
         assert counted.state_slots_used == held and counted.state_slots_total == 4
         used.append(counted.state_slots_used)
 
@@ -123,15 +124,13 @@ def test_statistics_count_state_slots():
 
 
 def test_slot_bookkeeping_catches_a_double_hold():
-    class Seq:
-        state_slot, reserved_state_slots, cpu_state_slot, num_siblings_to_fork = -1, [], -1, 1
-
     slots = StateSlots(3, 1)
-    a, b = Seq(), Seq()
+    a, b = (Sequence(i, [1, 2], SamplingParams(n=2)) for i in range(2))
+    a.num_siblings_to_fork = 1
     slots.allocate(a)  # its own slot and one reserved for its fork
-    assert slots.num_free == 1 and len(a.reserved_state_slots) == 1
+    assert slots.num_free == 1 and slots.held_by(a) == [slots.slot_of(a), *slots.sequences[0].reserved]
     slots.check([a], [])
-    b.state_slot, b.reserved_state_slots = a.state_slot, []  # two sequences on one slot
+    slots.sequences[b.seq_id] = SequenceSlots(slot=slots.slot_of(a))  # two sequences on one slot
     with pytest.raises(AssertionError):
         slots.check([a, b], [])
 

@@ -2,19 +2,40 @@
 (page_pool.py), with prefix sharing, copy-on-write forks and swapping to CPU pages.
 
 KV cache groups: a model whose layers attend differently (full attention, a sliding window of W tokens, chunks)
-has one group per kind of layer, and a sequence one block table per group (`Sequence.block_tables`); the pages
+has one group per kind of layer, and a sequence one block table per group (`SequencePages.tables`); the pages
 of every group come from the one pool (a page holds the same number of layers in every group: engine/kv_cache).
 A group whose queries never look further back than a window frees the pages that fall wholly behind it (`trim`):
 their entries become `NULL`. A model of one kind has one group, and everything below is the plain paged cache.
+
+The block manager owns each sequence's page state (`SequencePages`, keyed by `seq_id`): a `Sequence` keeps its
+tokens and status, and asks here for its tables (`block_tables(seq)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from .page_pool import CpuPagePool, PageCopy, PageLayout, PagePool, held_pages
 from .prefix_cache import PrefixCache, PrefixMatch
 from .sequence import NULL_PAGE, Sequence
+
+
+@dataclass(eq=False, slots=True)
+class SequencePages:
+    """What the block manager keeps for one sequence: a block table per KV cache group (empty while it waits
+    or is swapped out), its CPU pages per group while swapped out, and the chained hash of each full page of its
+    tokens (prefix_cache.py; the tokens are only appended, so the chain only grows, through a preemption too)
+    with how many of those pages the prefix cache has indexed."""
+
+    tables: list[list[int]]
+    cpu_tables: list[list[int]]
+    hash_chain: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+
+    def num_held(self) -> int:
+        """Pages its block tables hold (entries given back behind a window not counted)."""
+        return sum(len(t) - t.count(NULL_PAGE) for t in self.tables)
 
 
 class BlockManager:
@@ -31,7 +52,8 @@ class BlockManager:
         self.layout = PageLayout(page_size, first_keys)
         self.num_pages, self.num_cpu_pages, self.page_size = num_pages, num_cpu_pages, page_size
         self.num_groups = self.layout.num_groups
-        self.prefix_cache = PrefixCache(self.pool, self.layout, enabled=prefix_sharing)
+        self.sequences: dict[int, SequencePages] = {}  # seq_id -> its pages, from its first lookup to its end
+        self.prefix_cache = PrefixCache(self.pool, self.layout, self.pages, enabled=prefix_sharing)
         # counters for statistics
         self.num_cow_copies = 0
         self.num_window_freed = 0  # pages released because they fell behind their group's window
@@ -50,6 +72,28 @@ class BlockManager:
 
     def _no_tables(self) -> list[list[int]]:
         return [[] for _ in range(self.num_groups)]
+
+    # ---- per sequence ---------------------------------------------------------------------------------------
+    def pages(self, seq: Sequence) -> SequencePages:
+        """seq's page state (made empty on its first lookup: a waiting sequence's hash chain is kept here too)."""
+        entry = self.sequences.get(seq.seq_id)
+        if entry is None:
+            entry = self.sequences[seq.seq_id] = SequencePages(self._no_tables(), self._no_tables())
+        return entry
+
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's block table per KV cache group (the lists themselves: read them, the block manager writes)."""
+        return self.pages(seq).tables
+
+    def hash_chain(self, seq: Sequence) -> list[bytes]:
+        """seq's page hashes as far as computed ([] if none yet), without making an entry for it."""
+        entry = self.sequences.get(seq.seq_id)
+        return entry.hash_chain if entry is not None else []
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop what is kept of a sequence that holds no page (a waiting one, given up)."""
+        entry = self.sequences.pop(seq.seq_id, None)
+        assert entry is None or not (any(entry.tables) or any(entry.cpu_tables)), "forget frees no page"
 
     # ---- admission ------------------------------------------------------------------------------------------
     def num_new_pages_for_admission(
@@ -71,11 +115,12 @@ class BlockManager:
     def allocate_sequence(self, seq: Sequence, max_new_tokens: int, match: PrefixMatch | None = None) -> int:
         """Admit a waiting sequence: reuse its cached prefix pages, then give it pages for its next uncomputed
         tokens, at most `max_new_tokens` of them (a chunk, or the whole prompt). Returns how many."""
-        assert not any(seq.block_tables), "a sequence is admitted once"
+        entry = self.pages(seq)
+        assert not any(entry.tables), "a sequence is admitted once"
         match = match if match is not None else self.prefix_cache.match(seq)
         self.pool.acquire_tables(match.tables)
-        seq.block_tables = [list(t) for t in match.tables]
-        seq.num_registered_pages = match.num_blocks  # its cached prefix is indexed already
+        entry.tables = [list(t) for t in match.tables]
+        entry.num_registered = match.num_blocks  # its cached prefix is indexed already
         seq.num_computed_tokens = match.num_blocks * self.page_size
         self.prefix_cache.query_tokens += seq.num_tokens
         self.prefix_cache.hit_tokens += seq.num_computed_tokens
@@ -91,7 +136,7 @@ class BlockManager:
         freed = 0
         if not self.layout.windowed:
             return 0  # full attention only: the common case, every step of every sequence
-        for g, table in enumerate(seq.block_tables):
+        for g, table in enumerate(self.sequences[seq.seq_id].tables):
             first = min(self.layout.first_block(g, seq.num_computed_tokens), len(table))
             # the entries given back earlier are a run at the head: walk back from `first` to it, not from 0
             # (every step, for every sequence and group)
@@ -117,7 +162,7 @@ class BlockManager:
         end_pages = -(-(computed + num_new_tokens) // P)
         first, windowed = computed // P, self.layout.windowed
         needed = 0
-        for g, table in enumerate(seq.block_tables):  # every step, for every sequence: kept lean
+        for g, table in enumerate(self.sequences[seq.seq_id].tables):  # every step, every sequence: kept lean
             n = len(table)
             start = max(n, self.layout.first_block(g, computed)) if windowed else n
             if end_pages > start:
@@ -130,7 +175,7 @@ class BlockManager:
         cows = []
         first = seq.num_computed_tokens // self.page_size
         end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
-        for g, table in enumerate(seq.block_tables):
+        for g, table in enumerate(self.sequences[seq.seq_id].tables):
             if self._is_shared(table, first):
                 page, new_page = table[first], self.pool.allocate()
                 self.pool.release(page)
@@ -144,80 +189,92 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every page of the parent (parallel sampling)."""
-        self.pool.acquire_tables(parent.block_tables)
-        child.block_tables = [list(t) for t in parent.block_tables]
-        child.page_hash_chain = list(parent.page_hash_chain)
-        child.num_registered_pages = parent.num_registered_pages
+        mine = self.sequences[parent.seq_id]
+        self.pool.acquire_tables(mine.tables)
+        assert child.seq_id not in self.sequences, "a child is forked once"
+        self.sequences[child.seq_id] = SequencePages(
+            [list(t) for t in mine.tables], self._no_tables(), list(mine.hash_chain), mine.num_registered
+        )
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free_sequence(self, seq: Sequence) -> None:
-        self.pool.release_tables(seq.block_tables)
-        seq.block_tables = self._no_tables()
-        seq.num_registered_pages = 0
+        """Give back seq's pages (finished, or preempted to be computed again). Its hash chain stays: its tokens
+        are the same."""
+        entry = self.sequences[seq.seq_id]
+        self.pool.release_tables(entry.tables)
+        entry.tables = self._no_tables()
+        entry.num_registered = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """seq is done: its pages go back and nothing of it is kept."""
+        self.free_sequence(seq)
+        del self.sequences[seq.seq_id]
 
     # ---- swapping -------------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return seq.num_held_pages() <= self.cpu_pool.num_free
+        return self.sequences[seq.seq_id].num_held() <= self.cpu_pool.num_free
 
     def swap_out(self, seq: Sequence) -> list[PageCopy]:
         """Move seq's pages to CPU pages; returns (accelerator page, CPU page) copies to make *before* any
         accelerator page freed here is reused. A shared page gets a private CPU copy; the other holders keep it."""
-        copies = []
-        seq.cpu_block_tables = []
-        for table in seq.block_tables:
+        copies, entry = [], self.sequences[seq.seq_id]
+        entry.cpu_tables = []
+        for table in entry.tables:
             cpu_table = [NULL_PAGE if p == NULL_PAGE else self.cpu_pool.allocate() for p in table]
             copies += [PageCopy(p, c) for p, c in zip(table, cpu_table) if p != NULL_PAGE]
-            seq.cpu_block_tables.append(cpu_table)
-        registered = seq.num_registered_pages
+            entry.cpu_tables.append(cpu_table)
+        registered = entry.num_registered
         self.free_sequence(seq)
-        seq.num_registered_pages = registered  # indexed again when its pages come back (swap_in)
+        entry.num_registered = registered  # indexed again when its pages come back (swap_in)
         return copies
 
     def num_pages_to_swap_in(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free pages that bringing seq back and computing its next tokens takes."""
         end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
         return sum(
-            sum(1 for p in t if p != NULL_PAGE) + max(0, end_pages - len(t)) for t in seq.cpu_block_tables
+            sum(1 for p in t if p != NULL_PAGE) + max(0, end_pages - len(t))
+            for t in self.sequences[seq.seq_id].cpu_tables
         )
 
     def swap_in(self, seq: Sequence) -> list[PageCopy]:
         """Move seq's CPU pages back to fresh accelerator pages; returns (CPU page, accelerator page) copies."""
-        copies = []
-        seq.block_tables = []
-        for cpu_table in seq.cpu_block_tables:
+        copies, entry = [], self.sequences[seq.seq_id]
+        entry.tables = []
+        for cpu_table in entry.cpu_tables:
             table = [NULL_PAGE if c == NULL_PAGE else self.pool.allocate() for c in cpu_table]
             for c, p in zip(cpu_table, table):
                 if c != NULL_PAGE:
                     copies.append(PageCopy(c, p))
                     self.cpu_pool.release(c)
-            seq.block_tables.append(table)
-        seq.cpu_block_tables = self._no_tables()
+            entry.tables.append(table)
+        entry.cpu_tables = self._no_tables()
         # the swapped-in pages are private copies; re-register them only where the hash is not taken
         self.prefix_cache.register(seq)
         return copies
 
     def free_cpu_pages(self, seq: Sequence) -> None:
-        """Drop a swapped sequence's CPU pages (an aborted request)."""
-        for cpu_page in held_pages(seq.cpu_block_tables):
+        """Drop a swapped sequence's CPU pages and all that is kept of it (an aborted request)."""
+        for cpu_page in held_pages(self.sequences.pop(seq.seq_id).cpu_tables):
             self.cpu_pool.release(cpu_page)
-        seq.cpu_block_tables = self._no_tables()
-        seq.num_registered_pages = 0
 
     # ---- checks ----------------------------------------------------------------------------------------------
     def check_integrity(self, sequences: Iterable[Sequence] = ()) -> None:
-        """free + used == total in both pools, and every reference count equals the number of block tables
-        (of `sequences`: pass every live sequence) that hold the page. Raises AssertionError."""
+        """free + used == total in both pools, every reference count equals the number of block tables that
+        hold the page, and the sequences holding pages are exactly `sequences` (pass every live one).
+        Raises AssertionError."""
         expected = [0] * self.num_pages
         expected_cpu = [0] * self.num_cpu_pages
         groups_of_page: dict[int, set[int]] = {}
-        for seq in sequences:
-            assert len(seq.block_tables) == self.num_groups or not any(seq.block_tables), "one table a group"
-            for g, table in enumerate(seq.block_tables):
+        holding = {i for i, e in self.sequences.items() if any(e.tables) or any(e.cpu_tables)}
+        assert holding <= {seq.seq_id for seq in sequences}, f"pages held by no live sequence: {holding}"
+        for entry in self.sequences.values():
+            assert len(entry.tables) == self.num_groups or not any(entry.tables), "one table a group"
+            for g, table in enumerate(entry.tables):
                 for p in table:
                     if p != NULL_PAGE:
                         expected[p] += 1
                         groups_of_page.setdefault(p, set()).add(g)
-            for p in held_pages(seq.cpu_block_tables):
+            for p in held_pages(entry.cpu_tables):
                 expected_cpu[p] += 1
         self.pool.check(expected)
         self.cpu_pool.check(expected_cpu)

@@ -8,6 +8,9 @@ page appended, or the last page replaced (copy-on-write of a shared page, which 
 token goes into). A page given back behind a sliding window keeps its old number in the row until the row is
 next written: no backend reads a key behind the window, so the number is never used.
 
+A table that only grew by a page (a decode crossing into a new page: the common change) has just that entry
+written, every such entry of the step in one indexed write per group.
+
 A step's tables are then one index of those tensors by the step's rows, and its slot mapping one gather of
 them by each new token's page: no Python loop over tokens, and none over pages.
 """
@@ -40,40 +43,61 @@ class BlockTableBuffer:
     def _empty(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows, width, dtype=torch.int32, pin_memory=self.pin)
 
-    def step_tables(self, seqs: list) -> list[torch.Tensor]:
+    def step_tables(self, scheduled: list) -> list[torch.Tensor]:
         """Per group, the step's tables [S, W] int32 (W: the longest of the step's tables), each row brought up
-        to date first."""
+        to date first from the scheduled sequences' tables (scheduler.ScheduledSequence.block_tables): a table
+        that only grew by a page since the last step has that one entry written, all such entries of a group in
+        one indexed write (the common change: a decode crossing into a new page); any other change rewrites the
+        row."""
         rows, widths = [], [1] * self.num_groups
-        for seq in seqs:
-            entry = self._rows.get(seq.seq_id)
+        appended = [([], [], []) for _ in range(self.num_groups)]  # per group: rows, columns, pages
+        for s in scheduled:  # every step, for every sequence: kept lean (bench/host.py)
+            entry = self._rows.get(s.seq.seq_id)
             if entry is None:
-                entry = self._rows[seq.seq_id] = self._new_row(seqs)
-            for g, table in enumerate(seq.block_tables):
-                n = len(table)
+                entry = self._rows[s.seq.seq_id] = self._new_row(scheduled)
+            for g, table in enumerate(s.block_tables):
+                n, before = len(table), entry.lengths[g]
+                if n > widths[g]:
+                    widths[g] = n
                 if (
-                    table is not entry.tables[g]
-                    or n != entry.lengths[g]
-                    or (n and table[-1] != entry.lasts[g])
+                    table is entry.tables[g]
+                    and n >= before
+                    and (not before or table[before - 1] == entry.lasts[g])
                 ):
-                    self._write(g, entry.row, table)
-                    entry.tables[g], entry.lengths[g], entry.lasts[g] = table, n, table[-1] if n else -1
-                widths[g] = max(widths[g], n)
+                    if n == before:
+                        continue  # unchanged: most decodes
+                    if n == before + 1:  # one page appended
+                        at = appended[g]
+                        at[0].append(entry.row), at[1].append(before), at[2].append(table[-1])
+                        entry.lengths[g], entry.lasts[g] = n, table[-1]
+                        continue
+                self._write(g, entry.row, table)
+                entry.tables[g], entry.lengths[g], entry.lasts[g] = table, n, table[-1] if n else -1
             rows.append(entry.row)
+        for g, (at_rows, columns, pages) in enumerate(appended):
+            if at_rows:
+                self._fit(g, widths[g])
+                self.tables[g][int_tensor(at_rows), int_tensor(columns)] = int_tensor(pages, torch.int32)
         index = int_tensor(rows)
         return [t[:, :w].index_select(0, index) for t, w in zip(self.tables, widths)]
 
-    def _write(self, group: int, row: int, table: list[int]) -> None:
+    def _fit(self, group: int, width: int) -> torch.Tensor:
+        """The group's buffer, at least `width` entries wide (twice as wide as before when it grows)."""
         buf = self.tables[group]
-        if len(table) > buf.shape[1]:  # wider tables: double the width
-            wider = self._empty(buf.shape[0], max(len(table), 2 * buf.shape[1]))
+        if width > buf.shape[1]:
+            wider = self._empty(buf.shape[0], max(width, 2 * buf.shape[1]))
             wider[:, : buf.shape[1]] = buf
             buf = self.tables[group] = wider
+        return buf
+
+    def _write(self, group: int, row: int, table: list[int]) -> None:
+        buf = self._fit(group, len(table))
         if table:
             buf[row, : len(table)] = int_tensor(table, torch.int32)
 
-    def _new_row(self, step_seqs: list) -> _Row:
+    def _new_row(self, scheduled: list) -> _Row:
         if not self._free:  # rows of sequences that no longer run (finished, preempted) go back
-            live = {s.seq_id for s in step_seqs}
+            live = {s.seq.seq_id for s in scheduled}
             for seq_id in [k for k in self._rows if k not in live]:
                 self._free.append(self._rows.pop(seq_id).row)
         if not self._free:  # more sequences than rows: twice the rows
@@ -83,14 +107,17 @@ class BlockTableBuffer:
         G = self.num_groups
         return _Row(self._free.pop(), [None] * G, [0] * G, [-1] * G)
 
-    def check(self, seqs: list) -> None:
-        """Each sequence's row equals its tables, pages behind a window aside (AssertionError otherwise)."""
-        for seq in seqs:
-            entry = self._rows[seq.seq_id]
-            for g, table in enumerate(seq.block_tables):
+    def check(self, tables: dict[int, list[list[int]]]) -> None:
+        """Each row of a sequence in `tables` (seq_id -> its block tables, for the running sequences) that has
+        been through a step equals its tables, pages behind a window aside (AssertionError otherwise)."""
+        for seq_id, seq_tables in tables.items():
+            entry = self._rows.get(seq_id)
+            if entry is None:
+                continue  # admitted or forked since the last step: its row is written in the next
+            for g, table in enumerate(seq_tables):
                 row = self.tables[g][entry.row, : len(table)].tolist()
                 for b, (want, got) in enumerate(zip(table, row)):
-                    assert want == got or want == -1, (seq.seq_id, g, b, want, got)
+                    assert want == got or want == -1, (seq_id, g, b, want, got)
 
 
 def slot_mapping(tables: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor, page_size: int):

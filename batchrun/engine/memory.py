@@ -74,7 +74,7 @@ def _count_shared(bm: BlockManager, running: list[Sequence], reservation) -> dic
     for seq in running:
         computed = seq.num_computed_tokens
         k, rest = divmod(computed, P)
-        for table in seq.block_tables:
+        for table in bm.block_tables(seq):
             # entries given back (NULL) are a run of full pages at the head of a windowed group's table
             null = table.count(NULL_PAGE) if bm.layout.windowed else 0
             held = table[null:]
@@ -106,7 +106,7 @@ def _count_unshared(bm: BlockManager, running: list[Sequence], reservation) -> d
     windowed = bm.layout.windowed
     for seq in running:
         computed = seq.num_computed_tokens
-        for table in seq.block_tables:
+        for table in bm.block_tables(seq):
             n = len(table)
             logical_pages += n
             stored += min(computed, n * P)
@@ -134,7 +134,7 @@ def recount(
     holders: dict[int, int] = {}
     cached = freed = 0
     for seq in running:
-        for table in seq.block_tables:
+        for table in bm.block_tables(seq):
             for pos in range(seq.num_computed_tokens):
                 page = table[pos // P]
                 if page != NULL_PAGE:
@@ -153,9 +153,7 @@ def recount(
         num_swapped,
         pages_used=len(holders),
         # slot by slot: the ones the running sequences hold, their own and those reserved for forks
-        state_slots_used=len(
-            {s for seq in running for s in (seq.state_slot, *seq.reserved_state_slots) if s >= 0}
-        ),
+        state_slots_used=len({s for seq in running for s in states.held_by(seq)}),
         pages_allocatable=sum(1 for c in bm.pool.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),

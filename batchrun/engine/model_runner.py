@@ -90,7 +90,7 @@ class ModelRunner:
         dev = self.device
         host_positions = int_tensor(positions)
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
-        tables = self.block_tables.step_tables([s.seq for s in scheduled])
+        tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's
             token_seq = torch.arange(len(scheduled))
         else:
@@ -111,7 +111,7 @@ class ModelRunner:
         ]
         states = None
         if self.state_cache is not None:
-            slots = [s.seq.state_slot for s in scheduled]
+            slots = [s.state_slot for s in scheduled]
             states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
         meta = AttentionMetadata(self.services, step, groups, states, self.dtype)
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors

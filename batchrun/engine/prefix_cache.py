@@ -8,10 +8,14 @@ longest cached prefix every KV cache group can use, and counts what it found for
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from .page_pool import PageLayout, PagePool, chain_hash
 from .sequence import NULL_PAGE, Sequence
+
+if TYPE_CHECKING:
+    from .block_manager import SequencePages
 
 
 class PrefixMatch(NamedTuple):
@@ -28,10 +32,17 @@ class PrefixMatch(NamedTuple):
 
 class PrefixCache:
     """Finds and indexes cached prefixes in `pool` for the block manager (`enabled`: the engine's
-    prefix_sharing). `query_tokens` and `hit_tokens` count the prompt tokens admitted and those found here."""
+    prefix_sharing); `pages_of(seq)`: the block manager's record of a sequence (its tables and hash chain).
+    `query_tokens` and `hit_tokens` count the prompt tokens admitted and those found here."""
 
-    def __init__(self, pool: PagePool, layout: PageLayout, enabled: bool = True):
-        self.pool, self.layout, self.enabled = pool, layout, enabled
+    def __init__(
+        self,
+        pool: PagePool,
+        layout: PageLayout,
+        pages_of: Callable[[Sequence], SequencePages],
+        enabled: bool = True,
+    ):
+        self.pool, self.layout, self.pages_of, self.enabled = pool, layout, pages_of, enabled
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -39,9 +50,9 @@ class PrefixCache:
         return [[] for _ in range(self.layout.num_groups)]
 
     def _hash_pages(self, seq: Sequence, n: int) -> list[bytes]:
-        """seq's one hash chain (Sequence.page_hash_chain) extended to its first n full pages; returns it. Its
+        """seq's one hash chain (SequencePages.hash_chain) extended to its first n full pages; returns it. Its
         tokens are only ever appended, so pages hashed before stay valid (through preemption too)."""
-        chain, P = seq.page_hash_chain, self.layout.page_size
+        chain, P = self.pages_of(seq).hash_chain, self.layout.page_size
         if len(chain) < n:
             tokens = seq.cache_key_tokens
             for i in range(len(chain), n):
@@ -92,12 +103,13 @@ class PrefixCache:
         writes the step's new K/V before any sequence attends."""
         if not self.enabled:
             return
-        full = min(num_tokens // self.layout.page_size, len(seq.block_tables[0]))
-        start = seq.num_registered_pages
+        entry = self.pages_of(seq)
+        full = min(num_tokens // self.layout.page_size, len(entry.tables[0]))
+        start = entry.num_registered
         if start >= full:
             return  # the common case, every step of every decode: nothing newly full
         self._hash_pages(seq, full)
-        seq.num_registered_pages = full
+        entry.num_registered = full
         self.register(seq, start)
 
     def register(self, seq: Sequence, start: int = 0) -> None:
@@ -105,8 +117,8 @@ class PrefixCache:
         the swapped-in pages are private copies, indexed only where the hash is not taken)."""
         if not self.enabled:
             return
-        tokens, P, chain = seq.cache_key_tokens, self.layout.page_size, seq.page_hash_chain
-        for i in range(start, seq.num_registered_pages):
-            for g, table in enumerate(seq.block_tables):
+        entry, tokens, P = self.pages_of(seq), seq.cache_key_tokens, self.layout.page_size
+        for i in range(start, entry.num_registered):
+            for g, table in enumerate(entry.tables):
                 if i < len(table) and table[i] != NULL_PAGE:
-                    self.pool.register(g, chain[i], table[i], tuple(tokens[i * P : (i + 1) * P]))
+                    self.pool.register(g, entry.hash_chain[i], table[i], tuple(tokens[i * P : (i + 1) * P]))

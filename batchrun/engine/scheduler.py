@@ -31,6 +31,12 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
     start: int  # = seq.num_computed_tokens when scheduled
+    # its block table per KV cache group as the block manager holds them (the lists themselves; the model runner
+    # turns them into the step's tables)
+    block_tables: list[list[int]]
+    state_slot: (
+        int  # a hybrid model's state slot it holds (state_slots.py); -1: a model without stateful layers
+    )
     # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
     # sequence with max_new_tokens 0, the sequence is done)
     samples: bool = field(init=False)
@@ -124,18 +130,20 @@ class Scheduler:
         return [*self.running, *self.swapped]
 
     def finish(self, seq: Sequence) -> None:
-        self.bm.free_sequence(seq)
+        self.bm.finish(seq)
         self.states.free(seq)
         del self.running[seq]
 
     def abort_all(self) -> None:
         """Drop every request and free its pages and state slots (the caller gave up on them)."""
         for seq in self.running:
-            self.bm.free_sequence(seq)
+            self.bm.finish(seq)
             self.states.free(seq)
         for seq in self.swapped:
             self.bm.free_cpu_pages(seq)
             self.states.free_cpu(seq)
+        for seq in self.waiting:
+            self.bm.forget(seq)
         self._pending_forks.clear()
         self.waiting.clear()
         self.running.clear()
@@ -165,7 +173,8 @@ class Scheduler:
         prefix whose state a hybrid keeps (the step stops there)."""
         start = seq.num_computed_tokens if start is None else start
         n = seq.num_tokens - start
-        if n == 1 and start >= seq.num_prompt_tokens and not seq.state_snapshot_blocks:
+        snapshot_ends = self.states.snapshot_ends
+        if n == 1 and start >= seq.num_prompt_tokens and seq.seq_id not in snapshot_ends:
             return 1  # a generated token's decode (the callers leave a budget > 0): no resource cuts it
         if self.whole_prompts:
             n = n if n <= budget or not out.scheduled else 0
@@ -175,7 +184,7 @@ class Scheduler:
                 n = seq.images.keep_whole(start, n, first=not out.scheduled)
             if self.encoder_budget is not None:
                 n = self.encoder_budget.fit(seq, start, n)
-        if n and seq.state_snapshot_blocks:
+        if n and seq.seq_id in snapshot_ends:
             n = self.states.limit(seq, start, n, self.bm.page_size)
         return n
 
@@ -220,8 +229,14 @@ class Scheduler:
         if self.encoder_budget is not None:
             self.encoder_budget.take(seq, seq.num_computed_tokens, n)
         self.prefix_cache.register_full_pages(seq, seq.num_computed_tokens + n)
-        out.scheduled.append(ScheduledSequence(seq, n, seq.num_computed_tokens))
-        if seq.state_snapshot_blocks:  # the step ends at the prefix a hybrid keeps a state of: copy it after
+        out.scheduled.append(
+            ScheduledSequence(
+                seq, n, seq.num_computed_tokens, self.bm.block_tables(seq), self.states.slot_of(seq)
+            )
+        )
+        if (
+            seq.seq_id in self.states.snapshot_ends
+        ):  # the step ends at the prefix a hybrid keeps a state of: copy it after
             end, hashes = seq.num_computed_tokens + n, self.prefix_cache.page_hashes(seq)
             _add(self._pending_forks, self.states.reached(seq, end, self.bm.page_size, hashes))
 
@@ -286,9 +301,10 @@ class Scheduler:
             self.waiting.popleft()
             self.states.allocate(seq)
             if self.states.num_snapshots:
-                for other in islice(self.waiting, self.states.LOOKAHEAD):
-                    self.prefix_cache.page_hashes(other)
-                self.states.choose_snapshot(seq, match.prompt_hashes, match.num_blocks, self.waiting)
+                theirs = [
+                    self.prefix_cache.page_hashes(o) for o in islice(self.waiting, self.states.LOOKAHEAD)
+                ]
+                self.states.choose_snapshot(seq, match.prompt_hashes, match.num_blocks, theirs)
             # again: the snapshot it may have been given ends its first chunk
             limit = self._chunk(seq, budget, out, match.num_blocks * self.bm.page_size)
             n = self.bm.allocate_sequence(seq, limit, match)

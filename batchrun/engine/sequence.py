@@ -1,4 +1,6 @@
-"""One sequence being generated: its token ids, block tables and counters."""
+"""One sequence being generated: its token ids, sampling state and counters. The resources it holds are kept
+by their managers, keyed by `seq_id`: its pages and page hashes by the block manager (block_manager.py), its
+state slots by state_slots.py."""
 
 from __future__ import annotations
 
@@ -25,20 +27,6 @@ class Sequence:
     request: Any = None  # the job's handle for the row this sequence answers
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    # one block table per KV cache group (block_manager.py; one group unless layers attend differently)
-    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
-    cpu_block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # CPU pages while swapped
-    # a hybrid model's state slot (state_slots.StateSlots): held while running, with one reserved for each
-    # sample still to fork; a CPU slot while swapped out; -1: none
-    state_slot: int = -1
-    reserved_state_slots: list[int] = field(default_factory=list)
-    cpu_state_slot: int = -1
-    # a hybrid's prefix to keep a state snapshot of: the state after this many full pages (0: none)
-    state_snapshot_blocks: int = 0
-    # the chained SHA-256 of each full page of its tokens, as far as hashed (prefix_cache.py; the tokens are
-    # only appended, so it only grows), and how many of its pages the prefix cache has indexed
-    page_hash_chain: list[bytes] = field(default_factory=list)
-    num_registered_pages: int = 0
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
@@ -51,19 +39,6 @@ class Sequence:
     prompt_logprobs: list[float | None] | None = None
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
     images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
-
-    @property
-    def block_table(self) -> list[int]:
-        """The first group's block table (the only one for a model whose layers all attend alike)."""
-        return self.block_tables[0]
-
-    @property
-    def cpu_block_table(self) -> list[int]:
-        return self.cpu_block_tables[0]
-
-    def num_held_pages(self) -> int:
-        """Pages its block tables hold (entries given back behind a window not counted)."""
-        return sum(len(t) - t.count(NULL_PAGE) for t in self.block_tables)
 
     @property
     def token_ids(self) -> list[int]:

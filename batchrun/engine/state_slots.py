@@ -9,6 +9,7 @@ A model without stateful layers has `NoStateSlots`, which holds nothing.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -17,9 +18,22 @@ class StateCopy(NamedTuple):
     dst: int
 
 
+@dataclass(eq=False, slots=True)
+class SequenceSlots:
+    """What the state slots keep for one sequence: its accelerator slot while it runs (-1: none) and those
+    reserved for the samples it will fork, its CPU slot while swapped out (-1: none), and the prefix (in full
+    pages) whose state is to be kept as a snapshot when its prefill reaches it (0: none)."""
+
+    slot: int = -1
+    reserved: list[int] = field(default_factory=list)
+    cpu_slot: int = -1
+    snapshot_blocks: int = 0
+
+
 class StateSlots:
-    """The accelerator's and the CPU's state slots: which are free. A sequence holds `state_slot` while it runs
-    (and `reserved_state_slots` for the samples it will fork), `cpu_state_slot` while it is swapped out.
+    """The accelerator's and the CPU's state slots: which are free, and which each sequence holds
+    (`SequenceSlots`, keyed by seq_id): one slot while it runs (and one reserved for each sample it will fork),
+    a CPU slot while it is swapped out.
 
     Prefix sharing: `num_snapshots` more slots keep the state at the end of a shared prefix (a whole number of
     pages), indexed by the chain hash of the prefix's last page, least recently used first out. A sequence
@@ -38,6 +52,10 @@ class StateSlots:
         self._free_snapshots: list[int] = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # prefix's last page hash -> slot, LRU first
         self._taken_now: set[bytes] = set()  # snapshots whose copy is planned: usable from the next step
+        self.sequences: dict[int, SequenceSlots] = {}  # seq_id -> what it holds, while it holds anything
+        # seq_id -> the prefix (full pages) whose state it keeps when its prefill gets there: the scheduler's
+        # chunk rule asks every step (`limit`), so it has a dict of its own
+        self.snapshot_ends: dict[int, int] = {}
         self.snapshots_taken = self.snapshots_restored = 0  # counters for statistics
 
     # ---- prefix snapshots ----------------------------------------------------------------------------------
@@ -59,38 +77,38 @@ class StateSlots:
             return None
         self.snapshots.move_to_end(hashes[k - 1])
         self.snapshots_restored += 1
-        return StateCopy(self.snapshots[hashes[k - 1]], seq.state_slot)
+        return StateCopy(self.snapshots[hashes[k - 1]], self.sequences[seq.seq_id].slot)
 
-    def choose_snapshot(self, seq, hashes: list[bytes], computed_blocks: int, waiting) -> None:
+    def choose_snapshot(
+        self, seq, hashes: list[bytes], computed_blocks: int, waiting: list[list[bytes]]
+    ) -> None:
         """The prefix of seq worth keeping a state of: the most pages its prompt shares with one of the next
-        waiting prompts, beyond what it starts with, unless a snapshot of it is kept already."""
-        seq.state_snapshot_blocks = 0
+        waiting prompts (`waiting`: their page hashes, the first LOOKAHEAD), beyond what it starts with, unless
+        a snapshot of it is kept already."""
+        self.snapshot_ends.pop(seq.seq_id, None)
         if not self.num_snapshots or not hashes:
             return
         best = 0
-        for i, other in enumerate(waiting):
-            if i == self.LOOKAHEAD:
-                break
-            theirs = other.page_hash_chain
+        for theirs in waiting[: self.LOOKAHEAD]:
             n = 0
             while n < min(len(hashes), len(theirs)) and hashes[n] == theirs[n]:
                 n += 1
             best = max(best, n)
         if best > computed_blocks and hashes[best - 1] not in self.snapshots:
-            seq.state_snapshot_blocks = best
+            self.snapshot_ends[seq.seq_id] = best
 
     def limit(self, seq, start: int, n: int, page_size: int) -> int:
         """Tokens to compute from `start`: at most up to the boundary of the prefix seq keeps a snapshot of."""
-        end = seq.state_snapshot_blocks * page_size
+        end = self.snapshot_ends.get(seq.seq_id, 0) * page_size
         return end - start if start < end < start + n else n
 
     def reached(self, seq, end: int, page_size: int, hashes: list[bytes]) -> StateCopy | None:
         """Planned up to `end`: at seq's snapshot boundary, the copy of its slot into a snapshot slot (made
         before the next step, after this step's forward has computed the state there)."""
-        blocks = seq.state_snapshot_blocks
+        blocks = self.snapshot_ends.get(seq.seq_id, 0)
         if not blocks or end != blocks * page_size:
             return None
-        seq.state_snapshot_blocks = 0
+        del self.snapshot_ends[seq.seq_id]
         h = hashes[blocks - 1]
         if h in self.snapshots:
             return None
@@ -102,7 +120,7 @@ class StateSlots:
         slot = self.snapshots[h] = self._free_snapshots.pop()
         self._taken_now.add(h)
         self.snapshots_taken += 1
-        return StateCopy(seq.state_slot, slot)
+        return StateCopy(self.sequences[seq.seq_id].slot, slot)
 
     @property
     def num_free(self) -> int:
@@ -120,48 +138,79 @@ class StateSlots:
         """Slots `seq` takes when it (re)enters the running queue: its own and one per sample still to fork."""
         return 1 + seq.num_siblings_to_fork
 
+    def slot_of(self, seq) -> int:
+        """The accelerator slot seq holds (-1: none)."""
+        entry = self.sequences.get(seq.seq_id)
+        return entry.slot if entry is not None else -1
+
+    def held_by(self, seq) -> list[int]:
+        """The accelerator slots seq holds: its own and those reserved for its forks."""
+        entry = self.sequences.get(seq.seq_id)
+        return [] if entry is None or entry.slot < 0 else [entry.slot, *entry.reserved]
+
     def allocate(self, seq) -> None:
-        assert seq.state_slot < 0, "a sequence holds one state slot"
-        seq.state_slot = self._free.pop()
-        seq.reserved_state_slots = [self._free.pop() for _ in range(seq.num_siblings_to_fork)]
+        entry = self.sequences.setdefault(seq.seq_id, SequenceSlots())
+        assert entry.slot < 0, "a sequence holds one state slot"
+        entry.slot = self._free.pop()
+        entry.reserved = [self._free.pop() for _ in range(seq.num_siblings_to_fork)]
 
     def free(self, seq) -> None:
-        for slot in (seq.state_slot, *seq.reserved_state_slots):
+        """seq gives back its accelerator slots (finished or preempted); what it holds on the CPU stays."""
+        entry = self.sequences.get(seq.seq_id)
+        if entry is None:
+            return
+        for slot in (entry.slot, *entry.reserved):
             if slot >= 0:
                 self._free.append(slot)
-        seq.state_slot, seq.reserved_state_slots = -1, []
+        entry.slot, entry.reserved = -1, []
+        if entry.cpu_slot < 0:
+            del self.sequences[seq.seq_id]
 
     def fork(self, parent, child) -> StateCopy:
         """The child takes a slot its parent reserved; returns the copy of the parent's state into it."""
-        child.state_slot = parent.reserved_state_slots.pop()
-        return StateCopy(parent.state_slot, child.state_slot)
+        mine = self.sequences[parent.seq_id]
+        assert child.seq_id not in self.sequences, "a child is forked once"
+        self.sequences[child.seq_id] = SequenceSlots(slot=mine.reserved.pop())
+        return StateCopy(mine.slot, self.sequences[child.seq_id].slot)
 
     def swap_out(self, seq) -> StateCopy:
         """seq's state to a CPU slot; returns the copy (accelerator slot -> CPU slot) to make before the freed
         slot is reused."""
-        seq.cpu_state_slot = self._free_cpu.popleft()
-        copy = StateCopy(seq.state_slot, seq.cpu_state_slot)
+        entry = self.sequences[seq.seq_id]
+        entry.cpu_slot = self._free_cpu.popleft()
+        copy = StateCopy(entry.slot, entry.cpu_slot)
         self.free(seq)
         return copy
 
     def swap_in(self, seq) -> StateCopy:
         self.allocate(seq)
-        copy = StateCopy(seq.cpu_state_slot, seq.state_slot)
+        entry = self.sequences[seq.seq_id]
+        copy = StateCopy(entry.cpu_slot, entry.slot)
         self.free_cpu(seq)
         return copy
 
     def free_cpu(self, seq) -> None:
-        if seq.cpu_state_slot >= 0:
-            self._free_cpu.append(seq.cpu_state_slot)
-        seq.cpu_state_slot = -1
+        entry = self.sequences.get(seq.seq_id)
+        if entry is None or entry.cpu_slot < 0:
+            return
+        self._free_cpu.append(entry.cpu_slot)
+        entry.cpu_slot = -1
+        if entry.slot < 0:
+            del self.sequences[seq.seq_id]
 
     def check(self, running, swapped) -> None:
         """Every slot is free or held by exactly one sequence (AssertionError otherwise)."""
-        held = [s for seq in running for s in (seq.state_slot, *seq.reserved_state_slots)]
-        assert all(s >= 0 for s in held), "a running sequence without a state slot"
+        assert all(self.slot_of(seq) >= 0 for seq in running), "a running sequence without a state slot"
+        assert {i for i, e in self.sequences.items() if e.slot >= 0} == {seq.seq_id for seq in running}, (
+            "state slots held by a sequence that does not run"
+        )
+        held = [s for e in self.sequences.values() if e.slot >= 0 for s in (e.slot, *e.reserved)]
         assert len(held) + len(self._free) == self.num_slots, "state slots lost or held twice"
         assert not set(held) & set(self._free), "a held state slot is on the free list"
-        cpu = [seq.cpu_state_slot for seq in swapped]
+        cpu = [e.cpu_slot for e in self.sequences.values() if e.cpu_slot >= 0]
+        assert len(cpu) == len(swapped), (
+            "a swapped sequence without a CPU state slot, or one not swapped with"
+        )
         assert len(cpu) + len(self._free_cpu) == self.num_cpu_slots, "CPU state slots lost or held twice"
         assert not set(cpu) & set(self._free_cpu), "a held CPU state slot is on the free list"
         kept = list(self.snapshots.values())
@@ -177,6 +226,13 @@ class NoStateSlots:
     num_slots = num_used = num_cpu_slots = num_snapshots = snapshots_taken = snapshots_restored = 0
     num_free = num_free_cpu = 1 << 62
     usable = None  # PrefixCache.match: any prefix
+    snapshot_ends: dict[int, int] = {}  # never written
+
+    def slot_of(self, seq) -> int:
+        return -1
+
+    def held_by(self, seq) -> list[int]:
+        return []
 
     def new_step(self) -> None:
         return None
