@@ -23,7 +23,7 @@ from pathlib import Path
 from .common import OUT, SMOLLM2_135M, environment, save, table
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMATS = ["float32", "ct-w8a8", "torchao-int8", "bnb-8bit", "bnb-4bit", "fp8", "mxfp4"]
+FORMATS = ["float32", "ct-w8a8", "torchao-int8", "bnb-8bit", "bnb-4bit", "fp8", "mxfp4", "gptq", "awq"]
 
 
 def hf_tokens_per_s(target: Path, prompts: list[list[int]], new: int) -> tuple[float, int]:

@@ -1,6 +1,7 @@
 """Tiny quantized checkpoints, each made here by its format's own tooling from one tiny random-weight Llama (no
 download): compressed-tensors' compressors (what llm-compressor calls to save), transformers' quantizers for
-torchao and bitsandbytes, and transformers' own FP8 block quantizer for fine-grained FP8 (its quantizer refuses
+torchao and bitsandbytes, gptqmodel's quantizer for GPTQ and AWQ, and transformers' own FP8 block quantizer
+for fine-grained FP8 (its quantizer refuses
 to quantize without a GPU, but loads a quantized checkpoint on a CPU by dequantizing it). MXFP4 is written
 here (`to_mxfp4`, from the OCP Microscaling spec): transformers' MXFP4 quantizer needs the Hub's Triton kernels.
 
@@ -9,8 +10,11 @@ default model's tokenizer beside the weights (tests/test_quantized.py; bench/qua
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,6 +123,33 @@ def bnb(bits: int, threshold: float = 0.0):
     return config
 
 
+def gptqmodel_quantized(method: str):
+    """GPTQ or AWQ, 4 bits in groups of 64, by gptqmodel's own quantizer (whose layers transformers' GPTQ and
+    AWQ loaders build), calibrated on 8 random token sequences of 64; AWQ with zero points (AutoAWQ's GEMM
+    format, most AWQ uploads'), GPTQ symmetric (gptqmodel's default)."""
+
+    def make(float_dir: Path, target: Path) -> None:
+        # gptqmodel's CPU thread pool has a worker per 2 CPUs, and its model loader asks for 2: on a 2-CPU
+        # machine its load stops ("requests 2 workers but parent 'cpu' only has 1") unless given 2
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+        from gptqmodel import GPTQModel, QuantizeConfig
+
+        vocab = json.loads((float_dir / "config.json").read_text())["vocab_size"]
+        g = torch.Generator().manual_seed(0)
+        calibration = [
+            {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            for ids in torch.randint(3, vocab, (8, 64), generator=g).tolist()
+        ]
+        config = QuantizeConfig(bits=4, group_size=64, method=method, sym=method == "gptq")
+        # its quantizer writes its logs to ./logs: in a scratch directory, not the checkout
+        with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+            model = GPTQModel.load(str(float_dir), config, device="cpu")
+            model.quantize(calibration, batch_size=1)
+            model.save(str(target))
+
+    return make
+
+
 def fine_grained_fp8(float_dir: Path, target: Path) -> None:
     """Fine-grained FP8 (DeepSeek's and Qwen's format: e4m3 weights, one inverse scale per 64x64 block), each
     projection quantized by transformers' own Fp8Quantize (what its quantizer runs on a GPU)."""
@@ -217,4 +248,6 @@ FORMATS = {
     "bnb-4bit": ("bitsandbytes", quantized_at_load(bnb(4))),
     "fp8": (None, fine_grained_fp8),
     "mxfp4": (None, mxfp4),
+    "gptq": ("gptqmodel", gptqmodel_quantized("gptq")),
+    "awq": ("gptqmodel", gptqmodel_quantized("awq")),
 }

@@ -63,7 +63,9 @@ def test_equals_hf_generate_on_the_same_checkpoint(checkpoint, name, attention):
 
 # 8 pages of 16 tokens cannot hold the four sequences (up to 67 tokens, 5 pages, each) at once; gpt-oss's
 # sliding-window layers take pages of their own (up to 4 more a sequence), so 10 for it
-@pytest.mark.parametrize("name, num_pages", [("ct-w4a16", 8), ("torchao-int8", 8), ("mxfp4", 10)])
+@pytest.mark.parametrize(
+    "name, num_pages", [("ct-w4a16", 8), ("torchao-int8", 8), ("mxfp4", 10), ("gptq", 8), ("awq", 8)]
+)
 def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages):
     target, want = checkpoint(name)
     _, outs = generate(target, num_pages=num_pages, page_size=16, preemption="recompute")
@@ -71,7 +73,7 @@ def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages):
     assert sum(o.outputs[0].num_preemptions for o in outs) > 0
 
 
-@pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8", "bnb-4bit"])
+@pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8", "bnb-4bit", "gptq"])
 def test_quantized_layers_are_never_packed(checkpoint, name):
     """Even where the model does not say it is quantized (no hf_quantizer, is_quantized or quantization_config), each
     quantized layer is told apart by its class, its weight's type or dtype, or its quantization scheme."""
@@ -178,26 +180,41 @@ def test_mxfp4_checkpoint_is_in_gpt_oss_layout():
     assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), weight)
 
 
-def test_a_missing_package_names_the_batchrun_extra(float_dir, tmp_path, monkeypatch):
-    """transformers' own `pip install compressed-tensors` error reaches the user with the extra that brings
-    it (the package is made to look absent, installed or not)."""
+@pytest.mark.parametrize(
+    "method, absent, check, extra",
+    [
+        ("compressed-tensors", "compressed_tensors", "is_compressed_tensors_available", "compressed-tensors"),
+        ("gptq", "optimum", "is_optimum_available", "gptq"),
+        # without gptqmodel on a CPU, transformers says "GPU is required", not `pip install gptqmodel`
+        ("gptq", "gptqmodel", "is_gptqmodel_available", "gptq"),
+        ("awq", "gptqmodel", "is_gptqmodel_available", "gptq"),
+    ],
+)
+def test_a_missing_package_names_the_batchrun_extra(
+    float_dir, tmp_path, monkeypatch, method, absent, check, extra
+):
+    """transformers' own error for a missing package reaches the user with the package and the extra that
+    brings it (the package is made to look absent, installed or not)."""
     import shutil
 
-    target = tmp_path / "ct"
+    target = tmp_path / "quantized"
     shutil.copytree(float_dir, target)
     config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    settings = (
+        {"format": "pack-quantized"} if method == "compressed-tensors" else {"bits": 4, "group_size": 64}
+    )
+    config["quantization_config"] = {"quant_method": method, **settings}
     (target / "config.json").write_text(json.dumps(config))
     from batchrun.engine import quantization
 
-    quantizer = importlib.import_module("transformers.quantizers.quantizer_compressed_tensors")
-    monkeypatch.setattr(quantizer, "is_compressed_tensors_available", lambda: False)
-    monkeypatch.setattr(quantization, "installed", lambda module: False)
+    quantizer = importlib.import_module(f"transformers.quantizers.quantizer_{method.replace('-', '_')}")
+    monkeypatch.setattr(quantizer, check, lambda: False)
+    monkeypatch.setattr(quantization, "installed", lambda module: module != absent)
     with pytest.raises(BadInput) as e:
         LLM(model=str(target), dtype="float32", device="cpu", num_pages=16)
-    assert "compressed-tensors format" in str(
-        e.value
-    ) and "pip install 'batchrun[compressed-tensors]'" in str(e.value)
+    message = str(e.value)
+    assert f"{method} format" in message and f"needs the {absent} package" in message, message
+    assert f"pip install 'batchrun[{extra}]'" in message, message
 
 
 def test_bnb_8bit_with_outlier_columns_is_refused_at_load(checkpoint, tmp_path):
