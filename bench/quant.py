@@ -9,6 +9,9 @@ all at once. One process runs every format in turn (the figures are throughput, 
 MXFP4 exists for gpt-oss's experts alone: its row is a gpt-oss of SmolLM2-135M's shape with 4 experts, 2 a token
 (tests/quantized_models.mxfp4), so its figures compare with HF on that model, not with the float32 row.
 
+Making the checkpoints is part of the run: at this shape gptqmodel's AWQ quantizer (its scale search) took about
+14 minutes and its GPTQ one about 1 on this 2-CPU machine shared with other work (Dec 3, `--formats gptq,awq`).
+
 Usage: python -m bench.quant [--prompts 8] [--new 32] [--formats fp8,mxfp4]
 """
 
