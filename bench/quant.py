@@ -6,7 +6,13 @@ bytes in memory (engine/quantization.weight_bytes).
 HF `generate` runs the prompts one at a time (what batchrun's tokens are checked against); batchrun runs them
 all at once. One process runs every format in turn (the figures are throughput, not peak memory).
 
-Usage: python -m bench.quant [--prompts 8] [--new 32]
+MXFP4 exists for gpt-oss's experts alone: its row is a gpt-oss of SmolLM2-135M's shape with 4 experts, 2 a token
+(tests/quantized_models.mxfp4), so its figures compare with HF on that model, not with the float32 row.
+
+Making the checkpoints is part of the run: at this shape gptqmodel's AWQ quantizer (its scale search) took about
+14 minutes and its GPTQ one about 1 on this 2-CPU machine shared with other work (Dec 3, `--formats gptq,awq`).
+
+Usage: python -m bench.quant [--prompts 8] [--new 32] [--formats fp8,mxfp4]
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 from .common import OUT, SMOLLM2_135M, environment, save, table
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMATS = ["float32", "ct-w8a8", "torchao-int8", "bnb-8bit", "bnb-4bit", "fp8"]
+FORMATS = ["float32", "ct-w8a8", "torchao-int8", "bnb-8bit", "bnb-4bit", "fp8", "mxfp4", "gptq", "awq"]
 
 
 def hf_tokens_per_s(target: Path, prompts: list[list[int]], new: int) -> tuple[float, int]:
@@ -59,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--formats", default=",".join(FORMATS), help="a comma-separated subset of FORMATS")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from quantized_models import FORMATS as MAKERS
@@ -72,7 +79,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         float_dir = save_float(Path(work) / "float32", resolve_model_dir(None), **SMOLLM2_135M)
-        for name in FORMATS:
+        for name in args.formats.split(","):
             package, make = MAKERS.get(name, (None, None))
             if package and importlib.util.find_spec(package) is None:
                 print(f"{name}: skipped ({package} is not installed)")

@@ -19,6 +19,7 @@ from batchrun.errors import BadInput
 PROMPTS = [[1, 5, 9, 33, 70], [1, *range(10, 60)], [1, 200, 3], [1, *range(100, 140, 3)]]
 NEW_TOKENS = 16
 REFUSED = {"bnb-8bit-outliers": "llm_int8_threshold=6.0"}  # format -> what the refusal names
+DEQUANTIZED = {"fp8", "mxfp4"}  # dequantized by transformers on a CPU: plain float weights, packed like any
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +57,23 @@ def test_equals_hf_generate_on_the_same_checkpoint(checkpoint, name, attention):
     target, want = checkpoint(name)
     llm, outs = generate(target, attention=attention)
     assert [o.outputs[0].token_ids for o in outs] == want
-    # weights transformers keeps quantized are never packed; FP8 is dequantized to plain floats on a CPU
-    assert llm.packed_weights == (name == "fp8")
+    # weights transformers keeps quantized are never packed; FP8 and MXFP4 are dequantized to plain floats
+    assert llm.packed_weights == (name in DEQUANTIZED)
 
 
-@pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8"])
-def test_equals_hf_generate_under_preemption(checkpoint, name):
+# 8 pages of 16 tokens cannot hold the four sequences (up to 67 tokens, 5 pages, each) at once; gpt-oss's
+# sliding-window layers take pages of their own (up to 4 more a sequence), so 10 for it
+@pytest.mark.parametrize(
+    "name, num_pages", [("ct-w4a16", 8), ("torchao-int8", 8), ("mxfp4", 10), ("gptq", 8), ("awq", 8)]
+)
+def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages):
     target, want = checkpoint(name)
-    # 8 pages of 16 tokens cannot hold the four sequences (up to 67 tokens each) at once
-    _, outs = generate(target, num_pages=8, page_size=16, preemption="recompute")
+    _, outs = generate(target, num_pages=num_pages, page_size=16, preemption="recompute")
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.outputs[0].num_preemptions for o in outs) > 0
 
 
-@pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8", "bnb-4bit"])
+@pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8", "bnb-4bit", "gptq"])
 def test_quantized_layers_are_never_packed(checkpoint, name):
     """Even where the model does not say it is quantized (no hf_quantizer, is_quantized or quantization_config), each
     quantized layer is told apart by its class, its weight's type or dtype, or its quantization scheme."""
@@ -149,32 +153,68 @@ def test_compressed_tensors_weights_are_unpacked_at_load(checkpoint):
     assert weights.bytes == sum(t.numel() * t.element_size() for t in tensors(model))
 
 
-def test_dequantized_fp8_is_named(checkpoint):
-    target, _ = checkpoint("fp8")
+@pytest.mark.parametrize("name", sorted(DEQUANTIZED))
+def test_a_dequantized_format_is_named(checkpoint, name):
+    target, _ = checkpoint(name)
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=16)
-    assert llm.weights.format == "fp8, dequantized to float32"
+    assert llm.weights.format == f"{name}, dequantized to float32"
 
 
-def test_a_missing_package_names_the_batchrun_extra(float_dir, tmp_path, monkeypatch):
-    """transformers' own `pip install compressed-tensors` error reaches the user with the extra that brings
-    it (the package is made to look absent, installed or not)."""
+def test_mxfp4_checkpoint_is_in_gpt_oss_layout():
+    """The MXFP4 maker's blocks and scales read back by transformers' own dequantizer (what it loads gpt-oss's
+    checkpoints with) to the very weights, where each is an e2m1 number times its run's power of two and each
+    run's largest is 4 or 6 times it: so the nibble order, the runs' axis and the exponent's bias are the
+    published checkpoints'."""
+    from quantized_models import FP4_MAGNITUDES, to_mxfp4
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    experts, n_in, n_out = 2, 64, 96  # stored [experts, in, out], as gpt-oss's experts are
+    values = FP4_MAGNITUDES[torch.randint(0, 8, (experts, n_out, n_in // 32, 32), generator=g)]
+    values[..., 0] = FP4_MAGNITUDES[torch.randint(6, 8, values.shape[:-1], generator=g)]  # 4 or 6
+    signs = torch.randint(0, 2, values.shape, generator=g) * 2 - 1
+    exponents = torch.randint(-6, 4, (*values.shape[:-1], 1), generator=g)
+    weight = (values * signs * torch.exp2(exponents)).reshape(experts, n_out, n_in).transpose(1, 2)
+    blocks, scales = to_mxfp4(weight.transpose(1, 2))
+    assert blocks.shape == (experts, n_out, n_in // 32, 16) and scales.shape == (experts, n_out, n_in // 32)
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), weight)
+
+
+@pytest.mark.parametrize(
+    "method, absent, check, extra",
+    [
+        ("compressed-tensors", "compressed_tensors", "is_compressed_tensors_available", "compressed-tensors"),
+        ("gptq", "optimum", "is_optimum_available", "gptq"),
+        # without gptqmodel on a CPU, transformers says "GPU is required", not `pip install gptqmodel`
+        ("gptq", "gptqmodel", "is_gptqmodel_available", "gptq"),
+        ("awq", "gptqmodel", "is_gptqmodel_available", "gptq"),
+    ],
+)
+def test_a_missing_package_names_the_batchrun_extra(
+    float_dir, tmp_path, monkeypatch, method, absent, check, extra
+):
+    """transformers' own error for a missing package reaches the user with the package and the extra that
+    brings it (the package is made to look absent, installed or not)."""
     import shutil
 
-    target = tmp_path / "ct"
+    target = tmp_path / "quantized"
     shutil.copytree(float_dir, target)
     config = json.loads((target / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    settings = (
+        {"format": "pack-quantized"} if method == "compressed-tensors" else {"bits": 4, "group_size": 64}
+    )
+    config["quantization_config"] = {"quant_method": method, **settings}
     (target / "config.json").write_text(json.dumps(config))
     from batchrun.engine import quantization
 
-    quantizer = importlib.import_module("transformers.quantizers.quantizer_compressed_tensors")
-    monkeypatch.setattr(quantizer, "is_compressed_tensors_available", lambda: False)
-    monkeypatch.setattr(quantization, "installed", lambda module: False)
+    quantizer = importlib.import_module(f"transformers.quantizers.quantizer_{method.replace('-', '_')}")
+    monkeypatch.setattr(quantizer, check, lambda: False)
+    monkeypatch.setattr(quantization, "installed", lambda module: module != absent)
     with pytest.raises(BadInput) as e:
         LLM(model=str(target), dtype="float32", device="cpu", num_pages=16)
-    assert "compressed-tensors format" in str(
-        e.value
-    ) and "pip install 'batchrun[compressed-tensors]'" in str(e.value)
+    message = str(e.value)
+    assert f"{method} format" in message and f"needs the {absent} package" in message, message
+    assert f"pip install 'batchrun[{extra}]'" in message, message
 
 
 def test_bnb_8bit_with_outlier_columns_is_refused_at_load(checkpoint, tmp_path):

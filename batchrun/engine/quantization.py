@@ -18,13 +18,14 @@ import torch
 
 from ..errors import BadInput
 
-# a quantization_config's quant_method -> (the package transformers needs for it, the batchrun extra bringing it)
-PACKAGES: dict[str, tuple[str, str]] = {
-    "compressed-tensors": ("compressed_tensors", "compressed-tensors"),
-    "torchao": ("torchao", "torchao"),
-    "bitsandbytes": ("bitsandbytes", "bitsandbytes"),
-    "gptq": ("gptqmodel", "gptq"),
-    "awq": ("gptqmodel", "gptq"),
+# a quantization_config's quant_method -> (the packages transformers needs for it, the batchrun extra bringing them)
+PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "compressed-tensors": (("compressed_tensors",), "compressed-tensors"),
+    "torchao": (("torchao",), "torchao"),
+    "bitsandbytes": (("bitsandbytes",), "bitsandbytes"),
+    # transformers' GPTQ quantizer is optimum's; the CPU kernels of GPTQ and AWQ are gptqmodel's
+    "gptq": (("gptqmodel", "optimum"), "gptq"),
+    "awq": (("gptqmodel",), "gptq"),
 }
 
 
@@ -50,17 +51,21 @@ def quantized(model: torch.nn.Module) -> bool:
 
 
 def missing_package(config, error: Exception) -> BadInput | None:
-    """Loading failed for want of the format's package (transformers' own `pip install X` error): a BadInput
-    naming the format, the package and the batchrun extra that brings it; None when that is not the cause."""
+    """Loading failed and a package the format needs is not installed: a BadInput naming the format, the
+    missing packages and the batchrun extra that brings them, with transformers' own first line (its
+    `pip install X`, or for GPTQ without gptqmodel on a CPU "GPU is required"); None when every package is
+    there (too old a version, say: transformers' own words then say what to do)."""
     method = checkpoint_format(config)
-    if method not in PACKAGES or "pip install" not in str(error):
+    if method not in PACKAGES:
         return None
-    module, extra = PACKAGES[method]
-    if installed(module):
-        return None  # installed, yet refused (too old a version, say): transformers' own words say what to do
+    modules, extra = PACKAGES[method]
+    missing = [module for module in modules if not installed(module)]
+    if not missing:
+        return None
     first = str(error).strip().splitlines()[0]
+    packages = " and ".join(missing) + (" packages" if len(missing) > 1 else " package")
     return BadInput(
-        f"model.path: the model is quantized in the {method} format, which needs the {module} package: "
+        f"model.path: the model is quantized in the {method} format, which needs the {packages}: "
         f"pip install 'batchrun[{extra}]' (transformers: {first})"
     )
 
