@@ -12,9 +12,8 @@ py=.venv/bin/python
 [ -x "$py" ] || py=python3
 assets=out/gpu-assets
 [ -d "$assets/tokenizer" ] || { echo "gpu-check: no $assets; run bash bench/gpu_assets.sh first" >&2; exit 2; }
-# batchrun from the working tree, batchrun_kernels from kernels/, the wheels beside them: nothing installed
+# batchrun and batchrun_kernels from the working tree, the wheels beside them: nothing installed
 site=$(mktemp -d)
-ln -s "$PWD/kernels" "$site/batchrun_kernels"
 "$py" -m pip install -q --no-index --no-deps --target "$site" "$assets"/wheels/*.whl 2>/dev/null \
   || "$py" -c "import zipfile,glob,sys; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in glob.glob('$assets/wheels/*.whl')]" "$site"
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"

@@ -110,3 +110,20 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from .job import Job\n    from . import llm\n")
     assert imports("rows", probe) >= {"job", "llm"}
+
+
+def test_nothing_at_the_checkout_root_is_importable_as_transformers_optional_packages():
+    """Run from the checkout's root (python -m bench..., make), a top-level folder is importable by its name:
+    one named like a package transformers probes for (`kernels`, Hugging Face's hub-kernels library, which its
+    MXFP4 and FP8 paths import on a GPU) would be taken for it."""
+    probed = [
+        "kernels",
+        "optimum",
+        "gptqmodel",
+        "bitsandbytes",
+        "torchao",
+        "compressed_tensors",
+        "accelerate",
+    ]
+    shadowing = [name for name in probed if (ROOT / name).is_dir() or (ROOT / f"{name}.py").exists()]
+    assert not shadowing

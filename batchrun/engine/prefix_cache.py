@@ -9,13 +9,10 @@ longest cached prefix every KV cache group can use, and counts what it found for
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 from .page_pool import PageLayout, PagePool, chain_hash
 from .sequence import NULL_PAGE, Sequence
-
-if TYPE_CHECKING:
-    from .block_manager import SequencePages
 
 
 class PrefixMatch(NamedTuple):
@@ -32,14 +29,14 @@ class PrefixMatch(NamedTuple):
 
 class PrefixCache:
     """Finds and indexes cached prefixes in `pool` for the block manager (`enabled`: the engine's
-    prefix_sharing); `pages_of(seq)`: the block manager's record of a sequence (its tables and hash chain).
+    prefix_sharing); `pages_of(seq)`: the block manager's record of a sequence (SequencePages: its tables and hash chain).
     `query_tokens` and `hit_tokens` count the prompt tokens admitted and those found here."""
 
     def __init__(
         self,
         pool: PagePool,
         layout: PageLayout,
-        pages_of: Callable[[Sequence], SequencePages],
+        pages_of: Callable[[Sequence], Any],  # block_manager.SequencePages (it imports this module)
         enabled: bool = True,
     ):
         self.pool, self.layout, self.pages_of, self.enabled = pool, layout, pages_of, enabled

@@ -1,7 +1,7 @@
 """batchrun's Triton kernels and their PyTorch references, installed as `batchrun_kernels`.
 
-The folder is `kernels/` in the repository but never importable as `kernels`: transformers probes for a package
-of that name (Hugging Face's hub-kernels library) and would take this one for it.
+Not `kernels`, in the repository either: transformers probes for a package of that name (Hugging Face's
+hub-kernels library, for MXFP4 and FP8 on a GPU) and, run from the checkout's root, would take this one for it.
 """
 
 from .paged_attention import (
