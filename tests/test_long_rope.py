@@ -155,3 +155,101 @@ def test_longrope_outside_the_phi3_family_keeps_each_tokens_rotation():
     assert eng.scheduler.recompute_at is None
     token_lists = [prompts(256)[i] for i in (0, 1, 3)]  # 4, 11 (crossing) and 33 tokens
     assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
+
+
+def rotary_module(model) -> torch.nn.Module:
+    (module,) = [m for m in model.modules() if getattr(m, "rope_type", None) == "dynamic"]
+    return module
+
+
+def own_call(module, positions: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A freshly made rotary module of the same class and config, called as the model calls it on a sequence of
+    `length` tokens (position length - 1 among the ids), at `positions`."""
+    fresh = type(module)(module.config)
+    cos, sin = fresh(torch.empty(0), torch.tensor([positions + [length - 1]]))
+    return cos[:, :-1], sin[:, :-1]
+
+
+DYNAMIC_SHAPES = {  # head_dim, partial rotary factor, original context, factor: odd and even halves, partial
+    "family": None,
+    "head 40, context 100": dict(head_dim=40, max_position_embeddings=100, factor=2.5),
+    "head 128 half rotary": dict(
+        head_dim=128, max_position_embeddings=64, factor=8.0, partial_rotary_factor=0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", DYNAMIC_SHAPES)
+def test_dynamic_ntk_frequencies_of_many_lengths_equal_the_modules_own_call(shape):
+    """Dynamic NTK's cos/sin, computed for all the step's lengths at once, equal bit for bit the model's own
+    rotary module called on a sequence of each length alone (below, at and past the original context), in one
+    step of mixed lengths as in one of a single length."""
+    overrides = dict(SUPPORTED["llama:dynamic_ntk"][1])
+    if DYNAMIC_SHAPES[shape]:
+        s = dict(DYNAMIC_SHAPES[shape])
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=s.pop("factor"))
+        if "partial_rotary_factor" in s:
+            rope["partial_rotary_factor"] = s.pop("partial_rotary_factor")
+        overrides.update(s, rope_parameters=rope)
+    model = build("llama:dynamic_ntk", overrides, "paged")
+    rope = PerSequenceRope.of(model, {"dynamic"})
+    assert rope.frequencies is not None
+    original = rope.original_context
+    lengths = list(range(1, 5 * original))
+    mixed_positions = [length - 1 for length in lengths]
+    cos, sin = rope.frequencies.embeddings(lengths, torch.tensor(mixed_positions))
+    for t, length in enumerate(lengths):
+        positions = sorted({0, length // 2, length - 1})
+        expected = own_call(rope.module, positions, length)
+        got = rope.frequencies.embeddings([length] * len(positions), torch.tensor(positions))
+        assert all(torch.equal(e, g) for e, g in zip(expected, got)), f"length {length}"
+        assert torch.equal(cos[:, t], expected[0][:, -1]) and torch.equal(sin[:, t], expected[1][:, -1])
+
+
+def test_dynamic_ntk_step_of_many_decodes_makes_no_rotary_call_per_sequence():
+    """The cost: a step of 64 decodes past the original context, each of its own length, computes their cos/sin
+    without calling the rotary module once per sequence (64 calls before, 11 ms of CPU time a step: bench/RESULTS.md)."""
+    from batchrun.engine.scheduler import ScheduledSequence
+    from batchrun.engine.sequence import Sequence
+
+    rope = PerSequenceRope.of(
+        build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged"), {"dynamic"}
+    )
+    calls = []
+    real = rope.module._batchrun_rope_forward
+    rope.module._batchrun_rope_forward = lambda *a: calls.append(a) or real(*a)
+    step = []
+    for i in range(64):
+        seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
+        seq.output_token_ids = [5] * 8
+        step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1))
+    positions = torch.tensor([s.start for s in step])
+    cos, _ = rope.step_embeddings(step, positions)
+    assert not calls
+    length = step[7].seq.num_tokens
+    assert torch.equal(cos[:, 7], own_call(rope.module, [length - 1], length)[0][:, 0])
+
+
+def test_a_rotary_module_with_its_own_forward_is_called_per_length():
+    """A dynamic NTK module whose forward is not transformers' standard one (here: positions shifted by half a
+    step) is not reproduced: batchrun calls the module itself per length, and the step equals its own call."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    model = build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged")
+    module = rotary_module(model)
+
+    class ShiftedRotary(type(module)):
+        @dynamic_rope_update
+        def forward(self, x, position_ids):
+            freqs = (position_ids[..., None].float() + 0.5) * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    module.__class__ = ShiftedRotary
+    rope = PerSequenceRope.of(model, {"dynamic"})
+    assert rope.frequencies is None
+    length = 2 * ORIGINAL_CONTEXT + 1
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(rope._rotary(torch.tensor([3]), length), own_call(module, [3], length))
+    )
