@@ -1,8 +1,8 @@
 """LongRoPE (Phi-3.5-mini / Phi-4-mini) and dynamic NTK scaling, their factors chosen per packed sequence
 (batchrun/engine/per_sequence_rope.py): each row equals HF `generate` on it alone (a freshly loaded model) under
-chunked prefill, swap and recompute preemption, prefix-sharing prompts and a model that ran longer sequences
-before; and what each part is for: without per-sequence factors, or without Phi-3's recompute at the switch, the
-rows differ. The matrix (tests/test_families.py, test_family_invariance.py) runs both models on every CPU backend
+chunked prefill, swap and recompute preemption, prefix sharing of the pages rotated alike and a model that ran
+longer sequences before; and what each part is for: without per-sequence factors, without Phi-3's recompute at
+the switch, or with every page shared, the rows differ. The matrix (tests/test_families.py, test_family_invariance.py) runs both models on every CPU backend
 and checks batch invariance."""
 
 from __future__ import annotations
@@ -53,20 +53,40 @@ def test_chunked_prefill_and_preemption_equal_hf_generate(family, preemption):
     assert got == expected
 
 
+def common_prefix_prompts() -> list[list[int]]:
+    """Prompts on both sides of the original context (32) sharing a 24-token prefix: two within it (28 and 30
+    tokens, both crossing it as they generate), two past it (44 and 46 tokens, sharing 40)."""
+    prefix = prompts(256)[-1][:24]
+    return [prefix + [5] * 4, prefix + [7] * 6, prefix + [9] * 20, prefix + [9] * 20 + [11] * 2]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prompts_of_a_common_prefix_and_a_model_that_ran_longer_ones(family):
-    """Two prompts sharing a 20-token prefix, one ending before the original context and one past it: their
-    pages hold K/V rotated for their own lengths, so nothing is shared (prefix sharing is off for these models).
-    Then a prompt just past the original context on the same engine, after the long ones finished: it keeps no
-    dynamic NTK length of theirs."""
+def test_prefix_sharing_shares_the_pages_rotated_alike(family):
+    """A page's K/V depend on the rotation length its tokens were computed with: the prefix cache shares the
+    pages of tokens that every sequence rotates with the original context's factors (the second short prompt
+    reuses the first's 24-token prefix: 3 pages of 8), never those of a prompt past the original context (its
+    tokens rotated for its own length), nor Phi-3's after its recompute at the switch. Each row equals HF
+    `generate` on it alone. Then a prompt just past the original context on the same engine, after the long ones
+    finished: it keeps no dynamic NTK length of theirs."""
     model, ref = models(family)
-    prefix = prompts(256)[-1][:20]
-    token_lists = [prefix + [5] * 6, prefix + [7] * 30]
-    eng = engine(model, prefix_sharing=True)
-    assert not eng.block_manager.prefix_cache.enabled
+    token_lists = common_prefix_prompts()
+    eng = engine(model, prefix_sharing=True, page_size=8)
     assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
+    assert eng.block_manager.prefix_cache.hit_tokens == 24
     after = [prompts(256)[3]]  # 33 tokens
     assert generate(eng, after) == hf_tokens(ref, after)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_sharing_of_pages_rotated_for_other_lengths_differs(family):
+    """Why the prefix cache shares only pages rotated alike: with every page shared, the prompts past the
+    original context reuse the short prompts' pages (rotated with the original factors) and rows differ."""
+    model, ref = models(family)
+    token_lists = common_prefix_prompts()
+    eng = engine(model, prefix_sharing=True, page_size=8)
+    eng.block_manager.prefix_cache.shareable_tokens = None
+    assert generate(eng, token_lists) != hf_tokens(ref, token_lists)
+    assert eng.block_manager.prefix_cache.hit_tokens > 24
 
 
 @pytest.mark.parametrize("family", FAMILIES)

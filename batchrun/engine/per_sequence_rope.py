@@ -23,9 +23,10 @@ of factors in the step (its state reset before each call, so no sequence inherit
 and the module's forward returns them during the step's forward. Dynamic NTK has a choice per sequence past the
 original context (its length grows by one a step), so one call per sequence would cost a step of 64 decodes
 milliseconds (bench/RESULTS.md); for a module that is transformers' standard one (`DynamicNtkFrequencies.of`)
-the frequencies of every length are computed at once instead, bit for bit as the module computes them for one. A page holds K/V rotated for its sequence's
-lengths, so no page is shared between prompts (prefix sharing is off for these models; parallel samples of one
-prompt still share its pages).
+the frequencies of every length are computed at once instead, bit for bit as the module computes them for one.
+
+A page holds K/V rotated for its tokens' lengths, so the prefix cache shares only the pages every sequence of the
+same tokens computes alike (`shareable_tokens`): those whose tokens all take the original context's factors.
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ class PerSequenceRope:
                 prompt = seq.num_prompt_tokens
                 lengths += [max(prompt, p + 1) for p in range(start, start + n)]
         return lengths
+
+    def shareable_tokens(self, seq) -> int:
+        """How many of seq's leading tokens hold K/V that every sequence of the same tokens computes (the prefix
+        cache shares their pages, prefix_cache.PrefixCache): those rotated with the original context's factors,
+        which every length up to it takes. Phi-3's are all of a sequence still within the original context (its
+        tokens all rotated for its current length), none past it; otherwise the tokens before the original
+        context of a prompt within it, none of a longer prompt (every prompt token rotated for its length)."""
+        if self.recompute_at is not None:
+            return seq.num_tokens if seq.num_tokens <= self.original_context else 0
+        return self.original_context if seq.num_prompt_tokens <= self.original_context else 0
 
     def _factors(self, length: int) -> int:
         """Lengths with equal factors map to one key: LongRoPE's two sets, dynamic NTK's originals up to the
