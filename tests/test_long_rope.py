@@ -1,8 +1,8 @@
 """LongRoPE (Phi-3.5-mini / Phi-4-mini) and dynamic NTK scaling, their factors chosen per packed sequence
 (batchrun/engine/per_sequence_rope.py): each row equals HF `generate` on it alone (a freshly loaded model) under
-chunked prefill, swap and recompute preemption, prefix-sharing prompts and a model that ran longer sequences
-before; and what each part is for: without per-sequence factors, or without Phi-3's recompute at the switch, the
-rows differ. The matrix (tests/test_families.py, test_family_invariance.py) runs both models on every CPU backend
+chunked prefill, swap and recompute preemption, prefix sharing of the pages rotated alike and a model that ran
+longer sequences before; and what each part is for: without per-sequence factors, without Phi-3's recompute at
+the switch, or with every page shared, the rows differ. The matrix (tests/test_families.py, test_family_invariance.py) runs both models on every CPU backend
 and checks batch invariance."""
 
 from __future__ import annotations
@@ -53,20 +53,40 @@ def test_chunked_prefill_and_preemption_equal_hf_generate(family, preemption):
     assert got == expected
 
 
+def common_prefix_prompts() -> list[list[int]]:
+    """Prompts on both sides of the original context (32) sharing a 24-token prefix: two within it (28 and 30
+    tokens, both crossing it as they generate), two past it (44 and 46 tokens, sharing 40)."""
+    prefix = prompts(256)[-1][:24]
+    return [prefix + [5] * 4, prefix + [7] * 6, prefix + [9] * 20, prefix + [9] * 20 + [11] * 2]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prompts_of_a_common_prefix_and_a_model_that_ran_longer_ones(family):
-    """Two prompts sharing a 20-token prefix, one ending before the original context and one past it: their
-    pages hold K/V rotated for their own lengths, so nothing is shared (prefix sharing is off for these models).
-    Then a prompt just past the original context on the same engine, after the long ones finished: it keeps no
-    dynamic NTK length of theirs."""
+def test_prefix_sharing_shares_the_pages_rotated_alike(family):
+    """A page's K/V depend on the rotation length its tokens were computed with: the prefix cache shares the
+    pages of tokens that every sequence rotates with the original context's factors (the second short prompt
+    reuses the first's 24-token prefix: 3 pages of 8), never those of a prompt past the original context (its
+    tokens rotated for its own length), nor Phi-3's after its recompute at the switch. Each row equals HF
+    `generate` on it alone. Then a prompt just past the original context on the same engine, after the long ones
+    finished: it keeps no dynamic NTK length of theirs."""
     model, ref = models(family)
-    prefix = prompts(256)[-1][:20]
-    token_lists = [prefix + [5] * 6, prefix + [7] * 30]
-    eng = engine(model, prefix_sharing=True)
-    assert not eng.block_manager.prefix_cache.enabled
+    token_lists = common_prefix_prompts()
+    eng = engine(model, prefix_sharing=True, page_size=8)
     assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
+    assert eng.block_manager.prefix_cache.hit_tokens == 24
     after = [prompts(256)[3]]  # 33 tokens
     assert generate(eng, after) == hf_tokens(ref, after)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_sharing_of_pages_rotated_for_other_lengths_differs(family):
+    """Why the prefix cache shares only pages rotated alike: with every page shared, the prompts past the
+    original context reuse the short prompts' pages (rotated with the original factors) and rows differ."""
+    model, ref = models(family)
+    token_lists = common_prefix_prompts()
+    eng = engine(model, prefix_sharing=True, page_size=8)
+    eng.block_manager.prefix_cache.shareable_tokens = None
+    assert generate(eng, token_lists) != hf_tokens(ref, token_lists)
+    assert eng.block_manager.prefix_cache.hit_tokens > 24
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,3 +175,101 @@ def test_longrope_outside_the_phi3_family_keeps_each_tokens_rotation():
     assert eng.scheduler.recompute_at is None
     token_lists = [prompts(256)[i] for i in (0, 1, 3)]  # 4, 11 (crossing) and 33 tokens
     assert generate(eng, token_lists) == hf_tokens(ref, token_lists)
+
+
+def rotary_module(model) -> torch.nn.Module:
+    (module,) = [m for m in model.modules() if getattr(m, "rope_type", None) == "dynamic"]
+    return module
+
+
+def own_call(module, positions: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A freshly made rotary module of the same class and config, called as the model calls it on a sequence of
+    `length` tokens (position length - 1 among the ids), at `positions`."""
+    fresh = type(module)(module.config)
+    cos, sin = fresh(torch.empty(0), torch.tensor([positions + [length - 1]]))
+    return cos[:, :-1], sin[:, :-1]
+
+
+DYNAMIC_SHAPES = {  # head_dim, partial rotary factor, original context, factor: odd and even halves, partial
+    "family": None,
+    "head 40, context 100": dict(head_dim=40, max_position_embeddings=100, factor=2.5),
+    "head 128 half rotary": dict(
+        head_dim=128, max_position_embeddings=64, factor=8.0, partial_rotary_factor=0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", DYNAMIC_SHAPES)
+def test_dynamic_ntk_frequencies_of_many_lengths_equal_the_modules_own_call(shape):
+    """Dynamic NTK's cos/sin, computed for all the step's lengths at once, equal bit for bit the model's own
+    rotary module called on a sequence of each length alone (below, at and past the original context), in one
+    step of mixed lengths as in one of a single length."""
+    overrides = dict(SUPPORTED["llama:dynamic_ntk"][1])
+    if DYNAMIC_SHAPES[shape]:
+        s = dict(DYNAMIC_SHAPES[shape])
+        rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=s.pop("factor"))
+        if "partial_rotary_factor" in s:
+            rope["partial_rotary_factor"] = s.pop("partial_rotary_factor")
+        overrides.update(s, rope_parameters=rope)
+    model = build("llama:dynamic_ntk", overrides, "paged")
+    rope = PerSequenceRope.of(model, {"dynamic"})
+    assert rope.frequencies is not None
+    original = rope.original_context
+    lengths = list(range(1, 5 * original))
+    mixed_positions = [length - 1 for length in lengths]
+    cos, sin = rope.frequencies.embeddings(lengths, torch.tensor(mixed_positions))
+    for t, length in enumerate(lengths):
+        positions = sorted({0, length // 2, length - 1})
+        expected = own_call(rope.module, positions, length)
+        got = rope.frequencies.embeddings([length] * len(positions), torch.tensor(positions))
+        assert all(torch.equal(e, g) for e, g in zip(expected, got)), f"length {length}"
+        assert torch.equal(cos[:, t], expected[0][:, -1]) and torch.equal(sin[:, t], expected[1][:, -1])
+
+
+def test_dynamic_ntk_step_of_many_decodes_makes_no_rotary_call_per_sequence():
+    """The cost: a step of 64 decodes past the original context, each of its own length, computes their cos/sin
+    without calling the rotary module once per sequence (64 calls before, 11 ms of CPU time a step: bench/RESULTS.md)."""
+    from batchrun.engine.scheduler import ScheduledSequence
+    from batchrun.engine.sequence import Sequence
+
+    rope = PerSequenceRope.of(
+        build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged"), {"dynamic"}
+    )
+    calls = []
+    real = rope.module._batchrun_rope_forward
+    rope.module._batchrun_rope_forward = lambda *a: calls.append(a) or real(*a)
+    step = []
+    for i in range(64):
+        seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
+        seq.output_token_ids = [5] * 8
+        step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1))
+    positions = torch.tensor([s.start for s in step])
+    cos, _ = rope.step_embeddings(step, positions)
+    assert not calls
+    length = step[7].seq.num_tokens
+    assert torch.equal(cos[:, 7], own_call(rope.module, [length - 1], length)[0][:, 0])
+
+
+def test_a_rotary_module_with_its_own_forward_is_called_per_length():
+    """A dynamic NTK module whose forward is not transformers' standard one (here: positions shifted by half a
+    step) is not reproduced: batchrun calls the module itself per length, and the step equals its own call."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    model = build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged")
+    module = rotary_module(model)
+
+    class ShiftedRotary(type(module)):
+        @dynamic_rope_update
+        def forward(self, x, position_ids):
+            freqs = (position_ids[..., None].float() + 0.5) * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    module.__class__ = ShiftedRotary
+    rope = PerSequenceRope.of(model, {"dynamic"})
+    assert rope.frequencies is None
+    length = 2 * ORIGINAL_CONTEXT + 1
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(rope._rotary(torch.tensor([3]), length), own_call(module, [3], length))
+    )

@@ -144,10 +144,11 @@ class Engine:
             self.num_pages,
             config.page_size,
             sizes.num_cpu_pages,
-            # a page of a model with RoPE factors per sequence holds K/V rotated for its own sequence's length
-            config.prefix_sharing and self.model_attention.rope is None,
+            config.prefix_sharing,
             [kind.first_key for kind in self.kv_groups.kinds],
         )
+        if self.model_attention.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
+            self.block_manager.prefix_cache.shareable_tokens = self.model_attention.rope.shareable_tokens
         self.state_slots = (
             StateSlots(sizes.num_slots, sizes.num_cpu_slots, sizes.num_snapshots)
             if state_spec

@@ -20,9 +20,13 @@ longest batch-mate. Here each token gets the length HF would have used for it (i
 
 The cos/sin are made in `ModelRunner.prepare`, by the model's own rotary module called once per distinct choice
 of factors in the step (its state reset before each call, so no sequence inherits another's dynamic NTK length),
-and the module's forward returns them during the step's forward. A page holds K/V rotated for its sequence's
-lengths, so no page is shared between prompts (prefix sharing is off for these models; parallel samples of one
-prompt still share its pages).
+and the module's forward returns them during the step's forward. Dynamic NTK has a choice per sequence past the
+original context (its length grows by one a step), so one call per sequence would cost a step of 64 decodes
+milliseconds (bench/RESULTS.md); for a module that is transformers' standard one (`DynamicNtkFrequencies.of`)
+the frequencies of every length are computed at once instead, bit for bit as the module computes them for one.
+
+A page holds K/V rotated for its tokens' lengths, so the prefix cache shares only the pages every sequence of the
+same tokens computes alike (`shareable_tokens`): those whose tokens all take the original context's factors.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import modeling_rope_utils
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .attention import AttentionMetadata, UnsupportedModel, int_tensor, refusal
 
@@ -61,6 +67,8 @@ class PerSequenceRope:
         if "_batchrun_rope_forward" not in module.__dict__:
             module._batchrun_rope_forward = module.forward
             module.forward = _step_rotary_forward.__get__(module)
+        # dynamic NTK's frequencies of all the step's lengths at once; None: the module called per length
+        self.frequencies = DynamicNtkFrequencies.of(self) if rope_type == "dynamic" else None
 
     @classmethod
     def of(cls, model, rope_types: set[str]) -> PerSequenceRope | None:
@@ -105,6 +113,16 @@ class PerSequenceRope:
                 lengths += [max(prompt, p + 1) for p in range(start, start + n)]
         return lengths
 
+    def shareable_tokens(self, seq) -> int:
+        """How many of seq's leading tokens hold K/V that every sequence of the same tokens computes (the prefix
+        cache shares their pages, prefix_cache.PrefixCache): those rotated with the original context's factors,
+        which every length up to it takes. Phi-3's are all of a sequence still within the original context (its
+        tokens all rotated for its current length), none past it; otherwise the tokens before the original
+        context of a prompt within it, none of a longer prompt (every prompt token rotated for its length)."""
+        if self.recompute_at is not None:
+            return seq.num_tokens if seq.num_tokens <= self.original_context else 0
+        return self.original_context if seq.num_prompt_tokens <= self.original_context else 0
+
     def _factors(self, length: int) -> int:
         """Lengths with equal factors map to one key: LongRoPE's two sets, dynamic NTK's originals up to the
         original context."""
@@ -115,6 +133,8 @@ class PerSequenceRope:
     def step_embeddings(self, scheduled, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's cos and sin, [1, T, rotary dim] in float32 (the module casts to the model's dtype itself),
         for the step's packed `positions` [T]."""
+        if self.frequencies is not None:
+            return self.frequencies.embeddings(self.rotation_lengths(scheduled), positions)
         groups: dict[int, tuple[int, list[int]]] = {}
         for t, length in enumerate(self.rotation_lengths(scheduled)):
             groups.setdefault(self._factors(length), (length, []))[1].append(t)
@@ -152,6 +172,94 @@ class PerSequenceRope:
         if self.rope_type == "dynamic":
             m.register_buffer("inv_freq", m.original_inv_freq, persistent=False)
             m.max_seq_len_cached = m.original_max_seq_len
+
+
+class DynamicNtkFrequencies:
+    """Dynamic NTK's cos/sin for tokens of many rotation lengths in one computation, equal bit for bit to the
+    rotary module's own call per length: its original frequencies up to the original context, past it
+    transformers' `_compute_dynamic_ntk_parameters` for each distinct length, vectorised over the lengths.
+
+    Used only for a module whose computation this reproduces (`of`): transformers' standard rotary forward under
+    its `dynamic_rope_update`, and its dynamic NTK function; checked at load against the module's own call at
+    lengths on both sides of the original context, on the module's device, and otherwise not used (the module is
+    then called per length, as before)."""
+
+    def __init__(self, module: torch.nn.Module):
+        config = module.config
+        params = config.rope_parameters
+        # the lines of `_compute_dynamic_ntk_parameters` that depend on the config alone
+        head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        self.module = module
+        self.theta = params["rope_theta"]
+        self.factor = params["factor"]
+        self.max_position_embeddings = config.max_position_embeddings
+        self.base_exponent = dim / (dim - 2)
+        device = module.original_inv_freq.device
+        self.frequency_exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device, torch.float) / dim
+
+    @classmethod
+    def of(cls, rope: PerSequenceRope) -> DynamicNtkFrequencies | None:
+        """For a module whose call this reproduces exactly (class docstring), else None."""
+        module = rope.module
+        if not _is_standard_dynamic_rotary(module):
+            return None
+        frequencies = cls(module)
+        original = rope.original_context
+        device = module.original_inv_freq.device
+        for length in (1, original, original + 1, original + 2, 2 * original + 3, 16 * original + 5):
+            positions = int_tensor(sorted({0, length // 3, length // 2, length - 1}), device=device)
+            expected = rope._rotary(positions, length)
+            got = frequencies.embeddings([length] * len(positions), positions)
+            if not all(torch.equal(e, g) for e, g in zip(expected, got)):
+                return None
+        return frequencies
+
+    def inverse_frequencies(self, lengths: torch.Tensor) -> torch.Tensor:
+        """[G, rotary dim / 2] float32 for `lengths` [G]: `_compute_dynamic_ntk_parameters(seq_len=length)` per
+        row past the original context (the module's growth), its original frequencies up to it (its reset).
+
+        The base's power is taken in float64 and rounded to float32: transformers takes it on a one-element
+        tensor, which torch computes as a scalar loop in double, where a vectorised float32 power over many
+        lengths differs in the last bit (checked at load, `of`)."""
+        m = self.module
+        seq_len = torch.maximum(lengths, torch.tensor(self.max_position_embeddings, device=lengths.device))
+        scaled = (self.factor * seq_len / self.max_position_embeddings) - (self.factor - 1)
+        base = self.theta * (scaled.double() ** self.base_exponent).float()
+        grown = 1.0 / (base[:, None] ** self.frequency_exponents)
+        return torch.where((lengths > m.original_max_seq_len)[:, None], grown, m.original_inv_freq)
+
+    def embeddings(self, lengths: list[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module forward's cos and sin, [1, T, rotary dim] float32, for tokens of rotation `lengths` at
+        `positions` [T]: each distinct length's frequencies computed once."""
+        rows: dict[int, int] = {}
+        row_of_token = [rows.setdefault(length, len(rows)) for length in lengths]
+        device = positions.device
+        inv_freq = self.inverse_frequencies(int_tensor(list(rows), device=device))
+        freqs = positions[:, None].float() * inv_freq[int_tensor(row_of_token, device=device)]
+        emb = torch.cat((freqs, freqs), dim=-1)[None]
+        scaling = self.module.attention_scaling
+        return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _is_standard_dynamic_rotary(module: torch.nn.Module) -> bool:
+    """The module's forward is transformers' standard rotary forward (Llama's, which most families copy: compared
+    by its compiled code) under `dynamic_rope_update`, and its dynamic NTK is transformers' own function."""
+    forward = type(module).forward
+    standard = LlamaRotaryEmbedding.forward
+    inner = getattr(forward, "__wrapped__", None)
+    return (
+        modeling_rope_utils.ROPE_INIT_FUNCTIONS.get("dynamic")
+        is modeling_rope_utils._compute_dynamic_ntk_parameters
+        and getattr(forward, "__code__", None) is standard.__code__
+        and inner is not None
+        and _same_code(inner.__code__, standard.__wrapped__.__code__)
+    )
+
+
+def _same_code(a, b) -> bool:
+    """Two functions' compiled code is the same computation (names, constants, bytecode; not line numbers)."""
+    return all(getattr(a, k) == getattr(b, k) for k in ("co_code", "co_consts", "co_names", "co_varnames"))
 
 
 def _rope_type(module: torch.nn.Module) -> str | None:

@@ -42,6 +42,10 @@ class PrefixCache:
         self.pool, self.layout, self.pages_of, self.enabled = pool, layout, pages_of, enabled
         self.query_tokens = 0
         self.hit_tokens = 0
+        # seq -> how many of its leading tokens hold K/V that every sequence of the same tokens computes, the
+        # only pages matched and indexed (RoPE factors per sequence: PerSequenceRope.shareable_tokens, which
+        # never grows for a sequence); None: all of them
+        self.shareable_tokens = None
 
     def _no_tables(self) -> list[list[int]]:
         return [[] for _ in range(self.layout.num_groups)]
@@ -56,6 +60,12 @@ class PrefixCache:
                 chain.append(chain_hash(chain[-1] if chain else None, tokens[i * P : (i + 1) * P]))
         return chain
 
+    def _shareable_pages(self, seq: Sequence, n: int) -> int:
+        """n, or fewer: seq's leading pages that may be shared (`shareable_tokens`)."""
+        if self.shareable_tokens is None:
+            return n
+        return min(n, self.shareable_tokens(seq) // self.layout.page_size)
+
     def page_hashes(self, seq: Sequence) -> list[bytes]:
         """The chain hash of each full page of seq's tokens but the one holding its last token (which is never
         matched: its logits are needed)."""
@@ -66,12 +76,13 @@ class PrefixCache:
         """Cached pages that hold a prefix of seq's tokens, in every group (a windowed group only the pages its
         window still reads at the prefix's end). The last token is never matched: its logits are needed, so at
         least one token of the prompt is always computed. `usable(hashes, k)`: whether a prefix of k pages may
-        be used (a hybrid model needs its layers' state at the prefix's end too)."""
+        be used (a hybrid model needs its layers' state at the prefix's end too). Only seq's shareable pages
+        (`shareable_tokens`) are looked up."""
         if not self.enabled or seq.prompt_logprobs is not None:
             return PrefixMatch(0, self._no_tables(), [])  # a scoring sequence computes all
         tokens, P, G = seq.cache_key_tokens, self.layout.page_size, self.layout.num_groups
         hashes = self.page_hashes(seq)
-        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range(len(hashes))]
+        chunks = [tuple(tokens[i * P : (i + 1) * P]) for i in range(self._shareable_pages(seq, len(hashes)))]
         # per group, its cached pages and the last block before each k that is not cached (-1: none); then the
         # longest prefix k for which every group holds the blocks it reads: those from first_block(g, k * P) on
         pages = [[self.pool.cached(g, h, c) for h, c in zip(hashes, chunks)] for g in range(G)]
@@ -83,7 +94,7 @@ class PrefixCache:
                 misses.append(latest)
             last_miss.append(misses)
         first_block = self.layout.first_block
-        for k in range(len(hashes), 0, -1):
+        for k in range(len(chunks), 0, -1):
             firsts = [first_block(g, k * P) for g in range(G)]
             if all(last_miss[g][k - 1] < firsts[g] for g in range(G)) and (
                 usable is None or usable(hashes, k)
@@ -115,7 +126,7 @@ class PrefixCache:
         if not self.enabled:
             return
         entry, tokens, P = self.pages_of(seq), seq.cache_key_tokens, self.layout.page_size
-        for i in range(start, entry.num_registered):
+        for i in range(start, self._shareable_pages(seq, entry.num_registered)):
             for g, table in enumerate(entry.tables):
                 if i < len(table) and table[i] != NULL_PAGE:
                     self.pool.register(g, entry.hash_chain[i], table[i], tuple(tokens[i * P : (i + 1) * P]))
