@@ -242,7 +242,7 @@ def test_dynamic_ntk_step_of_many_decodes_makes_no_rotary_call_per_sequence():
     for i in range(64):
         seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
         seq.output_token_ids = [5] * 8
-        step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1))
+        step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1, [[]], -1))
     positions = torch.tensor([s.start for s in step])
     cos, _ = rope.step_embeddings(step, positions)
     assert not calls

@@ -160,14 +160,15 @@ class BlockManager:
         block table, plus a private copy when the first page written into is shared (copy-on-write)."""
         computed, P = seq.num_computed_tokens, self.page_size
         end_pages = -(-(computed + num_new_tokens) // P)
-        first, windowed = computed // P, self.layout.windowed
+        first, windowed, shared = computed // P, self.layout.windowed, self.pool.num_shared
         needed = 0
         for g, table in enumerate(self.sequences[seq.seq_id].tables):  # every step, every sequence: kept lean
             n = len(table)
             start = max(n, self.layout.first_block(g, computed)) if windowed else n
             if end_pages > start:
                 needed += end_pages - start
-            needed += self._is_shared(table, first)
+            if shared:  # no page held twice: nothing to copy on write
+                needed += self._is_shared(table, first)
         return needed
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> list[PageCopy]:

@@ -103,10 +103,10 @@ def _count_unshared(bm: BlockManager, running: list[Sequence], reservation) -> d
     integer arithmetic per sequence, no sets."""
     P = bm.page_size
     logical_pages = stored = computed_sum = freed = reserved = 0
-    windowed = bm.layout.windowed
+    windowed, records = bm.layout.windowed, bm.sequences
     for seq in running:
         computed = seq.num_computed_tokens
-        for table in bm.block_tables(seq):
+        for table in records[seq.seq_id].tables:
             n = len(table)
             logical_pages += n
             stored += min(computed, n * P)
