@@ -316,3 +316,66 @@ def test_prefix_sharing_with_a_window_matches_only_what_the_window_reads():
     bm.allocate_sequence(c, 100, match_c)
     assert bm.pool.ref_count[revived] == 1
     bm.check_integrity([a, b, c])
+
+
+def test_abort_gives_back_the_snapshots_planned_but_not_copied():
+    """A hybrid's prefix snapshot is planned in one step and copied before the next: abort_all in between drops
+    that copy, so the snapshot must not stay indexed (a later prompt with the same prefix would start from a slot
+    never filled), and no sequence's snapshot boundary is kept."""
+    from batchrun.engine.state_slots import StateSlots
+
+    bm, states = BlockManager(64, 4, 16), StateSlots(4, 2, 2)
+    scheduler = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), bm, states=states)
+    common = list(range(12))
+    scheduler.add(seq(0, common + [50, 51, 52]))
+    scheduler.add(seq(1, common + [60, 61, 62]))
+    plan = scheduler.schedule()  # 0 stops at the 12 tokens it shares with 1, whose state is kept
+    assert plan.scheduled[0].num_new_tokens == 12 and states.snapshot_ends == {}
+    for s in plan.scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+    scheduler.abort_all()
+    assert not states.snapshots and not states.snapshot_ends and not bm.sequences and not states.sequences
+    states.check([], [])
+    scheduler.add(seq(2, common + [70, 71, 72]))
+    assert scheduler.schedule().state_forks == []  # computes its prefix: no snapshot to restore
+
+
+def test_block_table_rows_follow_every_kind_of_change():
+    """The persistent rows (block_table_buffer.py) against the lists after each change the block manager makes:
+    a page appended (one entry written), the last page replaced (copy on write), a new list (swap-in,
+    admission), entries given back behind a window, rows reclaimed and the buffer widened."""
+    from types import SimpleNamespace
+
+    from batchrun.engine.block_table_buffer import BlockTableBuffer
+
+    buffer = BlockTableBuffer(num_groups=2, capacity=2)
+    tables = {i: [[10 * i], [10 * i + 1]] for i in range(3)}
+
+    def step(ids):
+        scheduled = [SimpleNamespace(seq=SimpleNamespace(seq_id=i), block_tables=tables[i]) for i in ids]
+        got = buffer.step_tables(scheduled)
+        for g in range(2):
+            for r, i in enumerate(ids):
+                row = got[g][r, : len(tables[i][g])].tolist()
+                # an entry given back behind a window may keep its old page number: never read
+                assert all(w in (h, NULL_PAGE) for w, h in zip(tables[i][g], row)), (ids, g, i)
+                assert len(row) == len(tables[i][g])
+
+    step([0, 1])
+    for k in range(40):  # appends past the buffer's width (16): it doubles
+        tables[0][0].append(100 + k)
+        if k % 3 == 0:
+            tables[1][1].append(200 + k)
+        step([0, 1])
+    tables[0][0][-1] = 999  # copy on write of the last page
+    step([0, 1])
+    tables[1] = [list(t) + [7] for t in tables[1]]  # new lists, one page longer (a swap-in and a grow)
+    step([1, 0])
+    tables[1][1][0] = NULL_PAGE  # given back behind a window, then a page appended
+    tables[1][1].append(55)
+    step([1])
+    tables[0][1].append(56)
+    tables[0][1][-1] = 57  # a page appended, then copied on write in the same plan
+    step([0])
+    step([2, 1])  # a third sequence in a buffer of two rows: the one not in the step gives its row back
+    buffer.check({i: tables[i] for i in (1, 2)})

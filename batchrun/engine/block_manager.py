@@ -85,11 +85,6 @@ class BlockManager:
         """seq's block table per KV cache group (the lists themselves: read them, the block manager writes)."""
         return self.pages(seq).tables
 
-    def hash_chain(self, seq: Sequence) -> list[bytes]:
-        """seq's page hashes as far as computed ([] if none yet), without making an entry for it."""
-        entry = self.sequences.get(seq.seq_id)
-        return entry.hash_chain if entry is not None else []
-
     def forget(self, seq: Sequence) -> None:
         """Drop what is kept of a sequence that holds no page (a waiting one, given up)."""
         entry = self.sequences.pop(seq.seq_id, None)
@@ -267,7 +262,8 @@ class BlockManager:
         expected_cpu = [0] * self.num_cpu_pages
         groups_of_page: dict[int, set[int]] = {}
         holding = {i for i, e in self.sequences.items() if any(e.tables) or any(e.cpu_tables)}
-        assert holding <= {seq.seq_id for seq in sequences}, f"pages held by no live sequence: {holding}"
+        live = {seq.seq_id for seq in sequences}
+        assert holding == live, f"pages held by no live sequence {holding - live}, none by {live - holding}"
         for entry in self.sequences.values():
             assert len(entry.tables) == self.num_groups or not any(entry.tables), "one table a group"
             for g, table in enumerate(entry.tables):

@@ -386,5 +386,7 @@ class Engine:
         """Page and state-slot bookkeeping agrees with every live sequence (AssertionError otherwise)."""
         self.block_manager.check_integrity(self.scheduler.live_sequences())
         bm = self.block_manager
-        self.runner.block_tables.check({s.seq_id: bm.block_tables(s) for s in self.scheduler.running})
+        self.runner.block_tables.check(
+            {s.seq_id: bm.sequences[s.seq_id].tables for s in self.scheduler.running}
+        )
         self.state_slots.check(self.scheduler.running, self.scheduler.swapped)

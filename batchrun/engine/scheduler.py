@@ -144,6 +144,7 @@ class Scheduler:
             self.states.free_cpu(seq)
         for seq in self.waiting:
             self.bm.forget(seq)
+        self.states.abort()
         self._pending_forks.clear()
         self.waiting.clear()
         self.running.clear()

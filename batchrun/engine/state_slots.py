@@ -21,13 +21,12 @@ class StateCopy(NamedTuple):
 @dataclass(eq=False, slots=True)
 class SequenceSlots:
     """What the state slots keep for one sequence: its accelerator slot while it runs (-1: none) and those
-    reserved for the samples it will fork, its CPU slot while swapped out (-1: none), and the prefix (in full
-    pages) whose state is to be kept as a snapshot when its prefill reaches it (0: none)."""
+    reserved for the samples it will fork, and its CPU slot while swapped out (-1: none). (The prefix whose state
+    it is to keep is in `StateSlots.snapshot_ends`.)"""
 
     slot: int = -1
     reserved: list[int] = field(default_factory=list)
     cpu_slot: int = -1
-    snapshot_blocks: int = 0
 
 
 class StateSlots:
@@ -61,6 +60,15 @@ class StateSlots:
     # ---- prefix snapshots ----------------------------------------------------------------------------------
     def new_step(self) -> None:
         """A plan begins: the snapshots planned in the previous one are copied first thing in this one."""
+        self._taken_now.clear()
+
+    def abort(self) -> None:
+        """Every request is dropped (Scheduler.abort_all): no snapshot boundary is pending any more, and the
+        snapshots planned but not copied yet (their copies are dropped with the plan's pending forks) give their
+        slots back: indexed, they would be restored from a slot never filled."""
+        self.snapshot_ends.clear()
+        for h in self._taken_now:
+            self._free_snapshots.append(self.snapshots.pop(h))
         self._taken_now.clear()
 
     def usable(self, hashes: list[bytes], k: int) -> bool:
@@ -207,10 +215,10 @@ class StateSlots:
         held = [s for e in self.sequences.values() if e.slot >= 0 for s in (e.slot, *e.reserved)]
         assert len(held) + len(self._free) == self.num_slots, "state slots lost or held twice"
         assert not set(held) & set(self._free), "a held state slot is on the free list"
-        cpu = [e.cpu_slot for e in self.sequences.values() if e.cpu_slot >= 0]
-        assert len(cpu) == len(swapped), (
-            "a swapped sequence without a CPU state slot, or one not swapped with"
+        assert {i for i, e in self.sequences.items() if e.cpu_slot >= 0} == {seq.seq_id for seq in swapped}, (
+            "a swapped sequence without a CPU state slot, or one held by a sequence not swapped out"
         )
+        cpu = [e.cpu_slot for e in self.sequences.values() if e.cpu_slot >= 0]
         assert len(cpu) + len(self._free_cpu) == self.num_cpu_slots, "CPU state slots lost or held twice"
         assert not set(cpu) & set(self._free_cpu), "a held CPU state slot is on the free list"
         kept = list(self.snapshots.values())
@@ -230,6 +238,9 @@ class NoStateSlots:
 
     def slot_of(self, seq) -> int:
         return -1
+
+    def abort(self) -> None:
+        return None
 
     def held_by(self, seq) -> list[int]:
         return []
