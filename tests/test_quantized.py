@@ -62,9 +62,14 @@ def test_equals_hf_generate_on_the_same_checkpoint(checkpoint, name, attention):
 
 
 # 8 pages of 16 tokens cannot hold the four sequences (up to 67 tokens, 5 pages, each) at once; gpt-oss's
-# sliding-window layers take pages of their own (up to 4 more a sequence), so 10 for it
+# sliding-window layers take pages of their own (up to 4 more a sequence), so 10 for it. bnb-4bit's tiny model
+# makes no page pressure on these prompts (no preemption at 5, 6 or 8 pages): not in this test
+PREEMPTION_PAGES = {"mxfp4": 10}
+
+
 @pytest.mark.parametrize(
-    "name, num_pages", [("ct-w4a16", 8), ("torchao-int8", 8), ("mxfp4", 10), ("gptq", 8), ("awq", 8)]
+    "name, num_pages",
+    [(name, PREEMPTION_PAGES.get(name, 8)) for name in FORMATS if name not in REFUSED and name != "bnb-4bit"],
 )
 def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages):
     target, want = checkpoint(name)
