@@ -48,6 +48,8 @@ bench: install
 	$(BIN)/python -m bench.vs_vllm
 	$(BIN)/python -m bench.hybrid
 	$(BIN)/python -m bench.images
+	$(BIN)/python -m bench.embed
+	$(BIN)/python -m bench.quant
 
 # on a GPU machine, bare or not: needs out/gpu-assets (bash bench/gpu_assets.sh, where pip reaches its index)
 gpu-check:
