@@ -144,7 +144,10 @@ def test_a_second_run_is_refused_and_kill_9_resumes_every_row_once(s3, tmp_path)
     job = write_job(
         tmp_path / "job.yaml", job_text("k", "parquet", "s3://bkt/kin/in.parquet", "s3://bkt/kout", 2)
     )
-    job.write_text(job.read_text().replace("max_new_tokens: 8", "max_new_tokens: 16"))
+    # one row at a time, so that rows keep finishing after the second part is seen and the kill lands mid-run
+    # (four at a time, the last rows finished in one burst before the kill: 16 of 16 written, seen in CI)
+    text = job.read_text().replace("max_new_tokens: 8", "max_new_tokens: 16")
+    job.write_text(text.replace("max_num_seqs: 4", "max_num_seqs: 1"))
     env = {**env, "BATCHRUN_LEASE_S": "4"}
     first = subprocess.Popen(
         [BATCHRUN, "submit", str(job), "--quiet", "--set", "input.id_column=id"],
