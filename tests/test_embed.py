@@ -107,14 +107,19 @@ def test_qwen3_embedding_layout_equals_sentence_transformers(bases, tmp_path, mo
     assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
-def test_a_vector_does_not_depend_on_its_batch_mates(bases, tmp_path, family):
+def family_folder(bases, tmp_path, family):
+    """A sentence-transformers folder of `family`: Qwen3 in the older layout with last-token pooling, the
+    encoders in sentence-transformers 6's with mean pooling."""
     if family == "qwen3":
-        folder = save_legacy_layout(
+        return save_legacy_layout(
             bases[family], tmp_path / "st", "lasttoken", normalize=False, max_seq_length=64
         )
-    else:
-        folder = save_sentence_model(bases[family], tmp_path / "st", pooling="mean")
+    return save_sentence_model(bases[family], tmp_path / "st", pooling="mean")
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
+def test_a_vector_does_not_depend_on_its_batch_mates(bases, tmp_path, family):
+    folder = family_folder(bases, tmp_path, family)
     alone = ours(folder, ["the cats and dogs"])
     beside = ours(folder, [TEXTS[4], "the cats and dogs", TEXTS[1]])
     assert (alone[0] - beside[1]).abs().max().item() < 1e-6
@@ -137,12 +142,7 @@ def test_texts_packed_out_of_order_land_on_their_own_rows(bases, tmp_path, famil
     """Equal to sentence-transformers and to each text alone, whatever order the packed row holds them in."""
     from batchrun import LLM
 
-    if family == "qwen3":
-        folder = save_legacy_layout(
-            bases[family], tmp_path / "st", "lasttoken", normalize=False, max_seq_length=64
-        )
-    else:
-        folder = save_sentence_model(bases[family], tmp_path / "st", pooling="mean")
+    folder = family_folder(bases, tmp_path, family)
     llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
     outs = llm.embed(MIXED, use_tqdm=False)
     lengths = [len(o.prompt_token_ids) for o in outs]
