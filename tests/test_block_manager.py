@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from batchrun.engine.attention import FULL, MaskKind
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
-from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.scheduler import ScheduledSequence, Scheduler
 from batchrun.engine.sequence import NULL_PAGE, Sequence
 
 # KV cache groups, as the engine makes them from the layers' mask kinds: one full group (no window), a full
@@ -170,6 +170,11 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
         assert not plan.is_empty or plan.preempted, "no progress: deadlock"
         assert bm.num_used_pages <= bm.num_pages
         for s in plan.scheduled:
+            # every group's pages hold the tokens the step writes, and what the plan says of a sequence is what
+            # ScheduledSequence works out from its tokens (the scheduler plans most decodes by a shorter path)
+            end = s.start + s.num_new_tokens
+            assert all(len(t) * bm.page_size >= end for t in s.block_tables), (s, end)
+            assert s == ScheduledSequence(s.seq, s.num_new_tokens, s.start, s.block_tables, s.state_slot)
             s.seq.num_computed_tokens += s.num_new_tokens
         for s in plan.scheduled:
             if not s.samples:
@@ -351,8 +356,14 @@ def test_block_table_rows_follow_every_kind_of_change():
     buffer = BlockTableBuffer(num_groups=2, capacity=2)
     tables = {i: [[10 * i], [10 * i + 1]] for i in range(3)}
 
-    def step(ids):
-        scheduled = [SimpleNamespace(seq=SimpleNamespace(seq_id=i), block_tables=tables[i]) for i in ids]
+    def step(ids, unchanged=()):
+        """`unchanged`: the sequences the scheduler says gained no page since they last ran (its short path)."""
+        scheduled = [
+            SimpleNamespace(
+                seq=SimpleNamespace(seq_id=i), block_tables=tables[i], tables_unchanged=i in unchanged
+            )
+            for i in ids
+        ]
         got = buffer.step_tables(scheduled)
         for g in range(2):
             for r, i in enumerate(ids):
@@ -379,3 +390,6 @@ def test_block_table_rows_follow_every_kind_of_change():
     step([0])
     step([2, 1])  # a third sequence in a buffer of two rows: the one not in the step gives its row back
     buffer.check({i: tables[i] for i in (1, 2)})
+    step([2, 1], unchanged=(1, 2))  # unchanged and not looked at: the step's tables as wide as the longest
+    step([0, 1], unchanged=(0,))  # said unchanged, but its row was given back: written again
+    buffer.check({i: tables[i] for i in (0, 1)})

@@ -3,7 +3,8 @@
 The block manager keeps each sequence's tables as Python lists (block_manager.py: pure integers, checked by
 `check_integrity`). Turning every table into a tensor every step costs host time that grows with the batch and
 the context; instead each sequence holds a row of one tensor per KV cache group for as long as it runs, and a
-row is written only where its table changed since the last step: a new table (admission, swap-in, a fork), a
+row is written only where its table changed since the last step (a decode the scheduler says gained no page,
+`ScheduledSequence.tables_unchanged`, is not even looked at): a new table (admission, swap-in, a fork), a
 page appended, or the last page replaced (copy-on-write of a shared page, which is always the page the next
 token goes into). A page given back behind a sliding window keeps its old number in the row until the row is
 next written: no backend reads a key behind the window, so the number is never used.
@@ -51,8 +52,13 @@ class BlockTableBuffer:
         row."""
         rows, widths = [], [1] * self.num_groups
         appended = [([], [], []) for _ in range(self.num_groups)]  # per group: rows, columns, pages
+        unchanged = []  # the entries of sequences whose tables did not change since they last ran
         for s in scheduled:  # every step, for every sequence: kept lean (bench/host.py)
             entry = self._rows.get(s.seq.seq_id)
+            if entry is not None and s.tables_unchanged:
+                unchanged.append(entry)
+                rows.append(entry.row)
+                continue
             if entry is None:
                 entry = self._rows[s.seq.seq_id] = self._new_row(scheduled)
             for g, table in enumerate(s.block_tables):
@@ -74,6 +80,9 @@ class BlockTableBuffer:
                 self._write(g, entry.row, table)
                 entry.tables[g], entry.lengths[g], entry.lasts[g] = table, n, table[-1] if n else -1
             rows.append(entry.row)
+        if unchanged:  # their rows are as written: only their lengths count towards the step's widths
+            for g in range(self.num_groups):
+                widths[g] = max(widths[g], max([e.lengths[g] for e in unchanged]))
         for g, (at_rows, columns, pages) in enumerate(appended):
             if at_rows:
                 self._fit(g, widths[g])

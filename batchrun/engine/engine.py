@@ -367,7 +367,12 @@ class Engine:
     def reservation(self, seq: Sequence) -> int:
         """The KV slots a contiguous allocator reserving prompt + max_new_tokens would hold for `seq` (in every
         KV cache group: a slot is one token of one group's layers)."""
-        tokens = min(seq.num_prompt_tokens + seq.params.max_new_tokens, self.max_model_len)
+        return self.reserved_slots((seq,))
+
+    def reserved_slots(self, seqs) -> int:
+        """`reservation` summed over `seqs` (the statistics ask it of every running sequence, every step)."""
+        limit = self.max_model_len
+        tokens = sum([min(len(s.prompt_token_ids) + s.params.max_new_tokens, limit) for s in seqs])
         return tokens * self.kv_groups.num_groups
 
     def memory_snapshot(self, recount: bool = False) -> MemorySnapshot:
@@ -379,7 +384,7 @@ class Engine:
             self.scheduler.running,
             self.num_waiting,
             self.num_swapped,
-            self.reservation,
+            self.reserved_slots,
         )
 
     def check_integrity(self) -> None:

@@ -55,14 +55,17 @@ class MemorySnapshot:
 
 
 def count(
-    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
-    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens."""
+    """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
+    `reserved_slots(seqs)`: what contiguous reservations for those sequences would hold (Engine.reserved_slots)."""
     counter = _count_shared if bm.pool.num_shared else _count_unshared
-    return _snapshot(bm, states, running, num_waiting, num_swapped, **counter(bm, running, reservation))
+    counted = counter(bm, running)
+    counted["reserved_slots_contiguous"] = reserved_slots(running)
+    return _snapshot(bm, states, running, num_waiting, num_swapped, **counted)
 
 
-def _count_shared(bm: BlockManager, running: list[Sequence], reservation) -> dict[str, int]:
+def _count_shared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
     """`count` where pages are shared: every step, so it touches one page per sequence in Python: a sequence's
     pages before its computed end are full for every holder (set unions, in C), the page holding that end is
     partly filled, the rest are empty; a page's count is its fullest holder's."""
@@ -70,7 +73,7 @@ def _count_shared(bm: BlockManager, running: list[Sequence], reservation) -> dic
     used: set[int] = set()  # physical pages in the block tables
     full: set[int] = set()  # pages some holder has filled
     partial: dict[int, int] = {}  # page -> computed tokens in it, for the page where a holder's tokens end
-    logical_pages = cached = reserved = freed = 0
+    logical_pages = cached = freed = 0
     for seq in running:
         computed = seq.num_computed_tokens
         k, rest = divmod(computed, P)
@@ -85,48 +88,42 @@ def _count_shared(bm: BlockManager, running: list[Sequence], reservation) -> dic
             if rest and k < len(table) and partial.get(table[k], 0) < rest:
                 partial[table[k]] = rest
             cached += computed - null * P
-        reserved += reservation(seq)
     return dict(
         pages_used=len(used),
         tokens_stored=P * len(full) + sum(n for page, n in partial.items() if page not in full),
         logical_pages=logical_pages,
         tokens_cached_per_sequence=cached,
-        reserved_slots_contiguous=reserved,
         window_freed_pages=freed,
     )
 
 
-def _count_unshared(bm: BlockManager, running: list[Sequence], reservation) -> dict[str, int]:
+def _count_unshared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
     """`count` while no page is held by two tables (the pool counts those): every page in the tables is
     distinct and holds its own table's tokens, so a table of n pages whose sequence computed c tokens holds
-    min(c, n P) of them, less P for each entry given back behind a window (always before c). One pass of
-    integer arithmetic per sequence, no sets."""
-    P = bm.page_size
-    logical_pages = stored = computed_sum = freed = reserved = 0
-    windowed, records = bm.layout.windowed, bm.sequences
-    for seq in running:
-        computed = seq.num_computed_tokens
-        for table in records[seq.seq_id].tables:
-            n = len(table)
-            logical_pages += n
-            stored += min(computed, n * P)
-            computed_sum += computed
-            if windowed:
-                freed += table.count(NULL_PAGE)
-        reserved += reservation(seq)
+    min(c, n P) of them, less P for each entry given back behind a window (always before c). Integer arithmetic
+    in comprehensions over the sequences (every step, for every sequence), no sets."""
+    P, records = bm.page_size, bm.sequences
+    computed = [seq.num_computed_tokens for seq in running]
+    tables = [records[seq.seq_id].tables for seq in running]
+    logical_pages = sum([len(t) for group_tables in tables for t in group_tables])
+    stored = sum([min(c, len(t) * P) for c, group_tables in zip(computed, tables) for t in group_tables])
+    freed = (
+        sum([t.count(NULL_PAGE) for group_tables in tables for t in group_tables])
+        if bm.layout.windowed
+        else 0
+    )
     logical_pages -= freed
     return dict(
         pages_used=logical_pages,
         tokens_stored=stored - freed * P,
         logical_pages=logical_pages,
-        tokens_cached_per_sequence=computed_sum - freed * P,
-        reserved_slots_contiguous=reserved,
+        tokens_cached_per_sequence=bm.num_groups * sum(computed) - freed * P,
         window_freed_pages=freed,
     )
 
 
 def recount(
-    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reservation
+    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
     """The same by brute force: mark every slot that holds a computed token, count holders page by page."""
     P = bm.page_size
@@ -158,7 +155,7 @@ def recount(
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
         tokens_cached_per_sequence=cached,
-        reserved_slots_contiguous=sum(reservation(s) for s in running),
+        reserved_slots_contiguous=sum(reserved_slots([s]) for s in running),
         window_freed_pages=freed,
     )
 

@@ -56,15 +56,15 @@ class OutputProcessor:
             if any(s.prompt_logprob_positions for s in plan.scheduled):
                 self._score_prompts(plan, logits)
             sampling, rows = [], []  # sequences that sample, and the logits row each samples from
-            row = 0
-            # every step, for every sequence: kept lean (bench/vs_vllm.py's host work)
+            row = prompt_tokens = 0
+            # every step, for every sequence: kept lean (bench/host.py)
             for s in plan.scheduled:
-                seq = s.seq
-                num_prompt = seq.num_prompt_tokens
-                if s.start < num_prompt:
-                    result.num_prompt_tokens += min(num_prompt, s.start + s.num_new_tokens) - s.start
+                seq, start = s.seq, s.start
+                if start < len(seq.prompt_token_ids):
+                    prompt_tokens += min(len(seq.prompt_token_ids), start + s.num_new_tokens) - start
                 seq.num_computed_tokens += s.num_new_tokens
-                row += len(s.prompt_logprob_positions)
+                if s.prompt_logprob_positions:
+                    row += len(s.prompt_logprob_positions)
                 if s.needs_sample_logits:
                     sampling.append(seq)
                     rows.append(row)
@@ -77,18 +77,20 @@ class OutputProcessor:
                     seq.finish_reason = "length"
                     self.scheduler.finish(seq)
                     result.finished.append(seq)
+            result.num_prompt_tokens += prompt_tokens
             tokens = self._sample(logits, rows, sampling) if sampling else []
         with times("finish"):
-            for seq, token in zip(sampling, tokens):
+            recompute_at = self.scheduler.recompute_at
+            for seq, token in zip(sampling, tokens):  # every step, for every sequence: kept lean
                 if seq.grammar is not None:
                     seq.grammar.accept_token(token)
-                seq.append_token(token)
-                result.num_generated += 1
+                seq.output_token_ids.append(token)
                 if self._check_finished(seq):
                     self.scheduler.finish(seq)
                     result.finished.append(seq)
-                elif seq.num_tokens == self.scheduler.recompute_at:
+                elif recompute_at is not None and seq.num_tokens == recompute_at:
                     self.scheduler.recompute(seq)  # Phi-3's LongRoPE switch (per_sequence_rope.py)
+            result.num_generated += len(tokens)
 
     def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
         """One token for each sampling sequence, from its logits row (grammar-masked where it has one); the

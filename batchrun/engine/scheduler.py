@@ -22,6 +22,8 @@ from .page_pool import PageCopy
 from .sequence import Sequence
 from .state_slots import NoStateSlots, StateCopy, StateSlots
 
+_NONE = range(0)
+
 
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -44,8 +46,25 @@ class ScheduledSequence:
     # positions of this step whose logits score the next prompt token and are not scored yet (a recomputed
     # prompt is not scored twice); position p scores prompt token p + 1
     prompt_logprob_positions: range = field(init=False)
+    # no page was added to its block tables or replaced in them since it last ran (a decode the scheduler planned
+    # by its short path): the model runner's persistent rows of them, if it still has them, are up to date
+    tables_unchanged: bool = field(init=False, compare=False)
+
+    @classmethod
+    def decode(cls, seq: Sequence, start: int, block_tables: list[list[int]], state_slot: int):
+        """A generated token's decode (one token at `start`, the sequence's last) whose tables gained no page:
+        it samples and scores no prompt position, so what __post_init__ works out is known (the scheduler's
+        every-step path)."""
+        s = object.__new__(cls)
+        s.seq, s.start, s.block_tables, s.state_slot = seq, start, block_tables, state_slot
+        s.num_new_tokens = 1
+        s.samples = s.tables_unchanged = True
+        s.needs_sample_logits = seq.params.max_new_tokens > 0
+        s.prompt_logprob_positions = _NONE
+        return s
 
     def __post_init__(self) -> None:
+        self.tables_unchanged = False
         seq, end = self.seq, self.start + self.num_new_tokens
         self.samples = end == seq.num_tokens
         self.needs_sample_logits = self.samples and seq.params.max_new_tokens > 0
@@ -198,11 +217,28 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, running, windowed = self.bm, self.running, self.bm.layout.windowed  # every step, every sequence
+        # a decode whose pages all have room for its token, where no page is held twice, none is given back
+        # behind a window and no encoder budget counts: planned at once (what the general path below would
+        # plan, without its calls: this loop is most of a decode step's scheduling)
+        P, records, snapshot_ends = bm.page_size, bm.sequences, self.states.snapshot_ends
+        plain = bm.num_groups and not windowed and self.encoder_budget is None and not bm.pool.num_shared
+        register = self.prefix_cache.register_full_pages if self.prefix_cache.enabled else None
+        scheduled, slot_of = out.scheduled, self.states.slot_of
         for seq in list(running):  # a copy: preemption takes sequences off the end
             if budget <= 0:
                 break
             if seq not in running:
                 break  # preempted for an older one: so is every sequence after it
+            if plain:
+                start, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
+                if start >= num_prompt and start + 1 == num_prompt + len(seq.output_token_ids):
+                    tables = records[seq.seq_id].tables
+                    if start < P * min(map(len, tables)) and seq.seq_id not in snapshot_ends:
+                        if register is not None:
+                            register(seq, start + 1)
+                        scheduled.append(ScheduledSequence.decode(seq, start, tables, slot_of(seq)))
+                        budget -= 1
+                        continue
             n = self._chunk(seq, budget, out)
             if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
                 continue
