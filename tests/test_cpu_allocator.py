@@ -118,3 +118,41 @@ def test_an_llm_on_a_cpu_without_bf16_packing_runs_bf16_unpacked(monkeypatch):
     assert not any(type(m).__name__ == "PackedLinear" for m in llm.engine.runner.model.modules())
     out = llm.generate(["Hello"], SamplingParams(max_new_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+RESIDENT = """
+import sys
+def file_mib():
+    return int(open("/proc/self/status").read().split("RssFile:")[1].split()[0]) / 1024
+import torch, transformers
+from batchrun import LLM
+before = file_mib()
+llm = LLM(model=sys.argv[1], dtype="float32", device="cpu", num_pages=16, pack_weights=sys.argv[2] == "pack")
+print(llm.packed_weights, file_mib() - before)
+"""
+
+
+def test_packed_weights_do_not_keep_the_checkpoint_file_resident(tmp_path, model_dir):
+    """transformers maps an fp32 safetensors file loaded as fp32; packing reads every page of it, and while any
+    tensor left unpacked (the embedding, the norms) pointed into the map, all of those pages stayed resident
+    beside the packed copies (weights held twice). Unpacked, the map is the weights: it stays."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)  # fp32 on disk: 144 MiB
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path)
+    size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) / 2**20
+    resident = {}
+    for mode in ("pack", "plain"):
+        r = subprocess.run(
+            [sys.executable, "-c", RESIDENT, str(tmp_path), mode], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        packed, mib = r.stdout.split()[-2:]
+        assert packed == str(mode == "pack")
+        resident[mode] = float(mib)
+    assert resident["plain"] > 0.8 * size  # the measure sees the map where it is the weights
+    assert resident["pack"] < 0.2 * size, (resident, size)
