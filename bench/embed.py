@@ -2,7 +2,8 @@
 its length sorting) and vLLM's pooling runner (`LLM(runner="pooling").embed`, its CPU build), side by side in one
 run, each side in a process of its own (its own start, imports, load, peak RSS), fp32 on the CPU, on the same
 texts and the same checkpoint folder: jobs/make_embed_data.py's MiniLM-L6-shaped BERT (random weights, the
-embedded model's tokenizer) on passages of 5 to N words.
+embedded model's tokenizer) on passages of 5 to N words, or with `--shape qwen3` its Qwen3-Embedding-0.6B-shaped
+decoder (last-token pooling of an appended end-of-text, the older folder layout).
 
 Reports texts/s and tokens/s of the whole process and of the embedding alone, peak RSS, the padding each
 computed (batchrun: none; sentence-transformers: its length-sorted batches padded to their longest; vLLM: none,
@@ -11,7 +12,7 @@ token ids sentence-transformers' tokenizer makes (so its embedding time has no t
 own virtual environment (`$VLLM_PYTHON`, default /tmp/vllm-venv/bin/python; bench/vs_vllm.py says how to make
 it) with both cores; without it the table has no vLLM row and says so.
 
-Usage: python -m bench.embed [--texts 2000] [--max-words 400]
+Usage: python -m bench.embed [--texts 2000] [--max-words 400] [--shape minilm|qwen3]
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from .common import (
 )
 
 MODULE = "bench.embed"
+# --shape: what the table calls it, and the longest text its sentence-transformers folder keeps (max_seq_length)
+SHAPES = {
+    "minilm": ("MiniLM-L6 shape (BERT, 6 layers, 384 wide, mean pooling)", 256),
+    "qwen3": ("Qwen3-Embedding-0.6B shape (28 layers, 1024 wide, last-token pooling)", 512),
+}
 
 
 def run_batchrun(model: str, data: str, label: str) -> dict:
@@ -95,8 +101,10 @@ def run_vllm(model: str, texts: list[str], work: Path, label: str) -> dict:
     t0 = time.perf_counter()
     proc = run_vllm_peer("vllm_embed_peer.py", [model, work / "vllm-ids.json", result])
     process_s = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
+    if proc.returncode != 0:  # the other sides' figures stand: the table says how vLLM ended
+        print(f"vLLM failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+        last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]
+        return {"label": label, "failed": f"exit {proc.returncode}: {last[0].strip()[:200]}"}
     r = json.loads(result.read_text())
     return {**r, "label": label, "process_s": process_s, "texts": len(texts), "padding": 0}
 
@@ -105,8 +113,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=2000)
     parser.add_argument("--max-words", type=int, default=400)
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="minilm", help="the embedder's shape (random weights)"
+    )
     args = parser.parse_args()
-    work = OUT / "embed"
+    work = OUT / f"embed-{args.shape}"
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -115,15 +126,19 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     texts = passages(args.texts, args.max_words)
     pq.write_table(pa.table({"text": texts}), work / "texts.parquet")
-    model = make_model(work / "model")
+    model = make_model(work / "model", max_seq_length=SHAPES[args.shape][1], shape=args.shape)
     common = {"model": str(model), "data": str(work / "texts.parquet")}
     reference = in_process(MODULE, "run_sentence_transformers", label="sentence-transformers", **common)
     results = [in_process(MODULE, "run_batchrun", label="batchrun", **common), reference]
     if VLLM_PYTHON.exists():
-        results.append(run_vllm(common["model"], texts, work, "vLLM"))
         peer = (
             "vLLM: its CPU build, both cores, eager, prefix caching off, fed sentence-transformers' token ids"
         )
+        vllm = run_vllm(common["model"], texts, work, "vLLM")
+        if "failed" in vllm:
+            peer = f"vLLM: failed, {vllm['failed']}"
+        else:
+            results.append(vllm)
     else:
         peer = f"vLLM: not run ({VLLM_PYTHON} absent; bench/vs_vllm.py says how to install its CPU build)"
     expected = reference["vectors"]
@@ -137,7 +152,7 @@ def main() -> None:
     env = environment()
     text = "\n".join(
         [
-            f"{args.texts} texts of 5 to {args.max_words} words, MiniLM-L6 shape, fp32, {env.get('cpu')}",
+            f"{args.texts} texts of 5 to {args.max_words} words, {SHAPES[args.shape][0]}, fp32, {env.get('cpu')}",
             *columns(
                 {
                     "": "{label}",
