@@ -154,5 +154,6 @@ def test_packed_weights_do_not_keep_the_checkpoint_file_resident(tmp_path, model
         packed, mib = r.stdout.split()[-2:]
         assert packed == str(mode == "pack")
         resident[mode] = float(mib)
-    assert resident["plain"] > 0.8 * size  # the measure sees the map where it is the weights
-    assert resident["pack"] < 0.2 * size, (resident, size)
+    # each figure also counts the libraries the load maps (20 to 45 MiB, by environment): the difference is
+    # the map, resident unpacked (where it is the weights) and let go packed
+    assert resident["plain"] - resident["pack"] > 0.8 * size, (resident, size)
