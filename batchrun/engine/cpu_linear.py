@@ -98,8 +98,8 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         for name, child in parent.named_children()
         if plain_float_linear(child) and name not in keep
     ]
-    # one layer at a time, its float weight let go as soon as its packed copy is made: the weights are held
-    # twice for one layer at most, not for the whole model (peak RSS: bench/embed.py)
+    # one layer at a time, each float weight let go as soon as its packed copy is made (a model in memory of its
+    # own is then held twice for one layer at most; a mapped checkpoint stays mapped until copy_out_of_the_load)
     for parent, name in targets:
         setattr(parent, name, PackedLinear(getattr(parent, name)))
     if targets:
@@ -110,10 +110,9 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
 def copy_out_of_the_load(model: torch.nn.Module) -> None:
     """Copies the tensors left unpacked (embeddings, norms, the weights the model's code reads) into memory of
     their own. transformers loads a safetensors checkpoint by mapping the file, and while any tensor points
-    into the map, every page of it that packing read stays resident beside the packed copies: a
-    Qwen3-Embedding-0.6B-shaped model (2.4 GB of fp32 weights) held 3.9 GB after the load, 2.4 GB with this
-    (bench/RESULTS.md). A tied LM head is one parameter: copied once; a tensor subclass (a quantized format's)
-    is left as it is."""
+    into the map, every page of it that packing read stays resident beside the packed copies (the weights held
+    twice: bench/RESULTS.md, the Qwen3-Embedding shape). A tied LM head is one parameter: copied once; a tensor
+    subclass (a quantized format's) is left as it is."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if type(t) in (torch.Tensor, torch.nn.Parameter):

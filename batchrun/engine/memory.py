@@ -155,7 +155,7 @@ def recount(
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
         tokens_cached_per_sequence=cached,
-        reserved_slots_contiguous=sum(reserved_slots([s]) for s in running),
+        reserved_slots_contiguous=reserved_slots(running),
         window_freed_pages=freed,
     )
 

@@ -63,8 +63,7 @@ class OutputProcessor:
                 if start < len(seq.prompt_token_ids):
                     prompt_tokens += min(len(seq.prompt_token_ids), start + s.num_new_tokens) - start
                 seq.num_computed_tokens += s.num_new_tokens
-                if s.prompt_logprob_positions:
-                    row += len(s.prompt_logprob_positions)
+                row += len(s.prompt_logprob_positions)
                 if s.needs_sample_logits:
                     sampling.append(seq)
                     rows.append(row)
@@ -84,7 +83,7 @@ class OutputProcessor:
             for seq, token in zip(sampling, tokens):  # every step, for every sequence: kept lean
                 if seq.grammar is not None:
                     seq.grammar.accept_token(token)
-                seq.output_token_ids.append(token)
+                seq.append_token(token)
                 if self._check_finished(seq):
                     self.scheduler.finish(seq)
                     result.finished.append(seq)
