@@ -78,12 +78,18 @@ def alive(pid: int) -> bool:
 
 
 def test_a_second_run_of_the_same_shard_exits_2_at_once(job):
+    """The holder is paused (SIGSTOP keeps its flock) while the second run starts: a tiny model's whole job can
+    finish in the seconds a second interpreter takes to start, and then there is nothing to refuse."""
     job_file, out = job
     first = start(job_file)
     wait_for(lambda: parts(out) >= 1, what="the first run's first part")
-    t0 = time.time()
-    second = run_cli("submit", str(job_file), "--quiet")
-    assert second.returncode == 2 and time.time() - t0 < 30, second.stderr
+    first.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        second = run_cli("submit", str(job_file), "--quiet")
+        assert second.returncode == 2 and time.time() - t0 < 30, second.stderr
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert f"pid {first.pid}" in second.stderr and "host" in second.stderr and "started" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()
     rows = read_outputs(out)  # asserts no (id, sample) twice
@@ -92,10 +98,16 @@ def test_a_second_run_of_the_same_shard_exits_2_at_once(job):
     other = out.parent / "other"
     holder = start(job_file, "--set", f"output.path={other}")
     wait_for(lambda: parts(other) >= 1, what="the holder's first part")
-    waiting = run_cli("submit", str(job_file), "--quiet", "--wait", "--set", f"output.path={other}")
+    holder.send_signal(signal.SIGSTOP)
+    try:
+        waiting = start(job_file, "--wait", "--set", f"output.path={other}")
+        announced = waiting.stdout.readline()  # printed (and flushed) once the lock is seen held
+    finally:
+        holder.send_signal(signal.SIGCONT)
     assert holder.wait(timeout=300) == 0
-    assert waiting.returncode == 0 and "waiting for the run holding shard 0/1" in waiting.stdout
-    assert "nothing to do" in waiting.stdout
+    assert waiting.wait(timeout=300) == 0, waiting.stderr.read()
+    assert "waiting for the run holding shard 0/1" in announced
+    assert "nothing to do" in waiting.stdout.read()
     assert len(read_outputs(other)) == N_ROWS
 
 
