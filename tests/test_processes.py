@@ -1,5 +1,6 @@
 """One job, many processes: the shard lock, replicas, `batchrun status`, whole-job statistics, memory budgets."""
 
+import contextlib
 import json
 import os
 import signal
@@ -37,12 +38,15 @@ output:
     return write_job(tmp_path / "job.yaml", text), tmp_path / "out"
 
 
-def start(job_file, *args):
+def start(job_file, *args, own_group: bool = False):
+    """`batchrun submit` in the background; `own_group`: in a process group of its own (with its replicas),
+    which a test can pause whole."""
     return subprocess.Popen(
         [BATCHRUN, "submit", str(job_file), "--quiet", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
 
 
@@ -145,8 +149,9 @@ def test_two_replicas_equal_one_process(job, tmp_path):
 
 def test_kill_9_of_the_parent_leaves_no_replica_and_resumes_with_one(job):
     job_file, out = job
-    proc = start(job_file, "--replicas", "2")
+    proc = start(job_file, "--replicas", "2", own_group=True)
     wait_for(lambda: parts(out) >= 2, what="parts from the replicas")
+    os.killpg(proc.pid, signal.SIGSTOP)  # the job and its replicas paused mid-run, so the kill lands mid-run
     kids = children(proc.pid)
     assert len([k for k in kids if alive(k)]) >= 2, kids
     st = json.loads(run_cli("status", str(out), "--json").stdout)  # during the run
@@ -155,6 +160,8 @@ def test_kill_9_of_the_parent_leaves_no_replica_and_resumes_with_one(job):
     )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    with contextlib.suppress(ProcessLookupError):  # what is left of the group runs on: the replicas must die
+        os.killpg(proc.pid, signal.SIGCONT)
     wait_for(
         lambda: not any(alive(k) for k in kids), timeout=10, what="the replicas to die with their parent"
     )
