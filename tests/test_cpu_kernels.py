@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from batchrun_kernels import ref_paged_attention
 from helpers import hf_greedy, make_engine, run_engine
 
 from batchrun.engine import SamplingParams
 from batchrun.engine.cpu_kernels import argmax_rows, build_dir, load
+from batchrun_kernels import ref_paged_attention
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+
 from batchrun_kernels import paged_attention, ref_paged_attention, ref_write_kv_cache, write_kv_cache
 
 ON_GPU = os.environ.get("BATCHRUN_TRITON_GPU") == "1" and torch.cuda.is_available()

@@ -79,6 +79,38 @@ def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages, page_s
     assert sum(o.outputs[0].num_preemptions for o in outs) > 0
 
 
+@pytest.mark.parametrize("name", ["ct-w8a8", "ct-fp8-dynamic"])
+def test_layers_that_quantize_their_input_compute_each_sequence_apart(checkpoint, name, monkeypatch):
+    """W8A8 and FP8-dynamic round each token's input to 8 bits after a float product whose last bits depend on
+    how many rows are multiplied at once (HF generate itself gives a prompt other tokens beside a copy of itself
+    on an Intel Xeon with AMX): each sequence of a step is its own product, so every prompt gives alone the
+    tokens it gives beside the others, and each such layer is called once per sequence."""
+    from batchrun.engine.quantization import quantizes_its_input
+
+    target, want = checkpoint(name)
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, prefix_sharing=False)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if quantizes_its_input(m)]
+    assert len(layers) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down
+    weight, rows = layers[0].weight, []
+    linear = torch.nn.functional.linear
+
+    def counted(x, w, *args):
+        if w is weight:
+            rows.append(x.shape[-2])
+        return linear(x, w, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", counted)
+        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    # the four prompts in one step (a product per prompt), then decodes of one row each
+    assert rows[: len(PROMPTS)] == [len(p) for p in PROMPTS]
+    assert len(rows) > len(PROMPTS) and set(rows[len(PROMPTS) :]) == {1}
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS)
+    assert [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS] == want
+
+
 @pytest.mark.parametrize("name", ["ct-w4a16", "torchao-int8", "bnb-4bit", "gptq"])
 def test_quantized_layers_are_never_packed(checkpoint, name):
     """Even where the model does not say it is quantized (no hf_quantizer, is_quantized or quantization_config), each

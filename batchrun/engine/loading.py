@@ -13,7 +13,7 @@ from . import families
 from .architecture import not_the_models_fault
 from .attention import ATTENTION_NAME, UnsupportedModel, refusal, register
 from .multimodal import is_vision_language
-from .quantization import check_batch_invariant, finish_loading, missing_package
+from .quantization import call_per_sequence, check_batch_invariant, finish_loading, missing_package
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):
@@ -38,6 +38,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
             raise needs from None
         raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
     finish_loading(model)
+    call_per_sequence(model)  # layers that quantize their input: each sequence apart, as HF generate
     model.to(device).eval()
     return tokenizer, model
 

@@ -7,6 +7,14 @@ batchrun replaces only the attention function. It never packs or replaces a quan
 (cpu_linear.plain_float_linear), and where transformers would change the weights on the model's first forward
 (compressed-tensors decompresses its packed integers then, on a CPU), batchrun does it at load
 (`finish_loading`), so the weights counted before the run are the ones the run computes with.
+
+One arithmetic needs more than that to stay exact: a layer that quantizes its input per token on the fly
+(compressed-tensors W8A8 and FP8-dynamic) rounds the float product of the layer before it, whose last bits on a
+CPU depend on how many rows the matrix library multiplies at once (its kernels for 1, for a few and for many rows
+sum in other orders). Rounded to 8 bits, a last-bit difference becomes a step of 1/127 of the token's scale,
+enough to change a greedy token: seen here, HF `generate` itself gives one prompt other tokens beside a copy of
+itself than alone. HF `generate` runs a prompt alone, its prompt as one product and each decode as one row; so
+such a layer is called once per sequence of the step (`call_per_sequence`), with the rows HF would give it.
 """
 
 from __future__ import annotations
@@ -90,6 +98,38 @@ def check_batch_invariant(config) -> None:
             "prompts batched beside it (HF generate runs it alone); batchrun refuses it. Quantize it with "
             "llm_int8_threshold=0.0, or in 4-bit."
         )
+
+
+def quantizes_its_input(module: torch.nn.Module) -> bool:
+    """A compressed-tensors layer whose input activations are quantized when it is called (W8A8, FP8-dynamic)."""
+    scheme = getattr(module, "quantization_scheme", None)
+    return scheme is not None and getattr(scheme, "input_activations", None) is not None
+
+
+def call_per_sequence(model: torch.nn.Module) -> int:
+    """Makes every layer that quantizes its input (`quantizes_its_input`) compute each sequence of a step apart,
+    as HF `generate` computes one prompt (the module docstring says why); returns how many layers. The module
+    stays where it is, its forward wrapped: the model's code may read its weights."""
+    layers = [m for m in model.modules() if quantizes_its_input(m)]
+    for module in layers:
+        module.forward = _per_sequence(module.forward)
+    return len(layers)
+
+
+def _per_sequence(forward):
+    from .attention import AttentionMetadata
+
+    def split_forward(x: torch.Tensor, *args, **kwargs):
+        step = getattr(
+            AttentionMetadata.current(), "step", None
+        )  # None outside a step (or at the load probe)
+        if step is None or x.dim() != 3 or x.shape[0] != 1 or len(step.query_lens) == 1:
+            return forward(x, *args, **kwargs)
+        # packed [1, T, hidden]: each sequence's tokens are its own product (the split makes views, no copy)
+        parts = x.split(step.query_lens, dim=1)
+        return torch.cat([forward(part, *args, **kwargs) for part in parts], dim=1)
+
+    return split_forward
 
 
 def installed(module: str) -> bool:
