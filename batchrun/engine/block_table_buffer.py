@@ -12,8 +12,9 @@ next written: no backend reads a key behind the window, so the number is never u
 A table that only grew by a page (a decode crossing into a new page: the common change) has just that entry
 written, every such entry of the step in one indexed write per group.
 
-A step's tables are then one index of those tensors by the step's rows, and its slot mapping one gather of
-them by each new token's page: no Python loop over tokens, and none over pages.
+A step's tables are then one index of those tensors by the step's rows (or a view of them, where the rows are in
+order), and its slots' pages one gather of them by each new token's page: no Python loop over tokens, and none
+over pages.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ class BlockTableBuffer:
             if at_rows:
                 self._fit(g, widths[g])
                 self.tables[g][int_tensor(at_rows), int_tensor(columns)] = int_tensor(pages, torch.int32)
+        first = rows[0] if rows else 0
+        if not self.pin and rows == list(range(first, first + len(rows))):
+            # rows in order (sequences admitted together keep theirs): the step's tables are views of the buffers,
+            # which nothing writes before the step has run (a pinned buffer is copied to a GPU asynchronously,
+            # and the next step's writes could overtake the copy: there the rows are always gathered)
+            return [t[first : first + len(rows), :w] for t, w in zip(self.tables, widths)]
         index = int_tensor(rows)
         return [t[:, :w].index_select(0, index) for t, w in zip(self.tables, widths)]
 
@@ -129,8 +136,7 @@ class BlockTableBuffer:
                     assert want == got or want == -1, (seq_id, g, b, want, got)
 
 
-def slot_mapping(tables: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor, page_size: int):
-    """[T] int64: the cache slot of each new token, from the step's tables [S, W], each token's sequence [T]
-    and position [T] (host tensors)."""
-    pages = tables[token_seq, positions // page_size].long()
-    return pages * page_size + positions % page_size
+def slot_pages(tables: torch.Tensor, token_seq: torch.Tensor, page_index: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the page of each new token's cache slot, from the step's tables [S, W], each token's sequence
+    [T] and the index of its page in its sequence's table [T] (position // page_size; host tensors)."""
+    return tables[token_seq, page_index].long()

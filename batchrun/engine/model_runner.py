@@ -3,7 +3,8 @@
 One step = one packed row of every scheduled token: `input_ids` and `position_ids` [1, T], and the step's
 attention metadata, built here before the forward and shared by every layer (attention/metadata.py): what the
 KV cache groups share once (query and context lengths, positions), then each group's block tables (from the
-persistent rows of block_table_buffer.py) and slot mapping (where each token's K/V goes in that group's pages),
+persistent rows of block_table_buffer.py) and its slots (the page each token's K/V goes to in that group, and
+the token's place in its page, which every group shares),
 then each group's backend plan. Also the indices of the tokens whose logits are needed (the last token of each
 sequence that samples this step, and the prompt positions of sequences that asked for prompt logprobs).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
-from .block_table_buffer import BlockTableBuffer, slot_mapping
+from .block_table_buffer import BlockTableBuffer, slot_pages
 from .families import ImageBlocks, MRope
 from .kv_cache import text_config
 from .multimodal import EncoderCache
@@ -63,9 +64,11 @@ class ModelRunner:
 
     def prepare(
         self, scheduled: list[ScheduledSequence], chunks: list | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's tensors and metadata; `chunks`: each sequence's (sequence, start, end), for a
-        vision-language model (execute makes them once)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | int]:
+        """The step's tensors and metadata, and the tokens whose logits are needed as the model's
+        `logits_to_keep` takes them: 0 for every token (a decode step where each sequence samples: no index, no
+        copy of the hidden states), their indices otherwise (none: an empty tensor). `chunks`: each sequence's (sequence,
+        start, end), for a vision-language model (execute makes them once)."""
         # every step, for every sequence: kept lean (host time per step, bench/host.py)
         starts = [s.start for s in scheduled]
         if sum(s.num_new_tokens for s in scheduled) == len(scheduled) and not any(
@@ -87,23 +90,25 @@ class ModelRunner:
                 positions += range(start, end)
                 if s.needs_sample_logits:
                     logits_index.append(len(input_ids) - 1)
-        dev = self.device
+        dev, P = self.device, self.page_size
         host_positions = int_tensor(positions)
+        page_index = host_positions // P  # each token's page in its sequence's table
+        offsets = (host_positions - page_index * P).to(dev)  # and its place in that page: every group's
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
         tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's
-            token_seq = torch.arange(len(scheduled))
+            token_seq = step.decode_index  # 0..S-1
         else:
             token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
         images = self._image_blocks(scheduled)
-        P = self.page_size
         groups = [
             GroupMetadata(
                 g,
                 self.kinds[g],
                 P,
                 table,
-                slot_mapping(table, token_seq, host_positions, P).to(dev),
+                slot_pages(table, token_seq, page_index).to(dev),
+                offsets,
                 images if images and self.image_blocks.applies(self.kinds[g]) else None,
                 self.token_terms[g],
             )
@@ -120,6 +125,8 @@ class ModelRunner:
         pos = step.positions[None]
         if self.mrope is not None:  # [3, 1, T]
             pos = self.mrope.step_positions(pos[0], chunks)
+        if len(logits_index) == len(input_ids):  # every token's, in order: the model keeps them all
+            return ids, pos, meta, 0
         return ids, pos, meta, int_tensor(logits_index, device=dev)
 
     def _image_blocks(self, scheduled: list[ScheduledSequence]) -> list[list[tuple[int, int]]] | None:
@@ -142,13 +149,13 @@ class ModelRunner:
         if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
             chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
         with self.times("prepare"):
-            ids, pos, meta, logits_index = self.prepare(scheduled, chunks)
+            ids, pos, meta, logits_to_keep = self.prepare(scheduled, chunks)
         images = {}
         if self.encoder is not None:
             with self.times("encode"):
                 images = self.encoder.step_inputs(chunks)
         with self.times("forward"), meta.running():
-            if logits_index.numel() == 0 and not images:
+            if not isinstance(logits_to_keep, int) and logits_to_keep.numel() == 0 and not images:
                 # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
                 self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
                 return torch.empty(0, text_config(self.model.config).vocab_size, device=self.device)
@@ -156,7 +163,7 @@ class ModelRunner:
                 input_ids=ids,
                 position_ids=pos,
                 use_cache=False,
-                logits_to_keep=logits_index,
+                logits_to_keep=logits_to_keep,
                 batchrun_attn=meta,
                 **images,  # the model merges the image tokens' features itself
             )

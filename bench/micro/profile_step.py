@@ -40,6 +40,7 @@ def reference_run(dtype: str, sharing: str):
 def time_attention(dtype: str, sharing: str) -> None:
     llm, generate = reference_run(dtype, sharing)
     times = llm.engine.times
+    times.detailed = True
     times.parts.clear()
     times.counts.clear()
     wall, generated = generate()

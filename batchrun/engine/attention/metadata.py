@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import functools
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,23 @@ from .layers import UnsupportedModel
 from .masks import MaskKind
 
 _ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+class step_product:
+    """A value of the step made on first use and kept on the instance: `functools.cached_property` without its
+    lock (which Python before 3.12 takes on every first use, about a microsecond: a step makes a dozen)."""
+
+    def __init__(self, make):
+        self.make, self.name, self.__doc__ = make, make.__name__, make.__doc__
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.make(instance)  # later reads find it in the instance
+        return value
 
 
 def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch.device | None = None):
@@ -67,7 +83,7 @@ class StepMetadata:
         # every sequence computes one token (the common step): token i is sequence i's
         self.decode_only = len(self.positions) == len(self.query_lens)
 
-    @functools.cached_property
+    @step_product
     def starts(self) -> list[int]:
         """Each sequence's first packed token."""
         if self.decode_only:
@@ -78,43 +94,43 @@ class StepMetadata:
             t += n
         return out
 
-    @functools.cached_property
+    @step_product
     def decodes(self) -> list[int]:
         """The sequences computing one token (decodes), by index."""
         if self.decode_only:
             return self.starts
         return [i for i, n in enumerate(self.query_lens) if n == 1]
 
-    @functools.cached_property
+    @step_product
     def prompts(self) -> list[int]:
         """The sequences computing several tokens (a prompt, or a chunk of one), by index."""
         return [i for i, n in enumerate(self.query_lens) if n != 1]
 
-    @functools.cached_property
+    @step_product
     def decode_tokens(self) -> torch.Tensor:
         """[D] int64: the packed token of each decode."""
         if self.decode_only:
-            return torch.arange(len(self.query_lens), device=self.device)
+            return self.decode_index.to(self.device)
         return int_tensor([self.starts[i] for i in self.decodes], device=self.device)
 
-    @functools.cached_property
+    @step_product
     def decode_index(self) -> torch.Tensor:
         """[D] int64: each decode's index among the step's sequences (host: it indexes the block tables)."""
-        return int_tensor(self.decodes)
+        return torch.arange(len(self.query_lens)) if self.decode_only else int_tensor(self.decodes)
 
-    @functools.cached_property
+    @step_product
     def decode_context_lens(self) -> torch.Tensor:
         """[D] int32: each decode's context (host)."""
         if self.decode_only:
             return int_tensor(self.context_lens, torch.int32)
         return int_tensor([self.context_lens[i] for i in self.decodes], torch.int32)
 
-    @functools.cached_property
+    @step_product
     def query_start_loc(self) -> torch.Tensor:
         """[S + 1] int32: packed offsets of each sequence's query tokens."""
         return int_tensor([*self.starts, sum(self.query_lens)], torch.int32, self.device)
 
-    @functools.cached_property
+    @step_product
     def seq_lens(self) -> torch.Tensor:
         """[S] int32: each sequence's context."""
         return int_tensor(self.context_lens, torch.int32, self.device)
@@ -137,16 +153,19 @@ class GroupMetadata:
     # [S, W] int32, host: each sequence's pages in this group (an entry behind the group's window may be NULL
     # = -1, or a page given back since: either way never a key the sequence sees)
     block_tables: torch.Tensor
-    slot_mapping: torch.Tensor  # [T] int64: cache slot (page * page_size + offset) of each new token
+    # [T] int64: the page of each new token's slot in this group, and its place in that page (every group's
+    # are the same tensor): where `write_kv` puts its K/V
+    slot_pages: torch.Tensor
+    slot_offsets: torch.Tensor
     # per sequence: the (start, end) positions of the images among its queries whose tokens see each other
     # (multimodal.ImageBlocks, on the layers it opens); None: no such image this step
     image_blocks: list[list[tuple[int, int]]] | None = None
     token_terms: bool = False  # its layers add per-token terms (LayerSpec.token_terms)
 
-    @functools.cached_property
-    def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] page and [T] offset in it of each new token's slot: where `write_kv` puts its K/V."""
-        return self.slot_mapping // self.page_size, self.slot_mapping % self.page_size
+    @step_product
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] int64: the cache slot (page * page_size + offset) of each new token (the Triton kernels' form)."""
+        return self.slot_pages * self.page_size + self.slot_offsets
 
 
 class AttentionMetadata:

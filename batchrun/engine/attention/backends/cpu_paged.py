@@ -42,7 +42,6 @@ class TorchAttention:
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
 
     def build(self, step: StepMetadata, group: GroupMetadata) -> TorchPlan:
-        group.slot_index  # noqa: B018 - made now, before the forward
         prefills = prompt_plans(step, group)
         if not step.decodes:
             return TorchPlan(None, prefills)
@@ -68,7 +67,7 @@ class TorchAttention:
         return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
-        times = meta.services.times  # its parts, for bench/micro/profile_step.py attention
+        times = meta.services.times  # its parts, for bench/micro/profile_step.py attention (PhaseTimes.detailed)
         k_cache, v_cache = meta.services.kv_cache.layer(spec.layer)
         plan: TorchPlan = meta.plans[spec.group]
         if spec.writes:
@@ -86,9 +85,9 @@ class TorchAttention:
                     out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
                     d.first_keys, call.softcap or 0.0, call.kernel_sinks, bias,
                 )  # fmt: skip
-            times.count(
-                "C++ decode: K/V bytes read", d.num_keys_read * (k_cache[0, 0].nbytes + v_cache[0, 0].nbytes)
-            )
+            if times.detailed:
+                key_bytes = k_cache[0, 0].nbytes + v_cache[0, 0].nbytes
+                times.count("C++ decode: K/V bytes read", d.num_keys_read * key_bytes)
         if plan.prefills:
             with times.part("prompts' attention"):
                 prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)

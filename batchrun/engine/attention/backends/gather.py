@@ -143,7 +143,6 @@ class GatherAttention:
         self.workspace = Workspace()
 
     def build(self, step: StepMetadata, group: GroupMetadata) -> GatherPlan:
-        group.slot_index  # noqa: B018 - made now, before the forward
         return GatherPlan(decode_batches(step, group), prompt_plans(step, group))
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):

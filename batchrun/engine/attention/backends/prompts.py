@@ -104,6 +104,6 @@ def write_kv(
     kv_cache.py) at each token's page and offset."""
     if key.shape[0] > 64:  # a prompt's K/V arrive head-major; the copy is faster from a contiguous tensor
         key, value = key.contiguous(), value.contiguous()
-    pages, offsets = group.slot_index
-    k_cache.index_put_((pages, offsets), key)
-    v_cache.index_put_((pages, offsets), value)
+    index = (group.slot_pages, group.slot_offsets)
+    k_cache.index_put_(index, key)
+    v_cache.index_put_(index, value)

@@ -39,6 +39,7 @@ class TritonAttention:
 
     def build(self, step: StepMetadata, group: GroupMetadata) -> TritonPlan:
         gqa = self.gqa[group.group]
+        group.slot_mapping  # noqa: B018 - made now, before the forward
         return TritonPlan(
             block_tables=group.block_tables.to(self.device, non_blocking=True),
             query_start_loc=step.query_start_loc,
