@@ -83,8 +83,9 @@ def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages, page_s
 def test_layers_that_quantize_their_input_compute_each_sequence_apart(checkpoint, name, monkeypatch):
     """W8A8 and FP8-dynamic round each token's input to 8 bits after a float product whose last bits depend on
     how many rows are multiplied at once (HF generate itself gives a prompt other tokens beside a copy of itself
-    on an Intel Xeon with AMX): each sequence of a step is its own product, so every prompt gives alone the
-    tokens it gives beside the others, and each such layer is called once per sequence."""
+    on an Intel Xeon with AMX): each sequence of a step is its own product (the prompt's rows together, each
+    decode's row alone, as HF generate multiplies them), so every prompt gives alone the tokens it gives beside the
+    others."""
     from batchrun.engine.quantization import quantizes_its_input
 
     target, want = checkpoint(name)

@@ -14,7 +14,8 @@ CPU depend on how many rows the matrix library multiplies at once (its kernels f
 sum in other orders). Rounded to 8 bits, a last-bit difference becomes a step of 1/127 of the token's scale,
 enough to change a greedy token: seen here, HF `generate` itself gives one prompt other tokens beside a copy of
 itself than alone. HF `generate` runs a prompt alone, its prompt as one product and each decode as one row; so
-such a layer is called once per sequence of the step (`call_per_sequence`), with the rows HF would give it.
+such a layer makes its product once per sequence of the step (`call_per_sequence`), with the rows HF would give
+it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BadInput
+from .attention import AttentionMetadata
 
 # a quantization_config's quant_method -> (the packages transformers needs for it, the batchrun extra bringing them)
 PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -107,29 +109,28 @@ def quantizes_its_input(module: torch.nn.Module) -> bool:
 
 
 def call_per_sequence(model: torch.nn.Module) -> int:
-    """Makes every layer that quantizes its input (`quantizes_its_input`) compute each sequence of a step apart,
-    as HF `generate` computes one prompt (the module docstring says why); returns how many layers. The module
-    stays where it is, its forward wrapped: the model's code may read its weights."""
-    layers = [m for m in model.modules() if quantizes_its_input(m)]
+    """Makes every layer that quantizes its input (`quantizes_its_input`) multiply each sequence of a step apart,
+    as HF `generate` multiplies one prompt (the module docstring says why); returns how many layers. The input's
+    quantization runs once on the whole step (each token's scale is its own: the same, alone or packed); only
+    the product is split. The module stays where it is, its class a subclass of `nn.Linear` whose forward splits
+    the product: compressed-tensors' forward quantizes the input, then calls the module class's own forward."""
+    layers = [m for m in model.modules() if quantizes_its_input(m) and type(m) is torch.nn.Linear]
     for module in layers:
-        module.forward = _per_sequence(module.forward)
+        module.__class__ = PerSequenceLinear
     return len(layers)
 
 
-def _per_sequence(forward):
-    from .attention import AttentionMetadata
+class PerSequenceLinear(torch.nn.Linear):
+    """`nn.Linear` whose product is made once per sequence of the step being run: a packed [1, T, in] input is
+    split by the sequences' tokens (views, no copy) and each part multiplied alone. Outside a step (the load
+    probe, a forward of its own) it is `nn.Linear`."""
 
-    def split_forward(x: torch.Tensor, *args, **kwargs):
-        step = getattr(
-            AttentionMetadata.current(), "step", None
-        )  # None outside a step (or at the load probe)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = getattr(AttentionMetadata.current(), "step", None)
         if step is None or x.dim() != 3 or x.shape[0] != 1 or len(step.query_lens) == 1:
-            return forward(x, *args, **kwargs)
-        # packed [1, T, hidden]: each sequence's tokens are its own product (the split makes views, no copy)
+            return super().forward(x)
         parts = x.split(step.query_lens, dim=1)
-        return torch.cat([forward(part, *args, **kwargs) for part in parts], dim=1)
-
-    return split_forward
+        return torch.cat([torch.nn.functional.linear(p, self.weight, self.bias) for p in parts], dim=1)
 
 
 def installed(module: str) -> bool:

@@ -67,7 +67,7 @@ class TorchAttention:
         return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
-        times = meta.services.times  # its parts, for bench/micro/profile_step.py attention (PhaseTimes.detailed)
+        times = meta.services.times  # its parts, where `detailed` (bench/micro/profile_step.py attention)
         k_cache, v_cache = meta.services.kv_cache.layer(spec.layer)
         plan: TorchPlan = meta.plans[spec.group]
         if spec.writes:
