@@ -4,9 +4,9 @@ One step = one packed row of every scheduled token: `input_ids` and `position_id
 attention metadata, built here before the forward and shared by every layer (attention/metadata.py): what the
 KV cache groups share once (query and context lengths, positions), then each group's block tables (from the
 persistent rows of block_table_buffer.py) and its slots (the page each token's K/V goes to in that group, and
-the token's place in its page, which every group shares),
-then each group's backend plan. Also the indices of the tokens whose logits are needed (the last token of each
-sequence that samples this step, and the prompt positions of sequences that asked for prompt logprobs).
+the token's place in its page, which every group shares), then each group's backend plan. Also the tokens
+whose logits are needed (the last token of each sequence that samples this step, and the prompt positions of
+sequences that asked for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | int]:
         """The step's tensors and metadata, and the tokens whose logits are needed as the model's
         `logits_to_keep` takes them: 0 for every token (a decode step where each sequence samples: no index, no
-        copy of the hidden states), their indices otherwise (none: an empty tensor). `chunks`: each sequence's (sequence,
-        start, end), for a vision-language model (execute makes them once)."""
+        copy of the hidden states), their indices otherwise (none: an empty tensor). `chunks`: each sequence's
+        (sequence, start, end), for a vision-language model (execute makes them once)."""
         # every step, for every sequence: kept lean (host time per step, bench/host.py)
         starts = [s.start for s in scheduled]
         if sum(s.num_new_tokens for s in scheduled) == len(scheduled) and not any(
@@ -93,7 +93,7 @@ class ModelRunner:
         dev, P = self.device, self.page_size
         host_positions = int_tensor(positions)
         page_index = host_positions // P  # each token's page in its sequence's table
-        offsets = (host_positions - page_index * P).to(dev)  # and its place in that page: every group's
+        offsets = (host_positions % P).to(dev)  # and its place in that page: every group's
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
         tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's

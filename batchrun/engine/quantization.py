@@ -123,11 +123,17 @@ def call_per_sequence(model: torch.nn.Module) -> int:
 class PerSequenceLinear(torch.nn.Linear):
     """`nn.Linear` whose product is made once per sequence of the step being run: a packed [1, T, in] input is
     split by the sequences' tokens (views, no copy) and each part multiplied alone. Outside a step (the load
-    probe, a forward of its own) it is `nn.Linear`."""
+    probe, a forward of its own) and on any other input it is `nn.Linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = getattr(AttentionMetadata.current(), "step", None)
-        if step is None or x.dim() != 3 or x.shape[0] != 1 or len(step.query_lens) == 1:
+        # the step's packed tokens (not an image encoder's patches, say), of more than one sequence
+        if (
+            step is None
+            or x.dim() != 3
+            or x.shape[:2] != (1, len(step.positions))
+            or len(step.query_lens) == 1
+        ):
             return super().forward(x)
         parts = x.split(step.query_lens, dim=1)
         return torch.cat([torch.nn.functional.linear(p, self.weight, self.bias) for p in parts], dim=1)
