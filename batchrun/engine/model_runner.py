@@ -71,8 +71,8 @@ class ModelRunner:
         (sequence, start, end), for a vision-language model (execute makes them once)."""
         # every step, for every sequence: kept lean (host time per step, bench/host.py)
         starts = [s.start for s in scheduled]
-        if sum(s.num_new_tokens for s in scheduled) == len(scheduled) and not any(
-            s.prompt_logprob_positions for s in scheduled
+        if sum([s.num_new_tokens for s in scheduled]) == len(scheduled) and not any(
+            [s.prompt_logprob_positions for s in scheduled]
         ):  # decode-only (the common step): one token per sequence, at its start
             input_ids = [s.seq.token_at(p) for s, p in zip(scheduled, starts)]
             positions = starts

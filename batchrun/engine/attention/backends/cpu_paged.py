@@ -21,13 +21,21 @@ class PagedDecode:
     block_tables: torch.Tensor  # [G, max_blocks] int32
     seq_lens: torch.Tensor  # [G] int32: context, the new token included
     first_keys: torch.Tensor | None  # [G] int32: the first key each one sees (window, chunk); None: 0
-    num_keys_read: int  # keys the kernel reads per layer and KV head (from each first visible key's page)
 
 
 @dataclass
 class TorchPlan:
     decode: PagedDecode | None
     prefills: list[PrefillSequence]
+
+
+def keys_read(step: StepMetadata, kind, page_size: int) -> int:
+    """Keys the C++ decode reads per layer and KV head this step (from each first visible key's page): for
+    bench/micro/profile_step.py's bytes read, counted only when asked."""
+    lens = [step.context_lens[i] for i in step.decodes]
+    if kind.is_full:
+        return sum(lens)
+    return sum(c - kind.first_key(c - 1) // page_size * page_size for c in lens)
 
 
 class TorchAttention:
@@ -45,16 +53,12 @@ class TorchAttention:
         prefills = prompt_plans(step, group)
         if not step.decodes:
             return TorchPlan(None, prefills)
-        kind, P = group.kind, self.page_size
+        kind = group.kind
 
-        def first_keys():  # shared by every group of the kind; the keys read counted on the host's integers
-            lens = [step.context_lens[i] for i in step.decodes]
-            if kind.is_full:
-                return None, sum(lens)
-            read = sum(c - kind.first_key(c - 1) // P * P for c in lens)
-            return kind.first_keys(step.decode_context_lens - 1), read
+        def first_keys():  # shared by every group of the kind
+            return None if kind.is_full else kind.first_keys(step.decode_context_lens - 1)
 
-        first, num_keys_read = step.shared_product(("decode first keys", kind), first_keys)
+        first = step.shared_product(("decode first keys", kind), first_keys)
         decode = PagedDecode(
             token_index=step.decode_tokens,
             block_tables=group.block_tables
@@ -62,7 +66,6 @@ class TorchAttention:
             else group.block_tables.index_select(0, step.decode_index),
             seq_lens=step.decode_context_lens,
             first_keys=first,
-            num_keys_read=num_keys_read,
         )
         return TorchPlan(decode, prefills)
 
@@ -87,7 +90,9 @@ class TorchAttention:
                 )  # fmt: skip
             if times.detailed:
                 key_bytes = k_cache[0, 0].nbytes + v_cache[0, 0].nbytes
-                times.count("C++ decode: K/V bytes read", d.num_keys_read * key_bytes)
+                times.count(
+                    "C++ decode: K/V bytes read", keys_read(meta.step, spec.kind, self.page_size) * key_bytes
+                )
         if plan.prefills:
             with times.part("prompts' attention"):
                 prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
