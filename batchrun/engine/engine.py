@@ -305,6 +305,7 @@ class Engine:
                 )
             return result
         logits = self.runner.execute(plan.scheduled)
+        self.scheduler.computed(plan)
         self.outputs.process(plan, logits, result)
         return result
 

@@ -62,7 +62,6 @@ class OutputProcessor:
                 seq, start = s.seq, s.start
                 if start < len(seq.prompt_token_ids):
                     prompt_tokens += min(len(seq.prompt_token_ids), start + s.num_new_tokens) - start
-                seq.num_computed_tokens += s.num_new_tokens
                 row += len(s.prompt_logprob_positions)
                 if s.needs_sample_logits:
                     sampling.append(seq)

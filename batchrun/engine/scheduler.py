@@ -351,6 +351,12 @@ class Scheduler:
             budget -= n
 
     # ---- after the forward pass -----------------------------------------------------------------------------
+    def computed(self, plan: SchedulerOutput) -> None:
+        """The step of `plan` ran: its tokens' K/V are in the cache (before its samples are forked and its tokens
+        sampled)."""
+        for s in plan.scheduled:  # every step, for every sequence: kept lean
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add a parallel sample that shares every page of its parent (and takes a copy of its state, made
         before the next step)."""

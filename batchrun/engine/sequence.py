@@ -17,8 +17,10 @@ class Sequence:
     """A prompt and what has been generated for it.
 
     `num_computed_tokens` counts tokens whose K/V is in the cache (prefix-cache hits included); the tokens
-    `token_ids[num_computed_tokens:]` are what the next forward passes must compute. A preempted-by-recompute
-    sequence goes back to 0 and recomputes prompt + generated tokens as one longer prompt.
+    `token_ids[num_computed_tokens:]` are what the next forward passes must compute. The block manager sets it
+    when the sequence is admitted (its cached prefix) or forked (its parent's), the scheduler after each step
+    (`Scheduler.computed`) and for a sequence preempted by recompute, which goes back to 0 and computes prompt +
+    generated tokens again as one longer prompt.
     """
 
     seq_id: int
