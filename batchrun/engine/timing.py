@@ -12,7 +12,7 @@ the device takes shows up where the host first waits for it (sampling reads the 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 PHASES = ("schedule", "prepare", "encode", "forward", "attention", "sample", "finish", "stats", "write")
 
@@ -24,8 +24,8 @@ class PhaseTimes:
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        # the parts and counts are kept only when asked (bench/micro/profile_step.py): timing them costs a few
-        # microseconds an attention call, a tenth of a small model's decode
+        # the parts and counts are kept only when asked (bench/micro/profile_step.py): timing them is work in every
+        # attention call (bench/RESULTS.md, the step's host work on an Intel Xeon)
         self.detailed = False
         self.parts: dict[str, float] = {}
         self.counts: dict[str, int] = {}
@@ -61,19 +61,7 @@ class PhaseTimes:
         return {summary_key(p): s for p, s in self.seconds.items()}
 
 
-class _Untimed:
-    """`PhaseTimes.part` when parts are not kept."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-_UNTIMED = _Untimed()
+_UNTIMED = nullcontext()  # `PhaseTimes.part` when parts are not kept
 
 
 def summary_key(phase: str) -> str:

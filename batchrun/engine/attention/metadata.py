@@ -25,7 +25,7 @@ _ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 class step_product:
     """A value of the step made on first use and kept on the instance: `functools.cached_property` without its
-    lock (which Python before 3.12 takes on every first use, about a microsecond: a step makes a dozen)."""
+    lock, which Python before 3.12 takes on every first use (a step makes a dozen such values)."""
 
     def __init__(self, make):
         self.make, self.name, self.__doc__ = make, make.__name__, make.__doc__
