@@ -39,8 +39,8 @@ test-slurm: install
 	$(BIN)/pytest -q -m slurm tests
 
 lint: install
-	$(BIN)/ruff check batchrun batchrun_kernels tests bench jobs
-	$(BIN)/ruff format --check batchrun batchrun_kernels tests bench jobs
+	$(BIN)/ruff check batchrun kernels tests bench jobs
+	$(BIN)/ruff format --check batchrun kernels tests bench jobs
 
 bench: install
 	$(BIN)/python -m bench.host

@@ -12,11 +12,11 @@ py=.venv/bin/python
 [ -x "$py" ] || py=python3
 assets=out/gpu-assets
 [ -d "$assets/tokenizer" ] || { echo "gpu-check: no $assets; run bash bench/gpu_assets.sh first" >&2; exit 2; }
-# batchrun and batchrun_kernels from the working tree, the wheels beside them: nothing installed
+# batchrun and batchrun_kernels (kernels/) from the working tree, the wheels beside them: nothing installed
 site=$(mktemp -d)
 "$py" -m pip install -q --no-index --no-deps --target "$site" "$assets"/wheels/*.whl 2>/dev/null \
   || "$py" -c "import zipfile,glob,sys; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in glob.glob('$assets/wheels/*.whl')]" "$site"
-export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/kernels:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 # a kernel test that fails (or hangs) is reported in the table; the timings still run

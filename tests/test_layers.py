@@ -112,18 +112,58 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     assert imports("rows", probe) >= {"job", "llm"}
 
 
-def test_nothing_at_the_checkout_root_is_importable_as_transformers_optional_packages():
-    """Run from the checkout's root (python -m bench..., make), a top-level folder is importable by its name:
-    one named like a package transformers probes for (`kernels`, Hugging Face's hub-kernels library, which its
-    MXFP4 and FP8 paths import on a GPU) would be taken for it."""
-    probed = [
-        "kernels",
-        "optimum",
-        "gptqmodel",
-        "bitsandbytes",
-        "torchao",
-        "compressed_tensors",
-        "accelerate",
-    ]
-    shadowing = [name for name in probed if (ROOT / name).is_dir() or (ROOT / f"{name}.py").exists()]
-    assert not shadowing
+# the packages transformers probes for that a folder at the checkout's root could be mistaken for
+PROBED = ["kernels", "optimum", "gptqmodel", "bitsandbytes", "torchao", "compressed_tensors", "accelerate"]
+
+_PROBE = """
+import json, sys
+from transformers.utils.import_utils import _is_package_available
+taken = {}
+for name in sys.argv[1:]:
+    found, version = _is_package_available(name, return_version=True)
+    if found:
+        taken[name] = getattr(__import__(name), "__file__", None)
+print(json.dumps(taken))
+"""
+
+
+def _taken_for_installed(names: list[str]) -> dict[str, str | None]:
+    """Run from the checkout's root as `python -m bench...` and make are: which of `names` transformers' own
+    probe takes for an installed package, and the file it would import."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, *names], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_nothing_at_the_checkout_root_is_taken_for_transformers_optional_packages():
+    """From the checkout's root a top-level folder is importable by its name: one named like a package
+    transformers probes for (`kernels`, Hugging Face's hub-kernels library, which its MXFP4 and FP8 paths import on
+    a GPU) must not be taken for it. kernels/ holds `batchrun_kernels` and has no __init__.py: `import kernels`
+    finds an empty namespace package there, which transformers' probe does not count as installed."""
+    assert (ROOT / "kernels" / "batchrun_kernels" / "__init__.py").exists()
+    taken = _taken_for_installed(PROBED)
+    ours = {name: path for name, path in taken.items() if path is None or path.startswith(str(ROOT / name))}
+    installed_elsewhere = {name for name in taken if name not in ours}
+    assert not ours, (
+        f"taken for an installed package from the checkout: {ours} (installed: {installed_elsewhere})"
+    )
+
+
+def test_a_package_folder_at_the_root_would_be_taken(tmp_path):
+    """The probe above can fail: a folder with an __init__.py named like a probed package is taken for it."""
+    import shutil
+
+    fake = ROOT / "optimum"
+    if fake.exists():
+        return
+    fake.mkdir()
+    try:
+        (fake / "__init__.py").write_text("")
+        assert "optimum" in _taken_for_installed(["optimum"])
+    finally:
+        shutil.rmtree(fake)
