@@ -6,8 +6,15 @@ BIN := $(VENV)/bin
 #   make install TORCH_SPEC=            (installs nothing for torch; whatever torch the venv has stays)
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.batchrun-installed
+# The quantized formats' packages (README "Quantized checkpoints") in an environment of their own, layered over
+# .venv (a .pth adds .venv's site-packages): installed there, torchao would be imported by every model load of the
+# rest of the suite. gptqmodel 7.7 declares torch>=2.14.1 (a CUDA build would replace the CPU torch): --no-deps,
+# with its few pure-Python needs named.
+QUANT_VENV := .venv-quant
+QUANT_STAMP := $(QUANT_VENV)/.batchrun-installed
+GPTQ_PACKAGES := gptqmodel==7.7.0 optimum defuser device-smi logbar pypcre tokenicer
 
-.PHONY: install demo test kernels-check test-slurm lint bench gpu-check clean
+.PHONY: install install-quant demo test test-quant kernels-check test-slurm lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -23,13 +30,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m batchrun.engine.cpu_kernels
 	touch $(STAMP)
 
+install-quant: $(QUANT_STAMP)
+
+$(QUANT_STAMP): $(STAMP)
+	test -x $(QUANT_VENV)/bin/python || $(PYTHON) -m venv $(QUANT_VENV)
+	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > "$$($(QUANT_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/batchrun-base.pth"
+	$(QUANT_VENV)/bin/python -m pip install -q -e '.[quant]'
+	$(QUANT_VENV)/bin/python -m pip install -q --no-deps $(GPTQ_PACKAGES)
+	$(QUANT_VENV)/bin/python -m batchrun.engine.cpu_kernels
+	touch $@
+
 demo: install
 	$(BIN)/batchrun submit jobs/demo.yaml
 	$(BIN)/batchrun stats out/demo --plot out/demo/.batchrun/memory.png
 
 # two workers (this kind of machine has two cores); a test file stays on one worker, with its module fixtures
-test: install kernels-check
-	$(BIN)/pytest -q tests -n 2 --dist loadfile
+test: install kernels-check test-quant
+	$(BIN)/pytest -q tests -n 2 --dist loadfile --ignore tests/test_quantized.py
+
+# every quantized format, with its package: tests/test_quantized.py in .venv-quant (a format whose package is
+# missing there fails rather than skips: BATCHRUN_REQUIRE_FORMATS)
+test-quant: install-quant
+	BATCHRUN_REQUIRE_FORMATS=1 $(QUANT_VENV)/bin/python -m pytest -q tests/test_quantized.py
 
 # every Triton kernel specialization the engine can launch, compiled ahead of time for sm_80 and sm_90 (no GPU)
 kernels-check: install
@@ -56,4 +79,4 @@ gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) out .cache
+	rm -rf $(VENV) $(QUANT_VENV) out .cache

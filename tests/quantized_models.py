@@ -108,8 +108,8 @@ def torchao_int8() -> object:
 
 
 def bnb(bits: int, threshold: float = 0.0):
-    """bitsandbytes at `bits`; 8-bit with LLM.int8()'s outlier `threshold` (0: none; batchrun refuses any
-    other, quantization.check_batch_invariant)."""
+    """bitsandbytes at `bits`; 8-bit with LLM.int8()'s outlier `threshold` (0: none; above, each sequence of a
+    step runs the layer apart: quantization.call_per_sequence)."""
 
     def config():
         from transformers import BitsAndBytesConfig

@@ -3,10 +3,12 @@ tokens equal HF `generate` on the same checkpoint loaded the same way, greedy fp
 backends and under preemption; quantized layers are never packed for oneDNN; the summary counts the weights'
 real bytes and names their format; a missing package names the batchrun extra that brings it.
 
-Each format's test skips when its package is not installed (`make install` installs none of them)."""
+Each format's test skips when its package is not installed (`make install` installs none of them); `make test`
+runs this file in .venv-quant, which has them all, where a missing one fails (`make test-quant`)."""
 
 import importlib
 import json
+import os
 
 import pytest
 import torch
@@ -18,7 +20,6 @@ from batchrun.errors import BadInput
 
 PROMPTS = [[1, 5, 9, 33, 70], [1, *range(10, 60)], [1, 200, 3], [1, *range(100, 140, 3)]]
 NEW_TOKENS = 16
-REFUSED = {"bnb-8bit-outliers": "llm_int8_threshold=6.0"}  # format -> what the refusal names
 DEQUANTIZED = {"fp8", "mxfp4"}  # dequantized by transformers on a CPU: plain float weights, packed like any
 
 
@@ -35,7 +36,10 @@ def checkpoint(tmp_path_factory, float_dir):
     def get(name):
         package, make = FORMATS[name]
         if package:
-            pytest.importorskip(package)
+            if os.environ.get("BATCHRUN_REQUIRE_FORMATS"):  # `make test-quant`: a missing package fails
+                importlib.import_module(package)
+            else:
+                pytest.importorskip(package)
         if name not in made:
             target = tmp_path_factory.mktemp(name)
             make(float_dir, target)
@@ -52,7 +56,7 @@ def generate(target, **engine):
 
 
 @pytest.mark.parametrize("attention", ["torch", "gather"])
-@pytest.mark.parametrize("name", [name for name in FORMATS if name not in REFUSED])
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_equals_hf_generate_on_the_same_checkpoint(checkpoint, name, attention):
     target, want = checkpoint(name)
     llm, outs = generate(target, attention=attention)
@@ -70,7 +74,7 @@ PREEMPTION_PAGES = {"mxfp4": (10, 16), "bnb-4bit": (17, 4)}  # format -> (pages,
 
 @pytest.mark.parametrize(
     "name, num_pages, page_size",
-    [(name, *PREEMPTION_PAGES.get(name, (8, 16))) for name in FORMATS if name not in REFUSED],
+    [(name, *PREEMPTION_PAGES.get(name, (8, 16))) for name in FORMATS],
 )
 def test_equals_hf_generate_under_preemption(checkpoint, name, num_pages, page_size):
     target, want = checkpoint(name)
@@ -256,18 +260,54 @@ def test_a_missing_package_names_the_batchrun_extra(
     assert f"pip install 'batchrun[{extra}]'" in message, message
 
 
-def test_bnb_8bit_with_outlier_columns_is_refused_at_load(checkpoint, tmp_path):
-    """LLM.int8()'s outlier columns are chosen from the whole batch: refused, exit 2, naming the setting (HF
-    generate gives each prompt alone tokens that batching would change)."""
-    from helpers import run_cli
+def test_llm_int8_with_outliers_chooses_each_sequences_columns_from_it_alone(checkpoint, monkeypatch):
+    """LLM.int8() with an outlier threshold (6.0, the default) computes in fp16 the input columns where any row it
+    is given passes the threshold: each sequence of a step runs the layer alone, so a prompt's fp16 columns are
+    its own, as HF generate chooses them for that prompt alone. Checked to matter: the four prompts' columns
+    differ, so the packed step's (their union) would be another set for some prompt."""
+    import bitsandbytes.functional as bnb_functional
 
+    from batchrun.engine.quantization import chooses_columns_from_its_batch
+
+    target, want = checkpoint("bnb-8bit-outliers")
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, prefix_sharing=False)
+    model = llm.engine.runner.model
+    layers = {name: m for name, m in model.named_modules() if chooses_columns_from_its_batch(m)}
+    assert len(layers) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down
+    watched = layers["model.layers.0.self_attn.o_proj"]
+    calls, inside = [], []  # (rows, fp16 columns) of the watched layer's quantizations
+    quantize = bnb_functional.int8_vectorwise_quant
+
+    def recorded(a, threshold=0.0):
+        out = quantize(a, threshold=threshold)
+        if inside:
+            calls.append((a.shape[0], frozenset(out[2].tolist() if out[2] is not None else ())))
+        return out
+
+    monkeypatch.setattr(bnb_functional, "int8_vectorwise_quant", recorded)
+    watched.register_forward_pre_hook(lambda *_: inside.append(True))
+    watched.register_forward_hook(lambda *_: inside.clear())
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    prompts = calls[: len(PROMPTS)]
+    assert [rows for rows, _ in prompts] == [len(p) for p in PROMPTS]
+    assert set(rows for rows, _ in calls[len(PROMPTS) :]) == {1}
+    union = frozenset().union(*(columns for _, columns in prompts))
+    assert union and any(columns != union for _, columns in prompts)
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS)
+    assert [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS] == want
+
+
+def test_llm_int8_with_outliers_computes_each_prompt_whole_and_shares_no_prefix(checkpoint):
+    """A chunk of a prompt, or a prompt started from a prefix another prompt's product computed, would choose its
+    fp16 columns from other tokens than HF generate's one product of the whole prompt: such a model's prompts
+    are computed whole past the step's token budget, and no prefix is shared."""
     target, _ = checkpoint("bnb-8bit-outliers")
-    write_prompts(tmp_path / "in.parquet", ["Hi"])
-    job = write_job(
-        tmp_path / "job.yaml",
-        f"name: q\nmodel:\n  path: {target}\n  dtype: float32\ninput:\n  parquet: {tmp_path / 'in.parquet'}\n"
-        f"engine:\n  num_pages: 16\n  device: cpu\noutput:\n  path: {tmp_path / 'out'}\n",
-    )
-    r = run_cli("submit", str(job), "--quiet")
-    assert r.returncode == 2 and REFUSED["bnb-8bit-outliers"] in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+    prefix = list(range(100, 140))  # two and a half pages of 16
+    prompts = [[1, *prefix, 7, 8], [1, *prefix, 9], [1, *prefix, *range(150, 190)]]
+    want = hf_greedy(target, prompts, NEW_TOKENS)
+    llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert not llm.engine.block_manager.prefix_cache.enabled
+    assert llm.engine.scheduler.whole_prompts

@@ -30,6 +30,7 @@ from .multimodal import (
     images_unsupported_reason,
 )
 from .output_processor import OutputProcessor
+from .quantization import computes_each_prompt_whole
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .sizing import model_max_len, pool_sizes
@@ -112,6 +113,8 @@ class Engine:
         state_spec = self.model_attention.states  # a hybrid model's per-sequence states; None: none
         # whether a prompt may be computed in chunks, each continuing the state the last left (StateSpec)
         chunks = state_spec is None or state_spec.continues_state
+        # quantized layers that choose their arithmetic from all of a prompt's tokens: no chunk, no shared prefix
+        whole = computes_each_prompt_whole(model)
         # images: whether this model takes them, their positions (Qwen-VL's 3-D ones; None: each token at its
         # index), whether one image's tokens see each other (Gemma's; None: causal), and how many image tokens'
         # features may wait for prefill (their bytes come out of the KV budget)
@@ -144,7 +147,7 @@ class Engine:
             self.num_pages,
             config.page_size,
             sizes.num_cpu_pages,
-            config.prefix_sharing,
+            config.prefix_sharing and not whole,
             [kind.first_key for kind in self.kv_groups.kinds],
         )
         if self.model_attention.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
@@ -159,7 +162,7 @@ class Engine:
             self.block_manager,
             max(1, self.num_pages // 100),
             states=self.state_slots,
-            whole_prompts=not chunks,
+            whole_prompts=not chunks or whole,
             whole_images=image_blocks is not None,
             encoder_budget=encoder_budget,
             recompute_at=self.model_attention.rope and self.model_attention.rope.recompute_at,

@@ -13,7 +13,7 @@ from . import families
 from .architecture import not_the_models_fault
 from .attention import ATTENTION_NAME, UnsupportedModel, refusal, register
 from .multimodal import is_vision_language
-from .quantization import call_per_sequence, check_batch_invariant, finish_loading, missing_package
+from .quantization import call_per_sequence, finish_loading, missing_package
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):
@@ -24,7 +24,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # batchrun shows its own progress
-    check_batch_invariant(config)
     try:
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
         model = load_paged_model(model_dir, dtype, config)
@@ -38,7 +37,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config
             raise needs from None
         raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
     finish_loading(model)
-    call_per_sequence(model)  # layers that quantize their input: each sequence apart, as HF generate
+    call_per_sequence(model)  # batch-dependent quantized layers: each sequence apart, as HF generate
     model.to(device).eval()
     return tokenizer, model
 

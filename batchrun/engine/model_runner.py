@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
+from .attention import (
+    AttentionMetadata,
+    AttentionServices,
+    GroupMetadata,
+    StepMetadata,
+    int_tensor,
+    products_as_generate,
+)
 from .block_table_buffer import BlockTableBuffer, slot_pages
 from .families import ImageBlocks, MRope
 from .kv_cache import text_config
@@ -80,10 +87,11 @@ class ModelRunner:
             context_lens = [p + 1 for p in starts]
             logits_index = [i for i, s in enumerate(scheduled) if s.needs_sample_logits]
         else:
-            input_ids, positions, logits_index = [], [], []
+            input_ids, positions, logits_index, products = [], [], [], []
             query_lens = [s.num_new_tokens for s in scheduled]
             context_lens = [p + n for p, n in zip(starts, query_lens)]
             for s, start, end in zip(scheduled, starts, context_lens):
+                products += products_as_generate(start, end, s.seq.num_prompt_tokens)
                 if s.prompt_logprob_positions:
                     logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
                 input_ids += s.seq.token_slice(start, end)
@@ -95,6 +103,8 @@ class ModelRunner:
         page_index = host_positions // P  # each token's page in its sequence's table
         offsets = (host_positions % P).to(dev)  # and its place in that page: every group's
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
+        if not step.decode_only:
+            step.generate_products = products
         tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's
             token_seq = step.decode_index  # 0..S-1

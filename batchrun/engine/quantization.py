@@ -16,11 +16,18 @@ enough to change a greedy token: seen here, HF `generate` itself gives one promp
 itself than alone. HF `generate` runs a prompt alone, its prompt as one product and each decode as one row; so
 such a layer makes its product once per sequence of the step (`call_per_sequence`), with the rows HF would give
 it.
+
+bitsandbytes' LLM.int8() with an outlier threshold (the default 6.0 of most 8-bit checkpoints) goes further: it
+computes in fp16 every input column where any row it is given passes the threshold, and in int8 the rest, so a
+packed step would choose a prompt's fp16 columns from its batch-mates' tokens too. Such a layer runs its whole
+forward once per sequence of the step, and chooses each sequence's columns from that sequence alone.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -80,63 +87,85 @@ def missing_package(config, error: Exception) -> BadInput | None:
     )
 
 
-def check_batch_invariant(config) -> None:
-    """Refuses, naming the setting, a quantized checkpoint whose arithmetic for one sequence depends on the
-    others batched beside it, which HF `generate` never batches it with: bitsandbytes' LLM.int8() with an
-    outlier threshold computes in fp16 every input column where any row of the batch passes the threshold, and
-    in int8 the rest, so one prompt's tokens change with its batch-mates (seen here: a different token at the
-    11th; with the threshold at 0 a row's result is the same alone or in a batch)."""
-    quantization = getattr(config, "quantization_config", None)
-    if checkpoint_format(config) != "bitsandbytes":
-        return
-    get = (
-        quantization.get if isinstance(quantization, dict) else lambda k, d=None: getattr(quantization, k, d)
-    )
-    threshold = get("llm_int8_threshold", 6.0)
-    if get("load_in_8bit", False) and threshold:
-        raise BadInput(
-            f"model.path: the model is quantized with bitsandbytes 8-bit and llm_int8_threshold={threshold}: "
-            "its outlier columns are chosen from the whole batch, so a prompt's tokens would depend on the "
-            "prompts batched beside it (HF generate runs it alone); batchrun refuses it. Quantize it with "
-            "llm_int8_threshold=0.0, or in 4-bit."
-        )
-
-
 def quantizes_its_input(module: torch.nn.Module) -> bool:
     """A compressed-tensors layer whose input activations are quantized when it is called (W8A8, FP8-dynamic)."""
     scheme = getattr(module, "quantization_scheme", None)
     return scheme is not None and getattr(scheme, "input_activations", None) is not None
 
 
+def chooses_columns_from_its_batch(module: torch.nn.Module) -> bool:
+    """A bitsandbytes LLM.int8() layer with an outlier threshold: its fp16 columns are those where any row of its
+    input passes the threshold (the module docstring)."""
+    linear8bit = getattr(sys.modules.get("bitsandbytes.nn"), "Linear8bitLt", None)
+    state = getattr(module, "state", None)
+    return (
+        linear8bit is not None and isinstance(module, linear8bit) and getattr(state, "threshold", 0.0) > 0.0
+    )
+
+
 def call_per_sequence(model: torch.nn.Module) -> int:
-    """Makes every layer that quantizes its input (`quantizes_its_input`) multiply each sequence of a step apart,
-    as HF `generate` multiplies one prompt (the module docstring says why); returns how many layers. The input's
-    quantization runs once on the whole step (each token's scale is its own: the same, alone or packed); only
-    the product is split. The module stays where it is, its class a subclass of `nn.Linear` whose forward splits
-    the product: compressed-tensors' forward quantizes the input, then calls the module class's own forward."""
-    layers = [m for m in model.modules() if quantizes_its_input(m) and type(m) is torch.nn.Linear]
-    for module in layers:
-        module.__class__ = PerSequenceLinear
-    return len(layers)
+    """Makes every layer whose arithmetic for one token depends on the other rows it is given compute each
+    sequence of a step apart, as HF `generate` computes one prompt (the module docstring says why); returns how
+    many layers. A layer that quantizes its input (`quantizes_its_input`) quantizes the whole step once (each
+    token's scale is its own: the same, alone or packed) and splits only its product (`PerSequenceLinear`: its
+    forward quantizes the input, then calls the module class's own forward); an LLM.int8() layer with outliers
+    (`chooses_columns_from_its_batch`) runs its whole forward per sequence (`PerSequenceForward`). Each module
+    stays where it is, with a subclass of its own class."""
+    count = 0
+    for module in model.modules():
+        if quantizes_its_input(module) and type(module) is torch.nn.Linear:
+            module.__class__ = PerSequenceLinear
+        elif chooses_columns_from_its_batch(module) and not isinstance(module, PerSequenceForward):
+            module.__class__ = _per_sequence_class(type(module))
+        else:
+            continue
+        count += 1
+    return count
+
+
+def _sequences(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The step's packed [1, T, in] input split as HF `generate` multiplies it (`StepMetadata.generate_products`:
+    a prompt as one product, each generated token alone), as views; None outside a step (the load probe, a
+    forward of its own), for any other input (an image encoder's patches) and where the step is one product."""
+    step = getattr(AttentionMetadata.current(), "step", None)
+    if step is None or x.dim() != 3 or x.shape[:2] != (1, len(step.positions)):
+        return None
+    products = step.generate_products or step.query_lens
+    return None if len(products) == 1 else x.split(products, dim=1)
+
+
+def computes_each_prompt_whole(model: torch.nn.Module) -> bool:
+    """Whether a prompt's tokens must be one product, as HF `generate` makes it: LLM.int8() with outliers chooses
+    its fp16 columns from all of them, so a prompt is never cut into chunks nor started from a prefix another
+    prompt's product computed (the engine turns chunking and prefix sharing off)."""
+    return any(isinstance(m, PerSequenceForward) for m in model.modules())
 
 
 class PerSequenceLinear(torch.nn.Linear):
-    """`nn.Linear` whose product is made once per sequence of the step being run: a packed [1, T, in] input is
-    split by the sequences' tokens (views, no copy) and each part multiplied alone. Outside a step (the load
-    probe, a forward of its own) and on any other input it is `nn.Linear`."""
+    """`nn.Linear` whose product is made once per sequence of the step being run; elsewhere `nn.Linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = getattr(AttentionMetadata.current(), "step", None)
-        # the step's packed tokens (not an image encoder's patches, say), of more than one sequence
-        if (
-            step is None
-            or x.dim() != 3
-            or x.shape[:2] != (1, len(step.positions))
-            or len(step.query_lens) == 1
-        ):
+        parts = _sequences(x)
+        if parts is None:
             return super().forward(x)
-        parts = x.split(step.query_lens, dim=1)
         return torch.cat([torch.nn.functional.linear(p, self.weight, self.bias) for p in parts], dim=1)
+
+
+class PerSequenceForward:
+    """Mixed in before a layer's own class: its whole forward runs once per sequence of the step being run;
+    elsewhere it is the layer's own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        forward = super().forward
+        parts = _sequences(x)
+        if parts is None:
+            return forward(x)
+        return torch.cat([forward(p) for p in parts], dim=1)
+
+
+@functools.cache
+def _per_sequence_class(cls: type) -> type:
+    return type(f"PerSequence{cls.__name__}", (PerSequenceForward, cls), {})
 
 
 def installed(module: str) -> bool:

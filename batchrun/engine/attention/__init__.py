@@ -25,7 +25,14 @@ from .backends import Capabilities, make_backend
 from .interface import ATTENTION_NAME, register
 from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel, refusal
 from .masks import FULL, MaskKind
-from .metadata import AttentionMetadata, AttentionServices, GroupMetadata, StepMetadata, int_tensor
+from .metadata import (
+    AttentionMetadata,
+    AttentionServices,
+    GroupMetadata,
+    StepMetadata,
+    int_tensor,
+    products_as_generate,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -39,6 +46,7 @@ __all__ = [
     "MaskKind",
     "RelativeBias",
     "StepMetadata",
+    "products_as_generate",
     "UnsupportedModel",
     "int_tensor",
     "make_backend",

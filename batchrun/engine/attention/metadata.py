@@ -78,6 +78,10 @@ class StepMetadata:
     positions: torch.Tensor  # [T] int64: each packed token's position in its sequence (on the device)
     device: torch.device
     shared: dict = field(default_factory=dict)  # products every group of one mask kind shares (masks)
+    # the packed tokens as HF generate multiplies them, run by run: a prompt's tokens (the part this step computes)
+    # as one product, each generated token alone, a recomputed sequence's too (`products_as_generate`); None:
+    # one run per sequence (query_lens). Read by the quantized layers that compute each product apart.
+    generate_products: list[int] | None = None
 
     def __post_init__(self) -> None:
         # every sequence computes one token (the common step): token i is sequence i's
@@ -228,3 +232,10 @@ class AttentionMetadata:
 
 
 _RUNNING: ContextVar[AttentionMetadata | None] = ContextVar("batchrun_step", default=None)
+
+
+def products_as_generate(start: int, end: int, num_prompt_tokens: int) -> list[int]:
+    """How HF `generate` multiplies a sequence's tokens [start, end): its prompt's as one product, each
+    generated token alone (a recompute computes generated tokens again, which generate decoded one by one)."""
+    prompt = max(0, min(end, num_prompt_tokens) - start)
+    return ([prompt] if prompt else []) + [1] * (end - start - prompt)
