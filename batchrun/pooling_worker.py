@@ -30,23 +30,33 @@ def checkpoint_task(model_dir: Path) -> str:
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
 
 
-def check_head(config, task: str, where: str) -> None:
-    """What a sequence-classification checkpoint can do: score and reward read one logit (BadInput naming `task`
-    for a head of several labels), and score's activation must be one batchrun applies."""
+def check_head(model_dir: Path, config, task: str, where: str) -> None:
+    """What a sequence-classification checkpoint (its transformers folder `model_dir`) can do: score and reward
+    read one logit (BadInput naming `task` for a head of several labels: classify gives their probabilities, of
+    pairs too), and score's activation, read as sentence-transformers' CrossEncoder reads it, must be one batchrun
+    applies."""
     from .engine.attention import UnsupportedModel
     from .engine.classifier import score_activation
+    from .engine.sentence_config import cross_encoder_activation
 
     if task in ("score", "reward") and config.num_labels != 1:
+        labels = (
+            f"this checkpoint's has {config.num_labels} ({', '.join(map(str, config.id2label.values()))})"
+        )
+        if task == "score":
+            raise BadInput(
+                f"{where}: key `task`: score reads a head of one label (a cross-encoder's), and {labels}; for its "
+                "label and probabilities per pair, use task classify with input.pair_column"
+            )
         raise BadInput(
-            f"{where}: key `task`: {task} reads a head of one label (a cross-encoder's or a reward model's), and "
-            f"this checkpoint's has {config.num_labels} ({', '.join(map(str, config.id2label.values()))}); "
-            "task classify gives its probabilities"
+            f"{where}: key `task`: reward reads a head of one label (a reward model's), and {labels}; task "
+            "classify gives its probabilities"
         )
     if task == "score":
         try:
-            score_activation(config)
-        except UnsupportedModel as e:
-            raise BadInput(f"{where}: key `task`: {e}") from None
+            score_activation(cross_encoder_activation(model_dir, config.num_labels))
+        except (UnsupportedModel, SentenceConfigError) as e:
+            raise UnsupportedModel(f"{where}: key `task`: {e}") from None
 
 
 def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "embed") -> PoolingPlan:
@@ -59,7 +69,7 @@ def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "em
                 f"{where}: key `task`: {task} needs a sequence-classification checkpoint (its config's "
                 f"architectures: {names})"
             )
-        check_head(config, task, where)
+        check_head(model_dir, config, task, where)
         for f in dataclasses.fields(PoolerConfig):  # the checkpoint's head decides all but the longest text
             if f.name != "truncate_prompt_tokens" and getattr(options, f.name) is not None:
                 raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task {task}")

@@ -6,6 +6,7 @@ refused, naming the key."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +18,7 @@ from helpers import run_cli
 from batchrun.errors import BadInput
 from batchrun.job import run_job
 
+TANH = "torch.nn.modules.activation.Tanh"
 QUERIES = ["how many dogs", "the sea", "what is the water like when it rain", "a"]
 PASSAGES = [
     "the dogs are two and the cats are one",
@@ -113,6 +115,51 @@ def test_the_activation_the_checkpoint_names_is_applied_and_an_unknown_one_refus
     odd = cross_encoder(bases, "bert", tmp_path / "odd", activation="torch.nn.modules.activation.GELU")
     with pytest.raises(BadInput, match="key `task`.*GELU"):
         pooling_llm(odd).score(QUERIES, PASSAGES, use_tqdm=False)
+
+
+def saved_cross_encoder(bases, folder, activation_fn) -> Path:
+    """A cross-encoder saved by sentence-transformers 6's CrossEncoder.save: its activation in
+    config_sentence_transformers.json (`activation_fn`), none in config.json."""
+    from sentence_transformers import CrossEncoder
+
+    plain = save_sequence_classifier(
+        bases["bert"], folder.with_name(folder.name + "-plain"), {0: "relevance"}
+    )
+    CrossEncoder(str(plain), device="cpu", activation_fn=activation_fn).save(str(folder))
+    assert "sentence_transformers" not in json.loads((folder / "config.json").read_text())
+    return folder
+
+
+def test_the_activation_a_sentence_transformers_6_save_names_is_applied(bases, tmp_path):
+    """CrossEncoder.save writes the activation into config_sentence_transformers.json, which CrossEncoder reads
+    before config.json's keys: scored through LLM.score and a job as CrossEncoder.predict scores them, and an
+    unknown one there refused, naming it and the file."""
+    from sentence_transformers import CrossEncoder
+
+    folder = saved_cross_encoder(bases, tmp_path / "identity", torch.nn.Identity())
+    config = json.loads((folder / "config.json").read_text())  # the older key, which the file's outranks
+    (folder / "config.json").write_text(
+        json.dumps(config | {"sentence_transformers": {"activation_fn": TANH}})
+    )
+    expected = CrossEncoder(str(folder), device="cpu").predict(list(zip(QUERIES, PASSAGES)))
+    got = [o.outputs.score for o in pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)]
+    assert_close(got, expected)
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(
+        pa.table({"id": list(range(4)), "prompt": QUERIES, "passage": PASSAGES, "topic": [0] * 4}), data
+    )
+    run_job(score_job(folder, data, tmp_path / "out"), progress=False)
+    rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
+    assert_close([r["score"] for r in rows], expected)
+    st_file = folder / "config_sentence_transformers.json"
+    st = json.loads(st_file.read_text())
+    st_file.write_text(json.dumps(st | {"activation_fn": "torch.nn.modules.activation.GELU"}))
+    with pytest.raises(BadInput, match=f"GELU.*{st_file}: activation_fn"):
+        pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)
+    job = score_job(folder, data, tmp_path / "out2")
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    result = run_cli("validate", str(tmp_path / "job.yaml"))
+    assert result.returncode == 2 and "GELU" in result.stderr and str(st_file) in result.stderr
 
 
 def test_reward_equals_the_model_on_each_conversation_alone(reward_model):

@@ -92,11 +92,10 @@ class PoolingRunner:
     ):
         """`pack_weights`: on the CPU, linear weights packed for oneDNN where it can (engine.pack_weights)."""
         self.plan = plan
+        self.model_dir = model_dir / plan.transformer_path  # the transformers model's folder
         self.device, self.dtype = device, dtype
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.tokenizer, model = load_pooling_model(
-            model_dir / plan.transformer_path, dtype, device, self.auto_class
-        )
+        self.tokenizer, model = load_pooling_model(self.model_dir, dtype, device, self.auto_class)
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         config = self.model.config
