@@ -95,6 +95,9 @@ class ClassifierRunner(PoolingRunner):
 
     def _base_model(self, model):
         self.classifier = model
+        # a text or conversation runs whole, as transformers runs it alone (one over the model's positions is the
+        # row's error), unless pooler.truncate_prompt_tokens asks for a cut; a pair is cut as CrossEncoder cuts it
+        self.cuts_texts = self.plan.max_length is not None
         return model.base_model
 
     @functools.cached_property
