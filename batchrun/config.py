@@ -88,8 +88,8 @@ class InputSpec:
     openai_batch: str | None = None  # an OpenAI Batch API input file (JSONL), or a glob of them
     # strings, conversations (lists of {role, content}), or token ids (lists of integers: no chat template)
     prompt_column: str = "prompt"
-    # task: score: the column of each pair's second text (a passage or document), beside the prompt column's
-    # first (a query); the two are tokenized together, as the model's tokenizer makes a pair
+    # task: score (and classify of pairs): the column of each pair's second text (a passage or document), beside
+    # the prompt column's first (a query); the two are tokenized together, as the model's tokenizer makes a pair
     pair_column: str | None = None
     # a column of images (an HF Image feature, bytes, or paths and URLs) put before the row's text prompt, for a
     # vision-language model
@@ -334,11 +334,14 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
 def _check_task(spec: JobSpec, source: str) -> None:
     """Pooler keys on a generation job, a pair column where it does not belong (or missing for score), and what a
     pooling job does not take: exit 2 naming the key."""
-    if (spec.task == "score") != (spec.input.pair_column is not None):
+    if spec.task == "score" and spec.input.pair_column is None:
         raise BadInput(
             f"{source}: key `input.pair_column`: task score needs it (the column of each pair's second text)."
-            if spec.task == "score"
-            else f"{source}: key `input.pair_column` applies to task score (pairs), and task is {spec.task}."
+        )
+    if spec.task not in ("score", "classify") and spec.input.pair_column is not None:
+        raise BadInput(
+            f"{source}: key `input.pair_column` applies to tasks score and classify (pairs), and task is "
+            f"{spec.task}."
         )
     if spec.output.embedding_dtype != "float32" and spec.task != "embed":
         raise BadInput(
@@ -355,6 +358,13 @@ def _check_task(spec: JobSpec, source: str) -> None:
                 "generate."
             )
         return
+    if spec.model.system_prompt is not None:
+        # a pooling row is scored as given: a text has no chat template to put a system turn in, and a reward
+        # conversation is judged with the turns it has (give it a system turn of its own)
+        raise BadInput(
+            f"{source}: key `model.system_prompt` applies to task generate, and task is {spec.task} (a pooling "
+            "task takes each row's text, or conversation, as it is; put a system turn in the conversation)."
+        )
     inp = spec.input
     batch = spec.task == "embed" and inp.openai_batch  # /v1/embeddings requests, answered in OpenAI's shape
     for key, value in (

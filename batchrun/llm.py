@@ -441,7 +441,7 @@ class LLM:
                 f"LLM.{task}: this LLM {made}; {task} needs LLM(model, runner='pooling') on such a model"
             )
         if task != "embed":
-            check_head(self.pooling.classifier.config, task, f"LLM.{task}")
+            check_head(self.pooling.model_dir, self.pooling.classifier.config, task, f"LLM.{task}")
         if isinstance(prompts, str):
             prompts = [prompts]
         made_rows = [p if isinstance(p, InputRow) else InputRow(i, i, p) for i, p in enumerate(prompts)]

@@ -132,6 +132,8 @@ def _embeddings_request(obj: dict, body: dict) -> dict:
             "body.input is missing or not a string (batchrun serves one text per request, as a string or a list "
             "of one)"
         )
+    if not text:
+        raise BadRequest("body.input is an empty string (OpenAI's embeddings endpoint refuses one)")
     if body.get("encoding_format", "float") != "float":
         raise BadRequest(f"body.encoding_format {body['encoding_format']!r}: only float is served")
     if body.get("dimensions") is not None:

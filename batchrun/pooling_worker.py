@@ -1,9 +1,9 @@
 """The engine side of a pooling job (task: embed, classify, score, reward): rows in, one output row each out, on
 one pooling runner (engine/pooling.py, engine/classifier.py). It is worker.py's `RowWorker` for generation, in the
 same loop (loop.drive), job, replicas, part files and resume: a row's input is tokenized as its task takes it
-(`TASK_INPUTS`: a text as sentence-transformers does, a pair as the tokenizer makes a pair, a conversation through
-the chat template; a bad row becomes its error row at once), queued, and comes back with its result when its step
-is done."""
+(`PoolingWorker.tokens_of`: a text as sentence-transformers or transformers do, a pair as the tokenizer makes a
+pair, a conversation through the chat template; a bad row becomes its error row at once), queued, and comes back
+with its result when its step is done."""
 
 from __future__ import annotations
 
@@ -30,23 +30,33 @@ def checkpoint_task(model_dir: Path) -> str:
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
 
 
-def check_head(config, task: str, where: str) -> None:
-    """What a sequence-classification checkpoint can do: score and reward read one logit (BadInput naming `task`
-    for a head of several labels), and score's activation must be one batchrun applies."""
+def check_head(model_dir: Path, config, task: str, where: str) -> None:
+    """What a sequence-classification checkpoint (its transformers folder `model_dir`) can do: score and reward
+    read one logit (BadInput naming `task` for a head of several labels: classify gives their probabilities, of
+    pairs too), and score's activation, read as sentence-transformers' CrossEncoder reads it, must be one batchrun
+    applies."""
     from .engine.attention import UnsupportedModel
     from .engine.classifier import score_activation
+    from .engine.sentence_config import cross_encoder_activation
 
     if task in ("score", "reward") and config.num_labels != 1:
+        labels = (
+            f"this checkpoint's has {config.num_labels} ({', '.join(map(str, config.id2label.values()))})"
+        )
+        if task == "score":
+            raise BadInput(
+                f"{where}: key `task`: score reads a head of one label (a cross-encoder's), and {labels}; for its "
+                "label and probabilities per pair, use task classify with input.pair_column"
+            )
         raise BadInput(
-            f"{where}: key `task`: {task} reads a head of one label (a cross-encoder's or a reward model's), and "
-            f"this checkpoint's has {config.num_labels} ({', '.join(map(str, config.id2label.values()))}); "
-            "task classify gives its probabilities"
+            f"{where}: key `task`: reward reads a head of one label (a reward model's), and {labels}; task "
+            "classify gives its probabilities"
         )
     if task == "score":
         try:
-            score_activation(config)
-        except UnsupportedModel as e:
-            raise BadInput(f"{where}: key `task`: {e}") from None
+            score_activation(cross_encoder_activation(model_dir, config.num_labels))
+        except (UnsupportedModel, SentenceConfigError) as e:
+            raise UnsupportedModel(f"{where}: key `task`: {e}") from None
 
 
 def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "embed") -> PoolingPlan:
@@ -59,7 +69,7 @@ def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "em
                 f"{where}: key `task`: {task} needs a sequence-classification checkpoint (its config's "
                 f"architectures: {names})"
             )
-        check_head(config, task, where)
+        check_head(model_dir, config, task, where)
         for f in dataclasses.fields(PoolerConfig):  # the checkpoint's head decides all but the longest text
             if f.name != "truncate_prompt_tokens" and getattr(options, f.name) is not None:
                 raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task {task}")
@@ -115,47 +125,42 @@ def load_runner(
 
 
 def text_of(value, what: str = "text") -> str:
-    """A row's text to pool; ValueError for one that is not a non-empty string (`what`: which text)."""
+    """A row's text to pool; ValueError for one that is not a string (`what`: what the text is called in the
+    error, the job's column). An empty or blank text is a text: sentence-transformers and transformers tokenize it
+    to the tokenizer's special tokens alone, and so does batchrun (one with no tokens at all is the row's error)."""
     if value is None:
         raise ValueError(f"{what} is null")
     if not isinstance(value, str):
-        raise ValueError(f"{what} is not a string (got {type(value).__name__}); a {what} is text")
-    if not value.strip():
-        raise ValueError(f"{what} is empty")
+        raise ValueError(f"{what} is not a string (got {type(value).__name__})")
     return value
-
-
-def _text(runner, row: InputRow):
-    return runner.encode(text_of(row.prompt))
-
-
-def _text_or_conversation(runner, row: InputRow):
-    """A reward row: a text, or a conversation (its last reply included) through the chat template."""
-    if isinstance(row.prompt, list | tuple):
-        return runner.encode_conversation(check_conversation(row.prompt, reply=True))
-    return _text(runner, row)
-
-
-# how each task's runner takes a row's input (ValueError: the row's error)
-TASK_INPUTS = {
-    "embed": _text,
-    "classify": _text,
-    "score": lambda runner, row: runner.encode_pair(text_of(row.prompt), text_of(row.pair, "pair")),
-    "reward": _text_or_conversation,
-}
 
 
 class PoolingWorker:
     """Rows in, output rows out, on one pooling runner (loop.Worker): a job's (worker.load_worker) and
     LLM.embed's, LLM.classify's, LLM.score's and LLM.reward's."""
 
-    def __init__(self, runner, stats: PoolingStats, window: int, task: str):
-        """`window`: how many texts to keep queued (worker.row_window); `task`: one of the runner's tasks."""
+    def __init__(
+        self, runner, stats: PoolingStats, window: int, task: str, names: tuple[str, str | None] | None = None
+    ):
+        """`window`: how many texts to keep queued (worker.row_window); `task`: one of the runner's tasks;
+        `names`: what a row's text and its pair's second text are called in its errors (a job's columns; None:
+        "text", and "pair" for task score, as LLM.score takes them). A pair name makes classify take pairs."""
         self.runner = runner
         self.stats = stats
         self.window = window
         self.task = task
-        self.tokens_of = TASK_INPUTS[task]
+        self.text_name, self.pair_name = names or ("text", "pair" if task == "score" else None)
+
+    def tokens_of(self, row: InputRow):
+        """A row's input as its task takes it (ValueError: the row's error): a reward row's conversation through
+        the chat template, its last reply included; a pair as the tokenizer makes a pair (score, and classify of
+        pairs); else a text as sentence-transformers (embed) or transformers (classify, reward) tokenize it."""
+        if self.task == "reward" and isinstance(row.prompt, list | tuple):
+            return self.runner.encode_conversation(check_conversation(row.prompt, reply=True))
+        text = text_of(row.prompt, self.text_name)
+        if self.pair_name is not None:
+            return self.runner.encode_pair(text, text_of(row.pair, self.pair_name))
+        return self.runner.encode(text)
 
     @property
     def wants_rows(self) -> bool:
@@ -170,7 +175,7 @@ class PoolingWorker:
         try:
             if row.error:
                 raise ValueError(row.error)
-            text = self.tokens_of(self.runner, row)
+            text = self.tokens_of(row)
         except ValueError as e:
             return [OutputRow(row.id, 0, None, None, str(e), 0, 0, 0, row=row)]
         self.runner.add(text, row)

@@ -170,12 +170,23 @@ def check_conversation(messages: Any, images: bool = False, reply: bool = False)
             raise ValueError(f"conversation turn {i} has unknown role {role!r} (expected {', '.join(ROLES)})")
         if isinstance(content, list | tuple):  # OpenAI's content parts
             content = _parts(content, i, role, images)
-        if not isinstance(content, str | list):
+        if content is None:
             raise ValueError(
                 f"conversation turn {i} ({role}) has no content (a string, or a list of content parts)"
             )
+        if not isinstance(content, str | list):
+            raise ValueError(
+                f"conversation turn {i} ({role}) has content of type {type(content).__name__} (expected a "
+                "string, or a list of content parts)"
+            )
         turns.append({"role": role, "content": content})
-    if not any(t["role"] == "user" for t in turns) or (turns[-1]["role"] == "assistant" and not reply):
+    if reply:  # a reward model judges the conversation as it is, its last reply included
+        if not any(t["role"] == "user" for t in turns):
+            raise ValueError(
+                "conversation has no user turn (a reward model judges a conversation of one, with or without "
+                "the assistant's reply)"
+            )
+    elif not any(t["role"] == "user" for t in turns) or turns[-1]["role"] == "assistant":
         raise ValueError(
             "conversation has nothing to answer (no user turn, or it ends with an assistant turn)"
         )

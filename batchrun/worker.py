@@ -244,4 +244,7 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "packed_weights": runner.packed_weights,
     }
     stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
-    return PoolingWorker(runner, stats, row_window(spec), spec.task)
+    inp = spec.input
+    text = "body.input" if inp.openai_batch else f"column {inp.prompt_column!r}"
+    pair = f"column {inp.pair_column!r}" if inp.pair_column else None
+    return PoolingWorker(runner, stats, row_window(spec), spec.task, (text, pair))

@@ -206,11 +206,9 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), 16)
     assert table.column_names == ["id", "sample", "error", "prompt_tokens", "embedding", "topic"]
     rows = {r["id"]: r for r in table.to_pylist()}
-    assert (
-        len(rows) == len(texts) and rows["r5"]["error"] == "text is empty" and rows["r5"]["embedding"] is None
-    )
-    got = torch.tensor([rows[f"r{i}"]["embedding"] for i in range(5)])
-    assert_equal(got, theirs(folder, truncate_dim=16))
+    assert len(rows) == len(texts) and all(r["error"] is None for r in rows.values())
+    got = torch.tensor([rows[f"r{i}"]["embedding"] for i in range(6)])
+    assert_equal(got, theirs(folder, texts, truncate_dim=16))  # the blank text too: <s></s>, as encode
     assert [rows[f"r{i}"]["topic"] for i in range(6)] == list(range(6))
     assert summary["steps"] > 1 and summary["prompt_tokens"] == sum(r["prompt_tokens"] for r in rows.values())
     assert summary["padding_tokens_avoided"] > 0  # texts of different lengths shared a step
@@ -262,7 +260,7 @@ def test_an_openai_batch_of_embeddings_requests_is_answered_in_openais_shape(bas
         assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
     errors = {cid: answers[cid]["error"]["message"] for cid in "cdef"}
     assert "is not served by a task embed job" in errors["c"] and "encoding_format" in errors["d"]
-    assert errors["e"] == "text is empty" and "one text per request" in errors["f"]
+    assert "empty string" in errors["e"] and "one text per request" in errors["f"]  # OpenAI refuses ""
     _, wrong = openai_batch.parse_line(lines[0], 0, "generate")  # embeddings asked of a generation job
     assert "is not served by a task generate job" in wrong["error"]
 
@@ -359,15 +357,29 @@ def test_a_decoder_whose_rope_factors_follow_the_longest_text_is_refused(bases, 
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler={"pooling": "mean"})
 
 
-def test_embed_on_a_bad_text_is_that_texts_error(bases, tmp_path):
+@pytest.mark.parametrize("family", ["bert", "qwen3"])
+def test_empty_and_blank_texts_are_embedded_and_classified_as_the_references_do(bases, tmp_path, family):
+    """An empty or blank text is the tokenizer's special tokens alone ([CLS][SEP]; Qwen3-Embedding's end-of-text),
+    which sentence-transformers' encode embeds and transformers classifies: so does batchrun. A null or non-text
+    prompt is the row's error."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     from batchrun import LLM
 
-    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
-    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed(
-        ["", "the sea"], use_tqdm=False
+    texts = ["", "   ", "the sea"]
+    folder = family_folder(bases, tmp_path, family)
+    assert_equal(ours(folder, texts), theirs(folder, texts))
+    classifier = save_classifier(family, bases, tmp_path)
+    outs = LLM(str(classifier), dtype="float32", device="cpu", runner="pooling").classify(
+        texts, use_tqdm=False
     )
-    assert outs[0].outputs is None and outs[0].error == "text is empty"
-    assert len(outs[1].outputs.embedding) == 32 and outs[1].prompt_token_ids[0] == 2  # [CLS]
+    reference = AutoModelForSequenceClassification.from_pretrained(classifier, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(classifier)
+    with torch.inference_mode():
+        logits = torch.stack([reference(**tok(t, return_tensors="pt")).logits[0] for t in texts])
+    assert_equal(torch.tensor([o.outputs.probs for o in outs]), logits.softmax(dim=-1))
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed([None, 3], use_tqdm=False)
+    assert [o.error for o in outs] == ["text is null", "text is not a string (got int)"]
 
 
 def test_shards_and_replicas_write_every_row_once(bases, tmp_path):
@@ -471,10 +483,12 @@ def test_classify_job_writes_label_and_probs(bases, tmp_path):
     assert table.column_names == ["id", "sample", "error", "prompt_tokens", "label", "probs", "topic"]
     assert table.schema.field("probs").type == pa.list_(pa.float32(), 3)
     rows = {r["id"]: r for r in table.to_pylist()}
-    assert rows["r5"]["error"] == "text is empty" and rows["r5"]["label"] is None
+    assert rows["r5"]["error"] is None  # an empty text: the tokenizer's end-of-text alone, classified
     from batchrun import LLM
 
-    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").classify(TEXTS, use_tqdm=False)
+    outs = LLM(str(folder), dtype="float32", device="cpu", runner="pooling").classify(
+        [*TEXTS, ""], use_tqdm=False
+    )
     for i, o in enumerate(outs):
         assert rows[f"r{i}"]["label"] == o.outputs.label
         assert max(abs(a - b) for a, b in zip(rows[f"r{i}"]["probs"], o.outputs.probs)) < 1e-6

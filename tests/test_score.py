@@ -6,6 +6,7 @@ refused, naming the key."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +18,7 @@ from helpers import run_cli
 from batchrun.errors import BadInput
 from batchrun.job import run_job
 
+TANH = "torch.nn.modules.activation.Tanh"
 QUERIES = ["how many dogs", "the sea", "what is the water like when it rain", "a"]
 PASSAGES = [
     "the dogs are two and the cats are one",
@@ -115,6 +117,51 @@ def test_the_activation_the_checkpoint_names_is_applied_and_an_unknown_one_refus
         pooling_llm(odd).score(QUERIES, PASSAGES, use_tqdm=False)
 
 
+def saved_cross_encoder(bases, folder, activation_fn) -> Path:
+    """A cross-encoder saved by sentence-transformers 6's CrossEncoder.save: its activation in
+    config_sentence_transformers.json (`activation_fn`), none in config.json."""
+    from sentence_transformers import CrossEncoder
+
+    plain = save_sequence_classifier(
+        bases["bert"], folder.with_name(folder.name + "-plain"), {0: "relevance"}
+    )
+    CrossEncoder(str(plain), device="cpu", activation_fn=activation_fn).save(str(folder))
+    assert "sentence_transformers" not in json.loads((folder / "config.json").read_text())
+    return folder
+
+
+def test_the_activation_a_sentence_transformers_6_save_names_is_applied(bases, tmp_path):
+    """CrossEncoder.save writes the activation into config_sentence_transformers.json, which CrossEncoder reads
+    before config.json's keys: scored through LLM.score and a job as CrossEncoder.predict scores them, and an
+    unknown one there refused, naming it and the file."""
+    from sentence_transformers import CrossEncoder
+
+    folder = saved_cross_encoder(bases, tmp_path / "identity", torch.nn.Identity())
+    config = json.loads((folder / "config.json").read_text())  # the older key, which the file's outranks
+    (folder / "config.json").write_text(
+        json.dumps(config | {"sentence_transformers": {"activation_fn": TANH}})
+    )
+    expected = CrossEncoder(str(folder), device="cpu").predict(list(zip(QUERIES, PASSAGES)))
+    got = [o.outputs.score for o in pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)]
+    assert_close(got, expected)
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(
+        pa.table({"id": list(range(4)), "prompt": QUERIES, "passage": PASSAGES, "topic": [0] * 4}), data
+    )
+    run_job(score_job(folder, data, tmp_path / "out"), progress=False)
+    rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
+    assert_close([r["score"] for r in rows], expected)
+    st_file = folder / "config_sentence_transformers.json"
+    st = json.loads(st_file.read_text())
+    st_file.write_text(json.dumps(st | {"activation_fn": "torch.nn.modules.activation.GELU"}))
+    with pytest.raises(BadInput, match=f"GELU.*{st_file}: activation_fn"):
+        pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)
+    job = score_job(folder, data, tmp_path / "out2")
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    result = run_cli("validate", str(tmp_path / "job.yaml"))
+    assert result.returncode == 2 and "GELU" in result.stderr and str(st_file) in result.stderr
+
+
 def test_reward_equals_the_model_on_each_conversation_alone(reward_model):
     """Conversations (the last reply included) through the chat template, and a plain text, packed together:
     each reward equals the model's logit on the input alone, as transformers' apply_chat_template tokenizes it."""
@@ -135,24 +182,49 @@ def test_reward_equals_the_model_on_each_conversation_alone(reward_model):
     assert_close(alone.outputs.data, outs[0].outputs.data)  # alone as beside the others
 
 
-def test_bad_pairs_and_conversations_are_their_rows_errors(bases, reward_model, tmp_path):
-    llm = pooling_llm(cross_encoder(bases, "bert", tmp_path))
-    outs = llm.score(["the sea", "", "a"], ["water", "water", None], use_tqdm=False)
-    assert outs[0].error is None and outs[0].outputs.score is not None
-    assert (outs[1].error, outs[2].error) == ("text is empty", "pair is null")
-    assert outs[1].outputs is None and outs[2].outputs is None
+def test_empty_texts_are_scored_as_the_cross_encoder_scores_them_and_bad_inputs_are_errors(
+    bases, reward_model, tmp_path
+):
+    """An empty or blank text on either side is a pair CrossEncoder.predict scores (the special tokens around
+    the other text), and so does batchrun; a null text, a malformed conversation, and a text or conversation with
+    no tokens (transformers cannot run one either) are their rows' errors, each saying what it has."""
+    from sentence_transformers import CrossEncoder
+
+    folder = cross_encoder(bases, "bert", tmp_path)
+    llm = pooling_llm(folder)
+    firsts, seconds = ["the sea", "", "  ", "a"], ["water", "water", "", None]
+    outs = llm.score(firsts, seconds, use_tqdm=False)
+    assert [o.error for o in outs] == [None, None, None, "pair is null"] and outs[3].outputs is None
+    expected = CrossEncoder(str(folder), device="cpu").predict(list(zip(firsts[:3], seconds[:3])))
+    assert_close([o.outputs.score for o in outs[:3]], expected)
     with pytest.raises(BadInput, match="text_1 has 2 texts and text_2 3"):
         llm.score(["a", "b"], ["a", "b", "c"])
-    outs = pooling_llm(reward_model).reward(
-        [[{"role": "assistant", "content": "hi"}], [{"role": "user"}], CONVERSATIONS[0]], use_tqdm=False
-    )
-    assert "no user turn" in outs[0].error and "has no content" in outs[1].error
-    assert outs[2].error is None
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(reward_model)("")["input_ids"] == []  # nothing for a model to read
+    bad = [
+        [{"role": "assistant", "content": "hi"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": 3}],
+        [],
+        "",
+        CONVERSATIONS[0],
+    ]
+    outs = pooling_llm(reward_model).reward(bad, use_tqdm=False)
+    errors = [o.error for o in outs]
+    assert "no user turn" in errors[0] and "turn 1 (user) has no content" in errors[1]
+    assert "turn 1 (user) has content of type int" in errors[2]
+    assert "no user turn" in errors[3] and "nothing to answer" not in errors[3]  # ending on a reply is normal
+    assert errors[4] == "the text has no tokens" and errors[5] is None
 
 
 def test_heads_of_several_labels_and_embedders_are_refused(bases, tmp_path):
     three = save_sequence_classifier(bases["bert"], tmp_path / "three", {0: "a", 1: "b", 2: "c"})
-    with pytest.raises(BadInput, match=r"key `task`: score reads a head of one label.*has 3"):
+    with pytest.raises(
+        BadInput,
+        match=r"key `task`: score reads a head of one label.*has 3.*use task classify "
+        r"with input\.pair_column",
+    ):
         pooling_llm(three).score("a", "b")
     with pytest.raises(BadInput, match="key `task`: reward"):
         pooling_llm(three).reward("a")
@@ -181,8 +253,13 @@ def score_job(folder, data, out, **extra) -> dict:
 
 
 def test_score_job_writes_a_score_column_and_error_rows(bases, tmp_path):
+    """Scores equal CrossEncoder.predict's, an empty query's and an over-long pair's (cut as CrossEncoder cuts
+    it, and counted) included; a null passage is its row's error, naming the job's column."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer
+
     folder = cross_encoder(bases, "bert", tmp_path)
-    queries, passages = [*QUERIES, "the sea", ""], [*PASSAGES, None, "water"]
+    queries, passages = [*QUERIES, "the sea", "", "the sea"], [*PASSAGES, None, "water", PASSAGES[2] * 4]
     data = tmp_path / "pairs.parquet"
     ids = [f"q{i}" for i in range(len(queries))]
     pq.write_table(
@@ -196,11 +273,15 @@ def test_score_job_writes_a_score_column_and_error_rows(bases, tmp_path):
     assert table.column_names == ["id", "sample", "error", "prompt_tokens", "score", "topic"]
     assert table.schema.field("score").type == pa.float32()
     rows = {r["id"]: r for r in table.to_pylist()}
-    assert (rows["q4"]["error"], rows["q5"]["error"]) == ("pair is null", "text is empty")
-    assert rows["q4"]["score"] is None
-    expected = pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)
-    assert_close([rows[f"q{i}"]["score"] for i in range(4)], [o.outputs.score for o in expected])
-    assert summary["steps"] > 1 and summary["padding_tokens_avoided"] > 0
+    assert (
+        rows["q4"]["error"] == "column 'passage' is null" and rows["q4"]["score"] is None
+    )  # the job's names
+    scored = [i for i in range(len(ids)) if i != 4]  # an empty query scored; a pair over the positions cut
+    expected = CrossEncoder(str(folder), device="cpu").predict([(queries[i], passages[i]) for i in scored])
+    assert_close([rows[f"q{i}"]["score"] for i in scored], expected)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert len(tok("the sea", PASSAGES[2] * 4)["input_ids"]) > 128 == rows["q6"]["prompt_tokens"]
+    assert summary["steps"] > 1 and summary["padding_tokens_avoided"] > 0 and summary["truncated_rows"] == 1
     assert run_job(job, progress=False) is None  # resumed: all done
     job["input"]["pair_column"] = "nope"  # a column the table lacks: exit 2 naming the key
     path = tmp_path / "job.yaml"
@@ -208,7 +289,7 @@ def test_score_job_writes_a_score_column_and_error_rows(bases, tmp_path):
     result = run_cli("validate", str(path))
     assert result.returncode == 2 and "input.pair_column" in result.stderr and "'nope'" in result.stderr
     job["task"] = "embed"  # a pair column on another task: exit 2 naming it
-    with pytest.raises(BadInput, match="`input.pair_column` applies to task score"):
+    with pytest.raises(BadInput, match="`input.pair_column` applies to tasks score and classify"):
         run_job(job, progress=False)
 
 
@@ -230,3 +311,111 @@ def test_reward_job_over_conversations(reward_model, tmp_path):
     assert "no user turn" in rows[3]["error"] and rows[3]["score"] is None
     expected = pooling_llm(reward_model).reward(CONVERSATIONS, use_tqdm=False)
     assert_close([rows[i]["score"] for i in range(3)], [o.outputs.data[0] for o in expected])
+
+
+def test_an_over_long_text_or_conversation_is_its_rows_error_unless_a_cut_is_asked_for(
+    bases, reward_model, tmp_path
+):
+    """transformers runs a reward or classify input whole: one over the model's positions is its row's error,
+    naming its length (as the chat template tokenizes it) and the limit, and the other rows run; with
+    pooler.truncate_prompt_tokens the cut is asked for, and the input is scored as the model scores its first
+    tokens."""
+    from transformers import AutoTokenizer
+
+    from batchrun import LLM
+
+    long = [{"role": "user", "content": "the sea " * 300}, {"role": "assistant", "content": "water"}]
+    tok = AutoTokenizer.from_pretrained(reward_model)
+    length = len(tok.apply_chat_template(long, tokenize=True, return_dict=True)["input_ids"])
+    assert length > 512  # the reward model's positions
+    data = tmp_path / "convs.parquet"
+    pq.write_table(pa.table({"id": [0, 1], "prompt": [long, CONVERSATIONS[0]]}), data)
+    job = {
+        "name": "rewards",
+        "task": "reward",
+        "model": {"path": str(reward_model), "dtype": "float32"},
+        "input": {"parquet": str(data), "id_column": "id"},
+        "engine": {"device": "cpu"},
+        "output": {"path": str(tmp_path / "out")},
+    }
+    run_job(job, progress=False)
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
+    assert (
+        rows[0]["error"]
+        == f"the conversation has {length} tokens, more than the model's 512 positions (set "
+        "pooler.truncate_prompt_tokens to cut it)"
+        and rows[0]["score"] is None
+    )
+    assert rows[1]["error"] is None
+    cut = LLM(
+        str(reward_model),
+        dtype="float32",
+        device="cpu",
+        runner="pooling",
+        pooler={"truncate_prompt_tokens": 64},
+    )
+    (out,) = cut.reward(long, use_tqdm=False)
+    first = tok.apply_chat_template(long, tokenize=True, return_dict=True, return_tensors="pt")["input_ids"][
+        :, :64
+    ]
+    assert out.prompt_token_ids == first[0].tolist()
+    assert_close(out.outputs.data, reference_logits(reward_model, [{"input_ids": first}]))
+    classifier = save_sequence_classifier(bases["bert"], tmp_path / "three", {0: "a", 1: "b", 2: "c"})
+    words = AutoTokenizer.from_pretrained(classifier)
+    outs = pooling_llm(classifier).classify([PASSAGES[2] * 4, "the sea"], use_tqdm=False)
+    length = len(words(PASSAGES[2] * 4)["input_ids"])
+    assert outs[0].error.startswith(f"the text has {length} tokens, more than the model's 128 positions")
+    assert outs[1].error is None
+
+
+def test_classify_takes_pairs_of_a_cross_encoder_of_several_labels(bases, tmp_path):
+    """An NLI-style cross-encoder (three labels) over input.pair_column: each pair's probabilities equal the
+    softmax of AutoModelForSequenceClassification's logits on the pair tokenized as CrossEncoder tokenizes it,
+    and CrossEncoder.predict(apply_softmax=True); an empty side is scored, a null one is the row's error naming
+    the job's column."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    labels = {0: "contradiction", 1: "entailment", 2: "neutral"}
+    folder = save_sequence_classifier(bases["bert"], tmp_path / "nli", labels)
+    queries, passages = [*QUERIES, "", "the sea"], [*PASSAGES, "water", None]
+    data = tmp_path / "pairs.parquet"
+    ids = [f"q{i}" for i in range(len(queries))]
+    pq.write_table(pa.table({"id": ids, "premise": queries, "hypothesis": passages, "topic": [0] * 6}), data)
+    job = score_job(folder, data, tmp_path / "out", task="classify")
+    job["input"] |= {"prompt_column": "premise", "pair_column": "hypothesis"}
+    run_job(job, progress=False)
+    table = pq.read_table(tmp_path / "out")
+    assert table.column_names == ["id", "sample", "error", "prompt_tokens", "label", "probs", "topic"]
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["q5"]["error"] == "column 'hypothesis' is null" and rows["q5"]["probs"] is None
+    pairs = list(zip(queries[:5], passages[:5]))
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = torch.cat([model(**tok([q], [p], return_tensors="pt")).logits for q, p in pairs])
+    got = torch.tensor([rows[f"q{i}"]["probs"] for i in range(5)])
+    assert_close(got, logits.softmax(dim=-1))
+    assert_close(got, CrossEncoder(str(folder), device="cpu").predict(pairs, apply_softmax=True))
+    assert [rows[f"q{i}"]["label"] for i in range(5)] == [labels[int(i)] for i in logits.argmax(dim=-1)]
+    assert [rows[f"q{i}"]["prompt_tokens"] for i in range(5)] == [
+        len(tok([q], [p])["input_ids"][0]) for q, p in pairs
+    ]
+
+
+def test_a_system_prompt_on_a_pooling_job_is_a_bad_job(reward_model, tmp_path):
+    """A pooling row is scored as given: model.system_prompt is refused, naming the key, not left unused."""
+    data = tmp_path / "convs.parquet"
+    pq.write_table(pa.table({"id": [0], "prompt": [CONVERSATIONS[0]]}), data)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: r\ntask: reward\nmodel: {{path: {reward_model}}}\n"
+        f"input: {{parquet: {data}}}\noutput: {{path: {tmp_path / 'out'}}}\n"
+    )
+    assert run_cli("validate", str(job)).returncode == 0
+    result = run_cli("validate", str(job), "--set", "model.system_prompt=be brief")
+    assert (
+        result.returncode == 2
+        and "model.system_prompt" in result.stderr
+        and "task is reward" in result.stderr
+    )

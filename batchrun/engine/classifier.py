@@ -11,42 +11,43 @@ What a task makes of the logits (`HEAD_RESULTS`):
 - classify: probabilities, the softmax of the logits (a sigmoid each for a `multi_label_classification`
   checkpoint), and the label, `id2label` of the most likely;
 - score (a cross-encoder or reranker over a pair): its one logit through the checkpoint's activation, as
-  sentence-transformers' CrossEncoder applies it (`score_activation`: a sigmoid unless its config names another);
+  sentence-transformers' CrossEncoder applies it (`score_activation`: the one its files name, read as
+  CrossEncoder reads them, else a sigmoid);
 - reward (a reward model's score head): its one logit as it is.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .attention import UnsupportedModel
 from .packed_attention import PackedLayout
 from .pooling import PooledText, PoolingRunner
+from .sentence_config import CrossEncoderActivation, cross_encoder_activation
 
-# the activations a cross-encoder's config may name (sentence-transformers' `activation_fn`, a torch class path)
+# the activations a cross-encoder may name (a torch class path, as sentence-transformers saves it; the short
+# paths import the same classes)
 _ACTIVATIONS = {
     "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
     "torch.nn.modules.linear.Identity": lambda x: x,
     "torch.nn.modules.activation.Tanh": torch.tanh,
+    "torch.nn.Sigmoid": torch.sigmoid,
+    "torch.nn.Identity": lambda x: x,
+    "torch.nn.Tanh": torch.tanh,
 }
 
 
-def score_activation(config):
-    """What a cross-encoder's score is of its logit, as sentence-transformers' CrossEncoder decides it: the
-    activation its config names (`sentence_transformers.activation_fn`, or the older
-    `sbert_ce_default_activation_function`), else a sigmoid (a one-label head). One batchrun cannot apply is
-    refused (UnsupportedModel naming it), never replaced by another."""
-    named = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") or getattr(
-        config, "sbert_ce_default_activation_function", None
-    )
-    if named is None:
-        return torch.sigmoid
-    if named not in _ACTIVATIONS:
+def score_activation(activation: CrossEncoderActivation):
+    """The function of a cross-encoder's activation (sentence_config.cross_encoder_activation). One batchrun
+    cannot apply is refused (UnsupportedModel naming it and where it was read), never replaced by another."""
+    if activation.name not in _ACTIVATIONS:
         raise UnsupportedModel(
-            f"the cross-encoder's activation {named!r} (its config's sentence_transformers.activation_fn) is not "
-            f"one batchrun applies ({', '.join(_ACTIVATIONS)})"
+            f"the cross-encoder's activation {activation.name!r} ({activation.source}) is not one batchrun applies "
+            f"({', '.join(_ACTIVATIONS)})"
         )
-    return _ACTIVATIONS[named]
+    return _ACTIVATIONS[activation.name]
 
 
 class _TextStates(torch.nn.Module):
@@ -78,7 +79,7 @@ def _classification(runner: ClassifierRunner, logits: torch.Tensor) -> dict:
 
 
 def _relevance(runner: ClassifierRunner, logits: torch.Tensor) -> dict:
-    return {"score": float(score_activation(runner.classifier.config)(logits)[0])}
+    return {"score": float(runner.score_activation(logits)[0])}
 
 
 def _reward(runner: ClassifierRunner, logits: torch.Tensor) -> dict:
@@ -94,7 +95,20 @@ class ClassifierRunner(PoolingRunner):
 
     def _base_model(self, model):
         self.classifier = model
+        # a text or conversation runs whole, as transformers runs it alone (one over the model's positions is the
+        # row's error), unless pooler.truncate_prompt_tokens asks for a cut; a pair is cut as CrossEncoder cuts it
+        self.cuts_texts = self.plan.max_length is not None
         return model.base_model
+
+    @functools.cached_property
+    def activation(self) -> CrossEncoderActivation:
+        """What task score applies to the head's logit, as sentence-transformers' CrossEncoder does (read when
+        first asked: a classify or reward job does not depend on it)."""
+        return cross_encoder_activation(self.model_dir, self.classifier.config.num_labels)
+
+    @functools.cached_property
+    def score_activation(self):
+        return score_activation(self.activation)
 
     @torch.inference_mode()
     def _heads(self, hidden: torch.Tensor, texts: list[PooledText], layout: PackedLayout) -> torch.Tensor:

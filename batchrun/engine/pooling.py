@@ -79,6 +79,7 @@ class PoolingRunner:
 
     tasks = ("embed",)  # what the runner computes (LLM.embed; a job's `task`)
     auto_class = "AutoModel"  # the transformers class the checkpoint loads as
+    cuts_texts = True  # a text over the longest allowed is cut, as sentence-transformers' encode cuts it
 
     def __init__(
         self,
@@ -92,11 +93,10 @@ class PoolingRunner:
     ):
         """`pack_weights`: on the CPU, linear weights packed for oneDNN where it can (engine.pack_weights)."""
         self.plan = plan
+        self.model_dir = model_dir / plan.transformer_path  # the transformers model's folder
         self.device, self.dtype = device, dtype
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.tokenizer, model = load_pooling_model(
-            model_dir / plan.transformer_path, dtype, device, self.auto_class
-        )
+        self.tokenizer, model = load_pooling_model(self.model_dir, dtype, device, self.auto_class)
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         config = self.model.config
@@ -128,16 +128,22 @@ class PoolingRunner:
     # ---- texts -> tokens ---------------------------------------------------------------------------------------
     def encode(self, text: str) -> EncodedText:
         """The text's tokens as sentence-transformers makes them: the plan's prompt before it, the tokenizer's
-        special tokens, cut at the longest text allowed. ValueError for a text the model cannot take."""
-        return self._checked(
-            self.tokenizer(self.plan.prompt + text, truncation=True, max_length=self.max_length)
-        )
+        special tokens, cut at the longest text allowed (where `cuts_texts`). ValueError for a text the model
+        cannot take."""
+        return self._checked(self.tokenizer(self.plan.prompt + text, **self._cut()))
+
+    def _cut(self) -> dict:
+        """The tokenizer's arguments that cut a text (not a pair) at the longest allowed, where the runner cuts."""
+        return {"truncation": True, "max_length": self.max_length} if self.cuts_texts else {}
 
     def encode_pair(self, text: str, pair: str) -> EncodedText:
         """A pair's tokens as the model's tokenizer makes a pair (as sentence-transformers' CrossEncoder and
         transformers do): both texts between the tokenizer's special tokens, with their segment ids, the longer
-        one cut first when the two are over the longest text allowed."""
-        return self._checked(self.tokenizer(text, pair, truncation=True, max_length=self.max_length))
+        one cut first when the two are over the longest text allowed. Tokenized as a batch of one pair, as
+        CrossEncoder tokenizes its batches: called with one pair, a tokenizer takes an empty second text for none
+        (no separator after it)."""
+        encoded = self.tokenizer([text], [pair], truncation=True, max_length=self.max_length)
+        return self._checked(encoded, batch_of_one=True)
 
     def encode_conversation(self, turns: list[dict]) -> EncodedText:
         """A conversation's tokens through the tokenizer's chat template, with no generation prompt (a reward
@@ -146,22 +152,23 @@ class PoolingRunner:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("a conversation, and the model's tokenizer has no chat template (give a text)")
         text = self.tokenizer.apply_chat_template(turns, tokenize=False)
-        return self._checked(
-            self.tokenizer(text, add_special_tokens=False, truncation=True, max_length=self.max_length)
-        )
+        return self._checked(self.tokenizer(text, add_special_tokens=False, **self._cut()), "conversation")
 
-    def _checked(self, encoded) -> EncodedText:
-        """The tokenizer's output as the runner takes it; ValueError for a text the model cannot take."""
-        ids = encoded["input_ids"]
+    def _checked(self, encoded, what: str = "text", batch_of_one: bool = False) -> EncodedText:
+        """The tokenizer's output (of one text, or a batch of one) as the runner takes it; ValueError for a text
+        the model cannot take (`what`: text, or conversation): none of its tokens, or more than the model's
+        positions."""
+        ids = encoded["input_ids"][0] if batch_of_one else encoded["input_ids"]
         truncated = bool(encoded.encodings and encoded.encodings[0].overflowing)
         if not ids:
-            raise ValueError("the text has no tokens")
+            raise ValueError(f"the {what} has no tokens")
         if self.max_positions is not None and len(ids) > self.max_positions:
             raise ValueError(
-                f"the text has {len(ids)} tokens, more than the model's {self.max_positions} positions (set "
+                f"the {what} has {len(ids)} tokens, more than the model's {self.max_positions} positions (set "
                 "pooler.truncate_prompt_tokens to cut it)"
             )
         types = encoded.get("token_type_ids") if self.takes_token_types else None
+        types = types[0] if types and batch_of_one else types
         return EncodedText(ids, truncated, types if types and any(types) else None)
 
     def _prompt_length(self, prompt: str) -> int:

@@ -7,6 +7,9 @@ Both folder layouts found on the Hub are read: the older one (module types `sent
 (`sentence_transformers.base.modules...`, `"pooling_mode": "mean"`, the longest text as the tokenizer's
 `model_max_length`). A module or setting batchrun does not reproduce is refused here (`SentenceConfigError`),
 naming it: the worst outcome is a vector that silently differs from the model card's.
+
+A cross-encoder's activation (what sentence-transformers' CrossEncoder applies to the head's logits) is read here
+too (`cross_encoder_activation`), from the same files and in the same order as CrossEncoder reads it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,48 @@ class SentenceConfig:
             if isinstance(module, DenseLayer):
                 dim = module.out_features
         return dim
+
+
+@dataclass(frozen=True)
+class CrossEncoderActivation:
+    """The activation sentence-transformers' CrossEncoder applies to a head's logits: its torch class path, and
+    where it was read (a file and key, or CrossEncoder's default), for an error that names it."""
+
+    name: str
+    source: str
+
+
+SIGMOID, IDENTITY = "torch.nn.modules.activation.Sigmoid", "torch.nn.modules.linear.Identity"
+
+
+def cross_encoder_activation(model_dir: Path, num_labels: int) -> CrossEncoderActivation:
+    """What CrossEncoder(model_dir).predict applies, in its order (sentence-transformers 6.3,
+    cross_encoder/model.py): a folder sentence-transformers saved as a CrossEncoder (modules.json, and
+    config_sentence_transformers.json of model_type CrossEncoder) names it as that file's `activation_fn`; else
+    config.json's `sentence_transformers.activation_fn` (its presence decides, as theirs); else config.json's
+    older `sbert_ce_default_activation_function`; else a sigmoid for a head of one label, the identity for more."""
+    st_file = model_dir / "config_sentence_transformers.json"
+    if (model_dir / "modules.json").is_file() and st_file.is_file():
+        st = _json(st_file)
+        if (
+            st.get("model_type", "SentenceTransformer") == "CrossEncoder"
+            and st.get("activation_fn") is not None
+        ):
+            return CrossEncoderActivation(st["activation_fn"], f"{st_file}: activation_fn")
+    config_file = model_dir / "config.json"
+    config = _json(config_file) if config_file.is_file() else {}
+    block = config.get("sentence_transformers")
+    if isinstance(block, dict) and "activation_fn" in block:
+        named, key = block["activation_fn"], "sentence_transformers.activation_fn"
+    else:
+        named, key = (
+            config.get("sbert_ce_default_activation_function"),
+            "sbert_ce_default_activation_function",
+        )
+    if named is not None:
+        return CrossEncoderActivation(named, f"{config_file}: {key}")
+    default = SIGMOID if num_labels == 1 else IDENTITY
+    return CrossEncoderActivation(default, f"CrossEncoder's default for a head of {num_labels} label(s)")
 
 
 def _module_kind(type_name: str) -> str:
