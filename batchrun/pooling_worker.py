@@ -22,6 +22,7 @@ from .host import Placement, place
 from .model_loader import load_config, resolve_model_dir
 from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
+from .vocabulary import embedding_rows, token_id_error
 
 
 def checkpoint_task(model_dir: Path) -> str:
@@ -156,6 +157,7 @@ class PoolingWorker:
         self.window = window
         self.task = task
         self.tokens_of = TASK_INPUTS[task]
+        self.embedding_rows = embedding_rows(runner.model)  # a text's token ids must be below it
 
     @property
     def wants_rows(self) -> bool:
@@ -171,6 +173,9 @@ class PoolingWorker:
             if row.error:
                 raise ValueError(row.error)
             text = self.tokens_of(self.runner, row)
+            reason = token_id_error(text.token_ids, self.embedding_rows)  # its tokenizer's ids, checked
+            if reason:
+                raise ValueError(reason)
         except ValueError as e:
             return [OutputRow(row.id, 0, None, None, str(e), 0, 0, 0, row=row)]
         self.runner.add(text, row)
