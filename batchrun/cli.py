@@ -134,8 +134,10 @@ def submit(
     summary = job.run()
     if summary is None:
         if job.rows.before:
+            failed = job.sink.job_error_rows
             click.echo(
                 f"nothing to do: every row of shard {job.shard} already has its output in {spec.output_dir}/"
+                + (f" ({failed} of them error rows)" if failed else "")
             )
         else:
             click.echo(f"nothing to do: shard {job.shard} of the input has no rows ({spec.output_dir}/)")

@@ -183,9 +183,16 @@ class Job:
         return self.rows.pending()
 
     @property
-    def job_rows(self) -> int:
-        """Input rows this shard's parts hold: earlier runs' (of any limit) and this run's."""
-        return self.sink.done.rows_per_shard.get(str(self.shard), 0) + self.rows_done
+    def job_counts(self) -> dict[str, int]:
+        """The summary's counts of the whole job (this shard): input rows its parts hold, earlier runs' (of any
+        limit) and this run's, and those of them that are error rows."""
+        rows = self.sink.done.rows_per_shard.get(str(self.shard), 0) + self.rows_done
+        return {"rows": rows, "error_rows": self.sink.job_error_rows}
+
+    @property
+    def run_counts(self) -> dict[str, int]:
+        """The same counts of this run alone."""
+        return {"rows": self.rows_done, "error_rows": self.sink.error_rows}
 
     # ---- the run ------------------------------------------------------------------------------------------------
     def run(self) -> dict | None:
@@ -239,14 +246,14 @@ class Job:
             self.sink.flush()
         run_summary.update(
             {
-                "rows": self.rows_done,
+                **self.run_counts,
                 "shard": str(self.shard),
                 "replicas": count,
                 "rows_changed": self.rows.changed,
                 "time_write_s": self.write_s,
             }
         )
-        whole = stats_file.write(run_summary, job_rows=self.job_rows)
+        whole = stats_file.write(run_summary, self.job_counts)
         if failure:
             self.heartbeat.finish("failed", self.rows_done)
             raise RuntimeError(failure)
@@ -277,7 +284,7 @@ class Job:
             stats_file.add(stats.take_rows(final=True))
         if not self.stop_requested:
             worker.check_integrity()
-        return stats.summary(rows=self.rows_done)
+        return stats.summary() | self.run_counts
 
     def loaded(self) -> None:
         """Every engine has its model: the heartbeat goes from loading to running, and the bar's clock starts
@@ -309,7 +316,7 @@ class Job:
         # `batchrun status` counts rows in written parts: what a run killed now would not redo
         self.heartbeat.beat(self.sink.input_rows_written)
         if stats is not None and stats_file.due():
-            stats_file.write(stats.summary(rows=self.rows_done), job_rows=self.job_rows)
+            stats_file.write(stats.summary() | self.run_counts, self.job_counts)
         self.remaining.show(in_flight, f"{postfix}, written {self.sink.input_rows_written}")
 
     # ---- signals ------------------------------------------------------------------------------------------------

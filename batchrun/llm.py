@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 
 from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
-from .engine.kv_cache import text_config
 from .engine.pooler import PoolerConfig
 from .engine.quantization import Weights, checkpoint_format
 from .engine.sizing import check_memory_budget
@@ -36,12 +35,11 @@ Conversation = list[dict[str, Any]]
 
 class Prompt(NamedTuple):
     """A prompt ready for the engine: its token ids and, for a vision-language model, its images as the model's
-    processor made them (engine.multimodal.ImageInputs; None: text alone). `error`: why it cannot run, found
-    while preparing it (a token id outside the vocabulary): the prompt's (or row's) error, never admitted."""
+    processor made them (engine.multimodal.ImageInputs; None: text alone). Whether it can run (an id past the
+    embedding, too long) is the engine's to say, for every prompt alike (Engine.prompt_error)."""
 
     token_ids: list[int]
     images: Any = None
-    error: str | None = None
 
 
 @dataclass
@@ -157,7 +155,6 @@ class LLM:
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
-        self.vocab_size = text_config(config).vocab_size  # a given token id must be below it (token_prompt)
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, config, self.dtype, self.device)
         except BadInput as e:
@@ -196,19 +193,6 @@ class LLM:
     def encode(self, text: str) -> list[int]:
         """Raw text, as the tokenizer encodes it (its special tokens, such as a BOS, included)."""
         return self.tokenizer(text)["input_ids"]
-
-    def token_prompt(self, token_ids: SequenceOf[int]) -> Prompt:
-        """Token ids given as they are (no tokenizer, no template); one outside [0, vocab_size) makes the prompt's
-        error, found here, before the engine's embedding would fail on it (and take the whole batch down)."""
-        ids = list(token_ids)
-        bad = next((j for j, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
-        if bad is None:
-            return Prompt(ids)
-        return Prompt(
-            ids,
-            error=f"token id {ids[bad]} (position {bad}) is outside the vocabulary: this model's token ids are "
-            f"0 .. {self.vocab_size - 1} (vocab_size {self.vocab_size})",
-        )
 
     def encode_chat(self, messages: Conversation, base_dir: Path | None = None) -> Prompt:
         """A conversation rendered with the chat template, ready for the assistant's turn; its images read
@@ -293,7 +277,8 @@ class LLM:
         or vLLM's {"prompt": text} or {"prompt_token_ids": [...]}; a text prompt may carry
         "multi_modal_data": {"image": a PIL image or a list of them} for a vision-language model, its text holding
         the model's image placeholder for each (as vLLM's does). A prompt of another shape is a ValueError naming
-        its index; a token id outside the vocabulary is that prompt's error (its batch-mates run)."""
+        its index; a token id outside the model's embedding, given or made by its tokenizer, is that prompt's
+        error (its batch-mates run)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         given = [self._raw_prompt(p, i) for i, p in enumerate(prompts)]
@@ -313,7 +298,7 @@ class LLM:
             return prompt, Prompt(self.encode(prompt))
         no_ids = isinstance(prompt, list | tuple) and not prompt  # its error: the prompt has no tokens
         if is_token_ids(prompt) or no_ids:
-            return list(prompt), self.token_prompt(prompt)
+            return list(prompt), Prompt(list(prompt))
         raise ValueError(
             f"prompts[{index}]: {_shape(prompt)} is not a prompt; expected text, a list of token ids (integers), "
             '{"prompt": text} (with "multi_modal_data": {"image": ...} for a vision-language model) or '
@@ -520,7 +505,7 @@ class _PromptWorker:
         i, p = item
         output = self.outputs[i]
         prompt = self.prompts[i]
-        reason = prompt.error or self.engine.admission_error(len(prompt.token_ids), p, prompt.images)
+        reason = self.engine.prompt_error(prompt.token_ids, p, prompt.images)
         if reason:
             output.error = f"prompt {i}: {reason}"
             output.outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]

@@ -22,6 +22,7 @@ from .host import Placement, place
 from .model_loader import load_config, resolve_model_dir
 from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
+from .vocabulary import embedding_rows, token_id_error
 
 
 def checkpoint_task(model_dir: Path) -> str:
@@ -150,6 +151,7 @@ class PoolingWorker:
         self.window = window
         self.task = task
         self.text_name, self.pair_name = names or ("text", "pair" if task == "score" else None)
+        self.embedding_rows = embedding_rows(runner.model)  # a text's token ids must be below it
 
     def tokens_of(self, row: InputRow):
         """A row's input as its task takes it (ValueError: the row's error): a reward row's conversation through
@@ -176,6 +178,9 @@ class PoolingWorker:
             if row.error:
                 raise ValueError(row.error)
             text = self.tokens_of(row)
+            reason = token_id_error(text.token_ids, self.embedding_rows)  # its tokenizer's ids, checked
+            if reason:
+                raise ValueError(reason)
         except ValueError as e:
             return [OutputRow(row.id, 0, None, None, str(e), 0, 0, 0, row=row)]
         self.runner.add(text, row)

@@ -37,8 +37,8 @@ class RowSide(Protocol):
 
     spec: JobSpec
     stop_requested: bool
-    rows_done: int
-    job_rows: int
+    run_counts: dict[str, int]  # rows and error_rows: this run's (job.Job.run_counts)
+    job_counts: dict[str, int]  # the whole job's
 
     def pending_rows(self) -> Iterator[InputRow]: ...
 
@@ -194,9 +194,7 @@ class ReplicaRun:
                     f"{rate:.1f} tok/s, {running} of {self.count} replicas running", self.stats_file
                 )
                 if self.summaries and self.stats_file.due():
-                    self.stats_file.write(
-                        self._summary() | {"rows": self.job.rows_done}, job_rows=self.job.job_rows
-                    )
+                    self.stats_file.write(self._summary() | self.job.run_counts, self.job.job_counts)
         finally:
             self.stop.set()
             for p in self.procs:

@@ -30,7 +30,8 @@ def stats_files(path: Path) -> list[Path]:
 def load_summary(path: Path) -> dict:
     """The summary of one stats file, or of every shard's stats file in a directory, combined."""
     summaries = []
-    for f in stats_files(path):
+    files = stats_files(path)
+    for f in files:
         try:
             summaries.append(read_summary(f))
         except Exception as e:
@@ -39,6 +40,10 @@ def load_summary(path: Path) -> dict:
         return summaries[0]
     out = combine(summaries)
     out["shards"] = len(summaries)
+    # which shards' rows failed ("I/N" -> error rows); a file written before shards were named: its name
+    out["error_rows_by_shard"] = {
+        s.get("shard", f.stem): s.get("error_rows", 0) for f, s in zip(files, summaries)
+    }
     return out
 
 
@@ -62,7 +67,12 @@ def format_summary(s: dict) -> str:
         (
             "rows",
             f"{s['rows']}"
-            + (f" ({s['rows_changed']} recomputed: their input changed)" if s.get("rows_changed") else ""),
+            + (f" ({s['rows_changed']} recomputed: their input changed)" if s.get("rows_changed") else "")
+            + (
+                f", {s['error_rows']} failed (error rows: their `error` says why)"
+                if s.get("error_rows")
+                else ""
+            ),
         ),
         (
             "prompt tokens",

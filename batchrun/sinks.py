@@ -104,12 +104,15 @@ def output_schema(
 @dataclass
 class Done:
     """What earlier runs wrote: (id, sample) pairs (Parquet) and whole rows (JSONL: a line is a request), and
-    the input hash each row's output was made from (None: written before the hashes were kept)."""
+    the input hash each row's output was made from (None: written before the hashes were kept). The ids of the
+    error rows are kept per shard so a resume reports the whole job's count, and a row recomputed because its
+    input changed leaves it."""
 
     pairs: set = field(default_factory=set)
     rows: set = field(default_factory=set)
     hashes: dict = field(default_factory=dict)
     rows_per_shard: dict[str, int] = field(default_factory=dict)  # "I/N" (from the part's name) -> input rows
+    error_ids: dict[str, set] = field(default_factory=dict)  # "I/N" -> ids of its input rows that are errors
 
     def has(self, row_id: Any, num_samples: int) -> bool:
         return row_id in self.rows or all((row_id, i) in self.pairs for i in range(num_samples))
@@ -117,9 +120,14 @@ class Done:
     def __len__(self) -> int:
         return len(self.pairs) + len(self.rows)
 
-    def count(self, part: Path, input_rows: int) -> None:
+    def count(self, part: Path, input_rows: int, error_ids: list) -> None:
         shard = part_shard(part)
         self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) + input_rows
+        self.error_ids.setdefault(shard, set()).update(error_ids)
+
+    def error_rows(self, shard: str) -> int:
+        """Input rows of the shard whose output is an error (every sample of such a row carries it)."""
+        return len(self.error_ids.get(shard, ()))
 
     def forget(self, ids: set, shard: str, input_rows: int) -> None:
         """These rows' outputs were removed from the shard's parts (`input_rows` of them)."""
@@ -128,6 +136,7 @@ class Done:
         for row_id in ids:
             self.hashes.pop(row_id, None)
         self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) - input_rows
+        self.error_ids.get(shard, set()).difference_update(ids)
 
 
 def rows_in_part(part: Path) -> int:
@@ -172,12 +181,15 @@ class ParquetParts:
         meta = parquet.schema_arrow.metadata or {}
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
         if theirs == fp:
-            table = parquet.read(columns=["id", "sample"])
+            table = parquet.read(columns=["id", "sample", "error"])
             ids, samples = table.column("id").to_pylist(), table.column("sample").to_pylist()
             hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null")) or [None] * len(ids)
             done.pairs.update(zip(ids, samples))
             done.hashes.update(zip(ids, hashes))
-            done.count(part, sum(1 for s in samples if s == 0))  # a row's samples are written together
+            errors = [i for i, e in zip(ids, table.column("error").to_pylist()) if e is not None]
+            done.count(
+                part, sum(1 for s in samples if s == 0), errors
+            )  # a row's samples are written together
         return theirs
 
     @staticmethod
@@ -236,14 +248,17 @@ class JsonlParts:
         tag = part.stem.split("-fp", 1)[1][:16] if "-fp" in part.stem else ""
         if tag != fp[:16]:
             return tag
-        lines = 0
+        lines, errors = 0, []
         with part.open("r", encoding="utf-8") as f:
             for text in f:
-                key, input_hash = JsonlParts._key(json.loads(text))
+                line = json.loads(text)
+                key, input_hash = JsonlParts._key(line)
                 done.rows.add(key)
                 done.hashes[key] = input_hash
                 lines += 1
-        done.count(part, lines)
+                if line.get("error") is not None:
+                    errors.append(key)
+        done.count(part, lines, errors)
         return fp
 
     @staticmethod
@@ -427,6 +442,7 @@ class OutputSink:
                 f"--overwrite to start over, or --resume to finish the job."
             )
         self.done = read_done(self.dir, self.fingerprint, src) if resume else Done()
+        self.error_rows = 0  # input rows of this run whose output is an error
         if spec.output_format == "jsonl":
             self.format = JsonlParts(self.fingerprint, spec.model.path or "batchrun-default-model")
         else:
@@ -465,7 +481,14 @@ class OutputSink:
             self.writer.flush(empty_ok=True)
 
     def add(self, rows: list[OutputRow]) -> None:
+        """All output rows of one input row; an error row (each of its samples carries the error) is counted."""
         self.writer.add(rows)
+        self.error_rows += any(r.error is not None for r in rows)
+
+    @property
+    def job_error_rows(self) -> int:
+        """This shard's error rows in the output: earlier runs' (still there) and this run's."""
+        return self.done.error_rows(str(self.shard)) + self.error_rows
 
     def flush(self) -> None:
         self.writer.flush()

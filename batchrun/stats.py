@@ -69,6 +69,8 @@ SUMMARY_KEYS = {
     "load_s": ("max", "sum"),  # loading the model (replicas load side by side)
     "runs": ("max", "sum"),
     "rows": ("sum", "sum"),
+    # rows whose output is an error row (the job counts them as it writes them; a resume: the whole job's)
+    "error_rows": ("sum", "sum"),
     # rows recomputed because their input changed since their output was written
     "rows_changed": ("sum", "sum"),
     "steps": ("sum", "sum"),
@@ -308,8 +310,9 @@ class StatsCollector:
         a.preemptions += row["preemptions"]
         a.recomputations += row["recomputations"]
 
-    def summary(self, rows: int = 0) -> dict:
-        """This engine's summary; `rows`: the output rows written (the job counts them: it writes them)."""
+    def summary(self) -> dict:
+        """This engine's summary; `rows` and `error_rows` 0: the job counts them (job.Job.run_counts), as it
+        writes them."""
         a = self.agg
         wall = time.perf_counter() - self.start
         m = self.engine.memory_snapshot()
@@ -321,7 +324,8 @@ class StatsCollector:
             "wall_s": wall,
             "load_s": self.load_s,
             "runs": 1,
-            "rows": rows,
+            "rows": 0,
+            "error_rows": 0,
             "rows_changed": 0,  # the job counts them: it compares the input with the output
             "steps": a.steps,
             "prompt_tokens": self.prompt_tokens,
@@ -393,14 +397,14 @@ class PoolingStats:
     def take_rows(self, final: bool = False) -> list[dict]:
         return []
 
-    def summary(self, rows: int = 0) -> dict:
+    def summary(self) -> dict:
+        """As StatsCollector.summary: `rows` and `error_rows` are the job's to count."""
         wall = time.perf_counter() - self.start
         s = dict.fromkeys(SUMMARY_KEYS, 0)
         s.update(
             wall_s=wall,
             load_s=self.load_s,
             runs=1,
-            rows=rows,
             steps=self.steps,
             prompt_tokens=self.tokens,
             prompt_tokens_computed=self.tokens,
@@ -462,12 +466,12 @@ class StatsFile:
         job's runs."""
         self.write({key: 0 for key in SUMMARY_KEYS} | {"runs": 1})
 
-    def write(self, run_summary: dict, job_rows: int | None = None) -> dict:
+    def write(self, run_summary: dict, job_counts: dict | None = None) -> dict:
         """Write everything; returns the whole job's summary (this run folded into the earlier ones).
-        `job_rows`: the rows the output directory holds (every run's, a killed run's too)."""
+        `job_counts`: `rows` and `error_rows` as the output directory holds them (every run's, a killed run's
+        too), which adding up the runs' summaries would not give."""
         whole = combine([self.earlier, run_summary], sequential=True) if self.earlier else dict(run_summary)
-        if job_rows is not None:
-            whole["rows"] = job_rows
+        whole.update(job_counts or {})
         write_stats(self.path, self.earlier_rows + self.rows, whole, self.fingerprint)
         self._last_write = time.perf_counter()
         return whole

@@ -67,7 +67,7 @@ class RowWorker:
         except ValueError as e:
             return self._error_rows(row, str(e), [])
         ids = prompt.token_ids
-        reason = prompt.error or self.engine.admission_error(len(ids), params, prompt.images)
+        reason = self.engine.prompt_error(ids, params, prompt.images)
         if reason:
             return self._error_rows(row, reason, ids)
         state = RowState(row, ids, [None] * params.n)
@@ -143,7 +143,8 @@ class RowWorker:
         """The row's prompt as token ids (and images); ValueError with the reason for a row that cannot be served.
         A conversation goes through the chat template (model.system_prompt first when it has no system turn);
         a string too, unless model.chat_template is off or it is an OpenAI /v1/completions prompt. Token ids (a
-        pre-tokenized column) are taken as they are, as `LLM.generate` takes them."""
+        pre-tokenized column) are taken as they are, as `LLM.generate` takes them; whatever made them, feed
+        checks them against the model's embedding (engine.prompt_error)."""
         if row.error:
             raise ValueError(row.error)
         prompt = row.prompt
@@ -152,7 +153,7 @@ class RowWorker:
         if prompt is None:
             raise ValueError("prompt is null")
         if is_token_ids(prompt):
-            return self.llm.token_prompt(prompt)
+            return Prompt(list(prompt))
         if isinstance(prompt, list | tuple):
             messages = check_conversation(prompt, images=self.llm.takes_images)
             if not any(t["role"] == "system" for t in messages):

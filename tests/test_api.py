@@ -1,7 +1,5 @@
 """The Python API (`LLM`, `SamplingParams`, `run_job`) against Hugging Face `generate` and the job runner."""
 
-import json
-
 import pyarrow.parquet as pq
 import pytest
 from helpers import ROOT, hf_greedy, read_outputs, write_prompts
@@ -204,7 +202,10 @@ def test_sampling_params_take_vllms_max_tokens(llm):
 def test_a_token_id_outside_the_vocabulary_is_that_prompts_error(llm, model_dir):
     """Issue 43, item 3: an id >= vocab_size (or negative) raised a raw IndexError from the embedding and the
     valid prompts of the call got nothing."""
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:  # the embedding's rows: the bound
+        vocab = f.get_slice("model.embed_tokens.weight").get_shape()[0]
     outs = llm.generate(
         [[5, 6, 7], [10**7], [5, -1], [5, vocab]], SamplingParams(max_tokens=6), use_tqdm=False
     )
@@ -212,8 +213,8 @@ def test_a_token_id_outside_the_vocabulary_is_that_prompts_error(llm, model_dir)
     assert outs[0].outputs[0].token_ids == hf_greedy(model_dir, [[5, 6, 7]], 6)[0]
     for i, bad, position in [(1, 10**7, 0), (2, -1, 1), (3, vocab, 1)]:
         assert outs[i].error == (
-            f"prompt {i}: token id {bad} (position {position}) is outside the vocabulary: this model's token ids "
-            f"are 0 .. {vocab - 1} (vocab_size {vocab})"
+            f"prompt {i}: token id {bad} (position {position}) is outside the vocabulary: this model's input "
+            f"embedding has {vocab} rows (token ids 0 .. {vocab - 1})"
         )
         assert [(c.finish_reason, c.token_ids) for c in outs[i].outputs] == [("error", [])]
     empty = llm.generate([[], {"prompt_token_ids": []}], use_tqdm=False)  # no ids: each prompt's error

@@ -471,8 +471,8 @@ def test_a_prompt_column_of_token_ids(tmp_path, tok_model, model_dir):
     for i, bad, position in [(1, vocab, 1), (3, -3, 0)]:
         assert rows[(i, 0)]["finish_reason"] == "error" and rows[(i, 0)]["completion"] is None
         assert rows[(i, 0)]["error"] == (
-            f"token id {bad} (position {position}) is outside the vocabulary: this model's token ids are "
-            f"0 .. {vocab - 1} (vocab_size {vocab})"
+            f"token id {bad} (position {position}) is outside the vocabulary: this model's input embedding has "
+            f"{vocab} rows (token ids 0 .. {vocab - 1})"
         )
     both = job_text(tmp_path, data, prompt_column="tokens", sampling="  max_tokens: 7\n  max_new_tokens: 8\n")
     r = run_cli("validate", str(write_job(tmp_path / "both.yaml", both)))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput
+from ..vocabulary import embedding_rows, token_id_error
 from . import families, memory
 from .architecture import inspect_model
 from .attention import AttentionServices, make_backend
@@ -120,6 +121,7 @@ class Engine:
         # features may wait for prefill (their bytes come out of the KV budget)
         self.images_refusal = images_unsupported_reason(model)
         self.image_token_id = image_token_id(model.config)
+        self.embedding_rows = embedding_rows(model)  # a prompt's token ids must be below it (prompt_error)
         image_blocks = families.image_blocks(model) if self.images_refusal is None else None
         self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
         if image_blocks is not None and not self.attention.capabilities.image_blocks:
@@ -210,6 +212,17 @@ class Engine:
         )
 
     # ---- requests -------------------------------------------------------------------------------------------
+    def prompt_error(
+        self, token_ids: list[int], params: SamplingParams, images: ImageInputs | None = None
+    ) -> str | None:
+        """Why a tokenized prompt (from text, a conversation or given ids) can never run here, or None: a token
+        id its embedding has no row for (vocabulary.py), then admission_error. Every prompt is checked here
+        before it is added, by the job's worker and the Python API alike."""
+        placeholder = self.image_token_id if images is not None else None
+        return token_id_error(token_ids, self.embedding_rows, placeholder) or self.admission_error(
+            len(token_ids), params, images
+        )
+
     def admission_error(
         self, num_prompt_tokens: int, params: SamplingParams, images: ImageInputs | None = None
     ) -> str | None:
