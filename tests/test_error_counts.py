@@ -146,7 +146,7 @@ def pooling_models(tmp_path_factory, model_dir):
 
 
 def pooling_job(task, folder, tmp_path, **extra) -> dict:
-    texts = ["the sea", "", "rain on the sea", None, "   ", "a"]
+    texts = ["the sea", None, "rain on the sea", None, "   ", None]  # a blank text is embedded, not an error
     columns = {"id": [f"r{i}" for i in range(len(texts))], "prompt": texts}
     if task == "score":
         columns["pair"] = ["water", "water", None, "water", "water", "the dogs"]
