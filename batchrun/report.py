@@ -91,7 +91,8 @@ def format_summary(s: dict) -> str:
             (
                 "padding avoided",
                 f"{s['padding_tokens_avoided']} tokens: a batch padded to its longest text per step would have "
-                f"computed {computed + s['padding_tokens_avoided']}",
+                f"computed {computed + s['padding_tokens_avoided']}; sorted by length in batches of 32 "
+                f"(as sentence-transformers batches), {computed + s.get('padding_tokens_sorted', 0)}",
             ),
         ]
         return _table(lines)

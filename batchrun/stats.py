@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,6 +118,8 @@ SUMMARY_KEYS = {
     "grammar_mask_s": ("sum", "sum"),
     # a pooling job: the tokens a run padding each step's texts to its longest would have computed on top
     "padding_tokens_avoided": ("sum", "sum"),
+    # and a run sorting the texts by length first, in batches of 32, as sentence-transformers' encode batches
+    "padding_tokens_sorted": ("sum", "sum"),
     "truncated_rows": ("sum", "sum"),  # a pooling job's texts cut at the longest the model takes
     # where the steps' time went (engine/timing.py), seconds summed over processes and runs
     **{summary_key(phase): ("sum", "sum") for phase in PHASES},
@@ -367,12 +370,33 @@ class StatsCollector:
             "grammar_compile_s": compile_s,
             "grammar_mask_s": mask_s,
             "padding_tokens_avoided": 0,
+            "padding_tokens_sorted": 0,
             "truncated_rows": 0,
             **self.engine.times.summary(),
         }
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
         s.update(self.extra)
         return s
+
+
+SORTED_BATCH = 32  # sentence-transformers' encode and predict batch_size default
+
+
+def padding_sorted(lengths: Counter[int], batch: int = SORTED_BATCH) -> int:
+    """The padding tokens of a run that sorts its texts by length, longest first, and pads each batch of `batch`
+    to its longest (as sentence-transformers' encode sorts before batching; it sorts by characters, this by tokens:
+    no order of the texts pads less). `lengths`: token count -> texts of that count."""
+    padding, batch_max, in_batch = 0, 0, 0
+    for length in sorted(lengths, reverse=True):
+        left = lengths[length]
+        while left:
+            if in_batch == 0:
+                batch_max = length
+            take = min(left, batch - in_batch)
+            padding += take * (batch_max - length)
+            in_batch = (in_batch + take) % batch
+            left -= take
+    return padding
 
 
 class PoolingStats:
@@ -385,6 +409,7 @@ class PoolingStats:
         self.load_s = load_s
         self.start = time.perf_counter()
         self.steps = self.rows = self.tokens = self.padding = self.truncated = 0
+        self.lengths: Counter[int] = Counter()  # texts by their token count (padding_sorted)
 
     def record(self, step) -> None:
         """One runner step (engine/pooling.PoolingStep)."""
@@ -393,6 +418,7 @@ class PoolingStats:
         self.tokens += step.num_tokens
         self.padding += step.num_padded_tokens
         self.truncated += sum(text.truncated for text, _ in step.finished)
+        self.lengths.update(len(text.token_ids) for text, _ in step.finished)
 
     def take_rows(self, final: bool = False) -> list[dict]:
         return []
@@ -410,6 +436,7 @@ class PoolingStats:
             prompt_tokens_computed=self.tokens,
             prompt_tokens_per_s=self.tokens / wall if wall else 0.0,
             padding_tokens_avoided=self.padding,
+            padding_tokens_sorted=padding_sorted(self.lengths),
             truncated_rows=self.truncated,
         )
         s.update(self.extra)

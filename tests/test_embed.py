@@ -221,6 +221,25 @@ def test_job_writes_fixed_size_vectors_error_rows_and_resumes(bases, tmp_path):
         run_job(embed_job(folder, data, out, pooler={"dimensions": 8}), progress=False)
 
 
+def test_both_padding_counterfactuals_are_recounted(bases, tmp_path):
+    """The summary's second padding counterfactual (beside `padding_tokens_avoided`, per packed step in input
+    order): texts sorted by length in batches of 32 as sentence-transformers batches (`padding_tokens_sorted`),
+    recounted here from the texts' token counts as sentence-transformers' tokenizer makes them."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    words = "the sea rain on a dog and".split()
+    texts = [" ".join(words[(i * 3 + j) % len(words)] for j in range(1 + (i * 7) % 11)) for i in range(70)]
+    data, out = write_texts(tmp_path / "in.parquet", texts), tmp_path / "out"
+    summary = run_job(embed_job(folder, data, out), progress=False)
+    lengths = SentenceTransformer(str(folder), device="cpu").tokenize(texts)["attention_mask"].sum(1).tolist()
+    rows = {r["id"]: r["prompt_tokens"] for r in pq.read_table(out).to_pylist()}
+    assert [rows[f"r{i}"] for i in range(len(texts))] == lengths
+    ordered = sorted(lengths, reverse=True)
+    batches = [ordered[i : i + 32] for i in range(0, len(ordered), 32)]
+    assert summary["padding_tokens_sorted"] == sum(max(b) * len(b) - sum(b) for b in batches) > 0
+
+
 def test_an_openai_batch_of_embeddings_requests_is_answered_in_openais_shape(bases, tmp_path):
     from batchrun import openai_batch
 
