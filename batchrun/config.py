@@ -343,6 +343,11 @@ def _check_task(spec: JobSpec, source: str) -> None:
             f"{source}: key `input.pair_column` applies to tasks score and classify (pairs), and task is "
             f"{spec.task}."
         )
+    if spec.task == "classify" and spec.input.pair_column is None and spec.pooler.prompt_name is not None:
+        raise BadInput(  # a pair's prompt (a cross-encoder's): transformers puts none before a text it classifies
+            f"{source}: key `pooler.prompt_name` applies to task classify of pairs (input.pair_column), put "
+            "before each pair's first text as CrossEncoder.predict puts it; a text is classified as it is."
+        )
     if spec.output.embedding_dtype != "float32" and spec.task != "embed":
         raise BadInput(
             f"{source}: key `output.embedding_dtype` applies to task embed (its embedding column), and task is "

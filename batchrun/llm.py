@@ -130,6 +130,7 @@ class LLM:
             from .pooling_worker import load_runner
 
             self.pooling = load_runner(model_spec, engine_config, pooler_config, "LLM(...)")
+            self.prompt_name = pooler_config.prompt_name  # a pair's prompt on a classifier: LLM.score's alone
             self.tokenizer, self.engine = self.pooling.tokenizer, None
             return
         self._load(model_spec, engine_config, "LLM(...)")
@@ -427,6 +428,11 @@ class LLM:
             )
         if task != "embed":
             check_head(self.pooling.model_dir, self.pooling.classifier.config, task, f"LLM.{task}")
+        if task in ("classify", "reward") and self.prompt_name is not None:
+            raise BadInput(
+                f"LLM.{task}: pooler.prompt_name is a cross-encoder's prompt, put before a pair's first text "
+                "(LLM.score); a text is taken as it is"
+            )
         if isinstance(prompts, str):
             prompts = [prompts]
         made_rows = [p if isinstance(p, InputRow) else InputRow(i, i, p) for i, p in enumerate(prompts)]

@@ -15,8 +15,8 @@ import pyarrow as pa
 
 from .config import JobSpec, ModelSpec
 from .engine.config import EngineConfig
-from .engine.pooler import PoolerConfig, PoolingPlan, resolve
-from .engine.sentence_config import SentenceConfigError, read_sentence_config
+from .engine.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
+from .engine.sentence_config import SentenceConfigError, read_cross_encoder_config, read_sentence_config
 from .errors import BadInput
 from .host import Placement, place
 from .model_loader import load_config, resolve_model_dir
@@ -60,6 +60,9 @@ def check_head(model_dir: Path, config, task: str, where: str) -> None:
             raise UnsupportedModel(f"{where}: key `task`: {e}") from None
 
 
+PAIR_TASKS = ("classify", "score")  # the tasks that take pairs (input.pair_column), as CrossEncoder.predict
+
+
 def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "embed") -> PoolingPlan:
     """The plan of a checkpoint folder for `task`, from its config files alone."""
     if task != "embed":  # the checkpoint's own head
@@ -71,11 +74,24 @@ def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "em
                 f"architectures: {names})"
             )
         check_head(model_dir, config, task, where)
-        for f in dataclasses.fields(PoolerConfig):  # the checkpoint's head decides all but the longest text
-            if f.name != "truncate_prompt_tokens" and getattr(options, f.name) is not None:
+        # the checkpoint's head decides all but the longest text, and (classify and score) a pair's prompt
+        keys = ("truncate_prompt_tokens",) + (("prompt_name",) if task in PAIR_TASKS else ())
+        for f in dataclasses.fields(PoolerConfig):
+            if f.name not in keys and getattr(options, f.name) is not None:
                 raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task {task}")
         labels = len(config.id2label)
-        return PoolingPlan((), True, (), False, None, "", options.truncate_prompt_tokens, labels, "")
+        plan = PoolingPlan((), True, (), False, None, "", options.truncate_prompt_tokens, labels, "")
+        if task not in PAIR_TASKS:
+            return plan
+        try:  # a pair is scored as CrossEncoder.predict scores it, from the rest of a folder CrossEncoder saved
+            saved = read_cross_encoder_config(model_dir)
+        except SentenceConfigError as e:
+            raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
+        return dataclasses.replace(
+            plan,
+            pair_prompt=prompt_of(saved, options.prompt_name, where),
+            pair_max_length=options.truncate_prompt_tokens or saved.max_seq_length,
+        )
     try:
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as e:

@@ -6,6 +6,7 @@ refused, naming the key."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -117,15 +118,20 @@ def test_the_activation_the_checkpoint_names_is_applied_and_an_unknown_one_refus
         pooling_llm(odd).score(QUERIES, PASSAGES, use_tqdm=False)
 
 
-def saved_cross_encoder(bases, folder, activation_fn) -> Path:
-    """A cross-encoder saved by sentence-transformers 6's CrossEncoder.save: its activation in
-    config_sentence_transformers.json (`activation_fn`), none in config.json."""
+def saved_cross_encoder(bases, folder, **settings) -> Path:
+    """A cross-encoder saved by sentence-transformers 6's CrossEncoder.save with these CrossEncoder settings
+    (activation_fn, prompts, default_prompt_name, max_length; `modules`: a function of the plain folder giving
+    its modules): its settings in its own files (the activation in config_sentence_transformers.json), none in
+    config.json."""
     from sentence_transformers import CrossEncoder
 
     plain = save_sequence_classifier(
         bases["bert"], folder.with_name(folder.name + "-plain"), {0: "relevance"}
     )
-    CrossEncoder(str(plain), device="cpu", activation_fn=activation_fn).save(str(folder))
+    if "modules" in settings:
+        CrossEncoder(modules=settings.pop("modules")(plain), device="cpu", **settings).save(str(folder))
+    else:
+        CrossEncoder(str(plain), device="cpu", **settings).save(str(folder))
     assert "sentence_transformers" not in json.loads((folder / "config.json").read_text())
     return folder
 
@@ -136,7 +142,7 @@ def test_the_activation_a_sentence_transformers_6_save_names_is_applied(bases, t
     unknown one there refused, naming it and the file."""
     from sentence_transformers import CrossEncoder
 
-    folder = saved_cross_encoder(bases, tmp_path / "identity", torch.nn.Identity())
+    folder = saved_cross_encoder(bases, tmp_path / "identity", activation_fn=torch.nn.Identity())
     config = json.loads((folder / "config.json").read_text())  # the older key, which the file's outranks
     (folder / "config.json").write_text(
         json.dumps(config | {"sentence_transformers": {"activation_fn": TANH}})
@@ -419,3 +425,111 @@ def test_a_system_prompt_on_a_pooling_job_is_a_bad_job(reward_model, tmp_path):
         and "model.system_prompt" in result.stderr
         and "task is reward" in result.stderr
     )
+
+
+PROMPTS = {"query": "query: ", "doc": "passage about: "}
+
+
+def test_a_saved_cross_encoders_prompt_is_put_before_the_query_as_predict_puts_it(bases, tmp_path):
+    """CrossEncoder.predict puts the folder's default prompt (config_sentence_transformers.json) before each
+    pair's first text; pooler.prompt_name picks another of its prompts ("" none), as predict's prompt_name does,
+    through LLM.score and a job; a name the folder lacks is exit 2 naming the key."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer
+
+    from batchrun import LLM
+
+    folder = saved_cross_encoder(bases, tmp_path / "prompted", prompts=PROMPTS, default_prompt_name="query")
+    pairs = list(zip(QUERIES, PASSAGES))
+    theirs = CrossEncoder(str(folder), device="cpu")
+    expected = theirs.predict(pairs)
+    assert (abs(expected - theirs.predict(pairs, prompt="")) > 1e-4).any()  # the prompt changes the scores
+    outs = pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)
+    assert_close([o.outputs.score for o in outs], expected)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert outs[0].prompt_token_ids == tok(["query: " + QUERIES[0]], [PASSAGES[0]])["input_ids"][0]
+    assert outs[0].prompt == pairs[0]  # the row as given
+    for name, reference in (
+        ("doc", theirs.predict(pairs, prompt_name="doc")),
+        ("", theirs.predict(pairs, prompt="")),
+    ):
+        llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler={"prompt_name": name})
+        assert_close([o.outputs.score for o in llm.score(QUERIES, PASSAGES, use_tqdm=False)], reference)
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(
+        pa.table({"id": list(range(4)), "prompt": QUERIES, "passage": PASSAGES, "topic": [0] * 4}), data
+    )
+    run_job(score_job(folder, data, tmp_path / "out", pooler={"prompt_name": "doc"}), progress=False)
+    rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
+    assert_close([r["score"] for r in rows], theirs.predict(pairs, prompt_name="doc"))
+    (tmp_path / "job.yaml").write_text(
+        json.dumps(score_job(folder, data, tmp_path / "o2", pooler={"prompt_name": "x"}))
+    )
+    result = run_cli("validate", str(tmp_path / "job.yaml"))
+    assert result.returncode == 2 and "pooler.prompt_name" in result.stderr and "'x'" in result.stderr
+    classify = score_job(folder, data, tmp_path / "o3", task="classify", pooler={"prompt_name": "doc"})
+    del classify["input"]["pair_column"]  # texts, which transformers classifies with no prompt: refused
+    (tmp_path / "job.yaml").write_text(json.dumps(classify))
+    result = run_cli("validate", str(tmp_path / "job.yaml"))
+    assert result.returncode == 2 and "pooler.prompt_name" in result.stderr
+    with pytest.raises(BadInput, match="LLM.classify: pooler.prompt_name"):
+        llm.classify(QUERIES)
+
+
+def test_a_saved_cross_encoders_longest_pair_is_the_one_predict_cuts_at(bases, tmp_path):
+    """predict cuts a pair at its Transformer module's max_seq_length: the tokenizer's model_max_length that
+    CrossEncoder(max_length=...).save writes, or an older sentence_bert_config.json's max_seq_length (which
+    outranks it, not capped at the model's positions); batchrun cuts at the same length and counts the cut."""
+    from sentence_transformers import CrossEncoder
+
+    long_pairs = [("the sea " * 5, PASSAGES[2]), ("a", "b"), (PASSAGES[2], "the sea")]
+    saved = saved_cross_encoder(bases, tmp_path / "sixteen", max_length=16)
+    older = tmp_path / "twelve"
+    shutil.copytree(saved, older)
+    bert_config = older / "sentence_bert_config.json"
+    bert_config.write_text(json.dumps(json.loads(bert_config.read_text()) | {"max_seq_length": 12}))
+    for folder, length in ((saved, 16), (older, 12)):
+        theirs = CrossEncoder(str(folder), device="cpu")
+        assert theirs.max_seq_length == length
+        outs = pooling_llm(folder).score(*map(list, zip(*long_pairs)), use_tqdm=False)
+        assert_close([o.outputs.score for o in outs], theirs.predict(long_pairs))
+        assert [len(o.prompt_token_ids) for o in outs] == [
+            len(theirs.preprocess([p])["input_ids"][0]) for p in long_pairs
+        ]
+    data = tmp_path / "pairs.parquet"
+    queries, passages = map(list, zip(*long_pairs))
+    pq.write_table(
+        pa.table({"id": [0, 1, 2], "prompt": queries, "passage": passages, "topic": [0] * 3}), data
+    )
+    summary = run_job(score_job(older, data, tmp_path / "out"), progress=False)
+    rows = sorted(pq.read_table(tmp_path / "out").to_pylist(), key=lambda r: r["id"])
+    assert [r["prompt_tokens"] for r in rows] == [12, 5, 12] and summary["truncated_rows"] == 2
+
+
+def test_a_cross_encoder_module_or_setting_batchrun_does_not_apply_is_refused(bases, tmp_path):
+    """A module after the Transformer in modules.json (a Dense over the scores, which predict applies) and a
+    Transformer setting batchrun does not reproduce are refused by LLM.score and by a job (exit 2), naming the
+    module or key and the file, never scored without them."""
+    from sentence_transformers.base.modules import Dense, Transformer
+
+    def with_dense(plain):
+        torch.manual_seed(0)
+        head = Dense(1, 1, activation_function=None, module_input_name="scores")
+        return [Transformer(str(plain), transformer_task="sequence-classification"), head]
+
+    dense = saved_cross_encoder(bases, tmp_path / "dense", modules=with_dense)
+    modules_file = dense / "modules.json"
+    with pytest.raises(BadInput, match=f"{modules_file}.*1_Dense.*Dense"):
+        pooling_llm(dense).score(QUERIES, PASSAGES, use_tqdm=False)
+    data = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"id": [0], "prompt": ["a"], "passage": ["b"], "topic": [0]}), data)
+    (tmp_path / "job.yaml").write_text(json.dumps(score_job(dense, data, tmp_path / "out")))
+    result = run_cli("validate", str(tmp_path / "job.yaml"))
+    assert result.returncode == 2 and str(modules_file) in result.stderr and "1_Dense" in result.stderr
+    lower = saved_cross_encoder(bases, tmp_path / "lower")
+    bert_config = lower / "sentence_bert_config.json"
+    settings = json.loads(bert_config.read_text())
+    for key, value in (("processing_kwargs", {"text": {"max_length": 8}}), ("do_lower_case", True)):
+        bert_config.write_text(json.dumps(settings | {key: value}))
+        with pytest.raises(BadInput, match=f"{bert_config}: {key}"):
+            pooling_llm(lower).score(QUERIES, PASSAGES, use_tqdm=False)

@@ -8,8 +8,8 @@ The checkpoint decides (sentence_config.py); a key set here overrides it:
 - `normalize`: true: the final vector L2-normalised (after `dimensions`, as sentence-transformers'
   `encode(normalize_embeddings=True)`); false: the checkpoint's Normalize module left out; null: as the checkpoint;
 - `dimensions`: the vector's first N components (Matryoshka), as sentence-transformers' `truncate_dim`;
-- `prompt_name`: one of the checkpoint's named prompts, put before every text (null: its default_prompt_name;
-  "": none);
+- `prompt_name`: one of the checkpoint's named prompts, put before every text (tasks score and classify:
+  before every pair's first text, as CrossEncoder.predict puts it) (null: its default_prompt_name; "": none);
 - `truncate_prompt_tokens`: the most tokens a text keeps, cut at its end as sentence-transformers'
   `max_seq_length` cuts (in place of the checkpoint's).
 """
@@ -54,6 +54,23 @@ class PoolingPlan:
     )  # the most tokens a text keeps (None: the model's own limit, and a longer text fails)
     output_dim: int  # the vector's length as written
     transformer_path: str  # the transformers model's folder inside the checkpoint
+    # a pair's (task score, and classify of pairs), as CrossEncoder.predict makes it: the prompt put before its
+    # first text, and the most tokens it keeps (None: max_length, else the tokenizer's limit)
+    pair_prompt: str = ""
+    pair_max_length: int | None = None
+
+
+def prompt_of(sentence: SentenceConfig, prompt_name: str | None, where: str) -> str:
+    """The prompt put before every text (an embedder's) or every pair's first text (a cross-encoder's), as
+    sentence-transformers' `prompt_name` picks it: `prompt_name` (pooler.prompt_name) among the checkpoint's
+    prompts, None its default_prompt_name, "" none; BadInput naming the key for a name it lacks."""
+    name = sentence.default_prompt_name if prompt_name is None else prompt_name
+    if name and name not in sentence.prompts:
+        known = ", ".join(sorted(sentence.prompts)) or "none"
+        raise SentenceConfigError(
+            f"{where}: key `pooler.prompt_name`: the checkpoint has no prompt {name!r} (its prompts: {known})"
+        )
+    return sentence.prompts[name] if name else ""
 
 
 def resolve(sentence: SentenceConfig, hidden_size: int, options: PoolerConfig, where: str) -> PoolingPlan:
@@ -78,19 +95,13 @@ def resolve(sentence: SentenceConfig, hidden_size: int, options: PoolerConfig, w
         raise SentenceConfigError(
             f"{where}: key `pooler.dimensions`: {options.dimensions} is more than the model's {full} dimensions"
         )
-    name = sentence.default_prompt_name if options.prompt_name is None else options.prompt_name
-    if name and name not in sentence.prompts:
-        known = ", ".join(sorted(sentence.prompts)) or "none"
-        raise SentenceConfigError(
-            f"{where}: key `pooler.prompt_name`: the checkpoint has no prompt {name!r} (its prompts: {known})"
-        )
     return PoolingPlan(
         modes=tuple(modes),
         include_prompt=sentence.include_prompt,
         after=after,
         normalize_output=bool(options.normalize),
         dimensions=options.dimensions,
-        prompt=sentence.prompts.get(name, "") if name else "",
+        prompt=prompt_of(sentence, options.prompt_name, where),
         max_length=options.truncate_prompt_tokens or sentence.max_seq_length,
         output_dim=options.dimensions or full,
         transformer_path=sentence.transformer_path,

@@ -109,6 +109,7 @@ class PoolingRunner:
             self.max_length = min(
                 self.tokenizer.model_max_length, max_positions or self.tokenizer.model_max_length
             )
+        self.pair_max_length = plan.pair_max_length or self.max_length
         self.takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
         self.dense = [_load_dense(m, dtype, device) if isinstance(m, DenseLayer) else m for m in plan.after]
         self.prompt_length = (
@@ -141,8 +142,11 @@ class PoolingRunner:
         transformers do): both texts between the tokenizer's special tokens, with their segment ids, the longer
         one cut first when the two are over the longest text allowed. Tokenized as a batch of one pair, as
         CrossEncoder tokenizes its batches: called with one pair, a tokenizer takes an empty second text for none
-        (no separator after it)."""
-        encoded = self.tokenizer([text], [pair], truncation=True, max_length=self.max_length)
+        (no separator after it). The plan's pair prompt (a cross-encoder's) goes before the first text, as
+        CrossEncoder.predict puts it, and the pair is cut at the plan's pair_max_length where it has one."""
+        encoded = self.tokenizer(
+            [self.plan.pair_prompt + text], [pair], truncation=True, max_length=self.pair_max_length
+        )
         return self._checked(encoded, batch_of_one=True)
 
     def encode_conversation(self, turns: list[dict]) -> EncodedText:

@@ -8,8 +8,9 @@ Both folder layouts found on the Hub are read: the older one (module types `sent
 `model_max_length`). A module or setting batchrun does not reproduce is refused here (`SentenceConfigError`),
 naming it: the worst outcome is a vector that silently differs from the model card's.
 
-A cross-encoder's activation (what sentence-transformers' CrossEncoder applies to the head's logits) is read here
-too (`cross_encoder_activation`), from the same files and in the same order as CrossEncoder reads it.
+A cross-encoder's folder is read here too, from the same files and in the same order as sentence-transformers'
+CrossEncoder reads them: its activation (`cross_encoder_activation`, what CrossEncoder applies to the head's
+logits), and its prompts, longest pair and modules (`read_cross_encoder_config`).
 """
 
 from __future__ import annotations
@@ -93,14 +94,9 @@ def cross_encoder_activation(model_dir: Path, num_labels: int) -> CrossEncoderAc
     config_sentence_transformers.json of model_type CrossEncoder) names it as that file's `activation_fn`; else
     config.json's `sentence_transformers.activation_fn` (its presence decides, as theirs); else config.json's
     older `sbert_ce_default_activation_function`; else a sigmoid for a head of one label, the identity for more."""
-    st_file = model_dir / "config_sentence_transformers.json"
-    if (model_dir / "modules.json").is_file() and st_file.is_file():
-        st = _json(st_file)
-        if (
-            st.get("model_type", "SentenceTransformer") == "CrossEncoder"
-            and st.get("activation_fn") is not None
-        ):
-            return CrossEncoderActivation(st["activation_fn"], f"{st_file}: activation_fn")
+    saved = _cross_encoder_files(model_dir)
+    if saved is not None and saved[1].get("activation_fn") is not None:
+        return CrossEncoderActivation(saved[1]["activation_fn"], f"{saved[0]}: activation_fn")
     config_file = model_dir / "config.json"
     config = _json(config_file) if config_file.is_file() else {}
     block = config.get("sentence_transformers")
@@ -115,6 +111,45 @@ def cross_encoder_activation(model_dir: Path, num_labels: int) -> CrossEncoderAc
         return CrossEncoderActivation(named, f"{config_file}: {key}")
     default = SIGMOID if num_labels == 1 else IDENTITY
     return CrossEncoderActivation(default, f"CrossEncoder's default for a head of {num_labels} label(s)")
+
+
+def _cross_encoder_files(model_dir: Path) -> tuple[Path, dict] | None:
+    """config_sentence_transformers.json (its path and contents) of a folder CrossEncoder loads through its
+    modules (modules.json, and that file of model_type CrossEncoder); None for one it loads from config.json
+    alone (no modules.json, or another model type, whose prompts and modules CrossEncoder does not read)."""
+    st_file = model_dir / "config_sentence_transformers.json"
+    if not ((model_dir / "modules.json").is_file() and st_file.is_file()):
+        return None
+    st = _json(st_file)
+    return (st_file, st) if st.get("model_type", "SentenceTransformer") == "CrossEncoder" else None
+
+
+def read_cross_encoder_config(model_dir: Path) -> SentenceConfig:
+    """What else of a cross-encoder's folder CrossEncoder.predict applies (sentence-transformers 6.3): its
+    named prompts and default prompt (the prompt goes before a pair's first text), and the longest pair (its
+    Transformer module's max_seq_length, where sentence_bert_config.json sets one; else the tokenizer's
+    model_max_length, which CrossEncoder.save writes). Its modules must be a Transformer alone, at the folder's
+    root, as CrossEncoder.save writes a sequence classifier: a module after it (a Dense over the scores, ...)
+    is refused, as is a Transformer setting batchrun does not reproduce. Defaults (from_files False) for a folder
+    CrossEncoder reads through config.json alone."""
+    saved = _cross_encoder_files(model_dir)
+    if saved is None:
+        return SentenceConfig(modes=(), from_files=False)
+    modules_file = model_dir / "modules.json"
+    modules = _json(modules_file)
+    if not modules or _module_kind(modules[0].get("type", "")) != "Transformer" or modules[0].get("path"):
+        raise SentenceConfigError(
+            f"{modules_file}: batchrun runs a cross-encoder whose first module is a Transformer at the folder's root"
+        )
+    if len(modules) > 1:
+        extra = modules[1]
+        raise SentenceConfigError(
+            f"{modules_file}: module {extra.get('path') or extra.get('name')} is a {extra.get('type')}, which "
+            "batchrun does not apply to a cross-encoder's scores (it runs the Transformer module alone)"
+        )
+    prompts, default = _prompts(*saved)
+    max_seq_length = _transformer_options(model_dir, _CROSS_ENCODER_TRANSFORMER)
+    return SentenceConfig((), True, (), prompts, default, max_seq_length)
 
 
 def _module_kind(type_name: str) -> str:
@@ -150,11 +185,7 @@ def read_sentence_config(model_dir: Path) -> SentenceConfig:
     prompts, default = {}, None
     st_file = model_dir / "config_sentence_transformers.json"
     if st_file.is_file():
-        st = _json(st_file)
-        prompts = dict(st.get("prompts") or {})
-        default = st.get("default_prompt_name") or None
-        if default is not None and default not in prompts:
-            raise SentenceConfigError(f"{st_file}: default_prompt_name {default!r} is not among its prompts")
+        prompts, default = _prompts(st_file, _json(st_file))
     return SentenceConfig(
         tuple(modes), include_prompt, tuple(after), prompts, default, options, modules[0].get("path", "")
     )
@@ -167,18 +198,36 @@ def _json(path: Path):
         raise SentenceConfigError(f"{path}: cannot read it ({e})") from None
 
 
-def _transformer_options(folder: Path) -> int | None:
-    """The Transformer module's settings; returns its max_seq_length (older layout). A setting that changes the
-    tokens or the forward in a way batchrun does not follow is refused."""
+def _prompts(st_file: Path, st: dict) -> tuple[dict[str, str], str | None]:
+    """config_sentence_transformers.json's named prompts and its default prompt's name (None: no prompt)."""
+    prompts = dict(st.get("prompts") or {})
+    default = st.get("default_prompt_name") or None
+    if default is not None and default not in prompts:
+        raise SentenceConfigError(f"{st_file}: default_prompt_name {default!r} is not among its prompts")
+    return prompts, default
+
+
+# the Transformer module's settings batchrun reproduces: an embedder's token states, a cross-encoder's logits
+_EMBEDDING_TRANSFORMER = {
+    "transformer_task": "feature-extraction",
+    "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+    "module_output_name": "token_embeddings",
+}
+_CROSS_ENCODER_TRANSFORMER = {
+    "transformer_task": "sequence-classification",
+    "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+    "module_output_name": "scores",
+}
+
+
+def _transformer_options(folder: Path, expected: dict = _EMBEDDING_TRANSFORMER) -> int | None:
+    """The Transformer module's settings; returns its max_seq_length (older layout; sentence-transformers passes
+    it to the tokenizer as model_max_length, over the tokenizer's own). A setting that changes the tokens or the
+    forward in a way batchrun does not follow is refused."""
     path = folder / "sentence_bert_config.json"
     if not path.is_file():
         return None
     config = _json(path)
-    expected = {
-        "transformer_task": "feature-extraction",
-        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
-        "module_output_name": "token_embeddings",
-    }
     for key, value in config.items():
         if key in expected and value != expected[key]:
             raise SentenceConfigError(f"{path}: {key} {value!r}; batchrun reproduces only {expected[key]!r}")
