@@ -40,7 +40,9 @@ def wordpiece_tokenizer(folder: Path):
     ]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    # vocab=, not vocab_file=: transformers 5 builds the fast tokenizer from `vocab` and ignores vocab_file (every
+    # word was [UNK], a tokenizer of 5 tokens)
+    return BertTokenizerFast(vocab=str(folder / "vocab.txt"))
 
 
 def eos_appending_tokenizer(default_model_dir: Path):
