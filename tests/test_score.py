@@ -443,7 +443,9 @@ def test_a_saved_cross_encoders_prompt_is_put_before_the_query_as_predict_puts_i
     pairs = list(zip(QUERIES, PASSAGES))
     theirs = CrossEncoder(str(folder), device="cpu")
     expected = theirs.predict(pairs)
-    assert (abs(expected - theirs.predict(pairs, prompt="")) > 1e-5).any()  # past assert_close: the prompt matters
+    assert (
+        abs(expected - theirs.predict(pairs, prompt="")) > 1e-5
+    ).any()  # past assert_close: the prompt matters
     outs = pooling_llm(folder).score(QUERIES, PASSAGES, use_tqdm=False)
     assert_close([o.outputs.score for o in outs], expected)
     tok = AutoTokenizer.from_pretrained(folder)
