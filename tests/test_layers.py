@@ -127,15 +127,15 @@ print(json.dumps(taken))
 """
 
 
-def _taken_for_installed(names: list[str]) -> dict[str, str | None]:
-    """Run from the checkout's root as `python -m bench...` and make are: which of `names` transformers' own
-    probe takes for an installed package, and the file it would import."""
+def _taken_for_installed(names: list[str], cwd=ROOT) -> dict[str, str | None]:
+    """Run from `cwd` (the checkout's root, as `python -m bench...` and make run): which of `names` transformers'
+    own probe takes for an installed package, and the file it would import."""
     import json
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, *names], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PROBE, *names], cwd=cwd, capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -154,16 +154,9 @@ def test_nothing_at_the_checkout_root_is_taken_for_transformers_optional_package
     )
 
 
-def test_a_package_folder_at_the_root_would_be_taken(tmp_path):
-    """The probe above can fail: a folder with an __init__.py named like a probed package is taken for it."""
-    import shutil
-
-    fake = ROOT / "optimum"
-    if fake.exists():
-        return
-    fake.mkdir()
-    try:
-        (fake / "__init__.py").write_text("")
-        assert "optimum" in _taken_for_installed(["optimum"])
-    finally:
-        shutil.rmtree(fake)
+def test_a_package_folder_where_python_runs_would_be_taken(tmp_path):
+    """The probe above can fail: a folder with an __init__.py named like a probed package, where Python runs, is
+    taken for it (made in a scratch folder, not the checkout, which other tests read at the same time)."""
+    (tmp_path / "optimum").mkdir()
+    (tmp_path / "optimum" / "__init__.py").write_text("")
+    assert _taken_for_installed(["optimum"], cwd=tmp_path)["optimum"].startswith(str(tmp_path / "optimum"))
