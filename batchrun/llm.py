@@ -250,8 +250,8 @@ class LLM:
         """ValueError saying why this model's images cannot run here (batchrun's reason, or this install's)."""
         if not self.takes_images:
             raise ValueError("an image, and this model takes no images (a text model)")
-        if self.engine.images_refusal:
-            raise ValueError(f"this model's images cannot run on batchrun: {self.engine.images_refusal}")
+        if self.engine.plan.images_refusal:
+            raise ValueError(f"this model's images cannot run on batchrun: {self.engine.plan.images_refusal}")
         if self.images_unavailable:
             raise ValueError(f"this model's images cannot run on this install: {self.images_unavailable}")
 
@@ -265,7 +265,7 @@ class LLM:
         except Exception as e:  # noqa: BLE001 - the model's own processor
             raise ValueError(f"the model's processor failed on {what}: {e}") from None
         ids = outputs["input_ids"][0].tolist()
-        return Prompt(ids, ImageInputs.from_processor(outputs, self.engine.image_token_id, ids))
+        return Prompt(ids, ImageInputs.from_processor(outputs, self.engine.plan.image_token_id, ids))
 
     # ---- whole batches ------------------------------------------------------------------------------------------
     def generate(

@@ -320,7 +320,7 @@ class StatsCollector:
         wall = time.perf_counter() - self.start
         m = self.engine.memory_snapshot()
         compile_s, mask_s = self.engine.grammar_times()
-        bytes_per_page = self.engine.kv_spec.bytes_per_page
+        bytes_per_page = self.engine.plan.kv_spec.bytes_per_page
         total_slots = m.pages_total * m.page_size
         mean_reservation = a.reservation_sum / a.reservation_n if a.reservation_n else 0
         s = {

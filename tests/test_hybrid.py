@@ -207,7 +207,7 @@ def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch
     model, expected = model_and_reference("jamba")
     rows = prompts(256)
     got, steps, engine = run(model, "jamba", "torch", max_num_batched_tokens=16)
-    assert not engine.model_attention.states.continues_state and engine.state_slots.num_snapshots == 0
+    assert not engine.plan.states.continues_state and engine.state_slots.num_snapshots == 0
     lengths = {len(p) for p in rows}
     for step in steps:
         for s in step.plan.scheduled:

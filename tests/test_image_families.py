@@ -434,7 +434,7 @@ def check_equal_hf(family: str, target: Path, reference, engine: dict) -> None:
     # checked)
     pages = {"gemma3": 10, "gemma4": 30, "smolvlm": 8, "inkling2": 12}.get(family, 5)
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=pages if engine else 256, **engine)
-    assert (llm.engine.mrope is not None) == family.startswith("qwen")
+    assert (llm.engine.runner.mrope is not None) == family.startswith("qwen")
     outs = llm.chat(conversations(rows), SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected_of(reference, rows)
     if "preemption" in engine and family != "gemma4":  # an image row was preempted after its prompt
@@ -556,7 +556,7 @@ def test_prefix_sharing_of_an_image(vlm):
     outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     ids = llm.encode_chat(convs[-1]).token_ids
-    last_image = len(ids) - 1 - ids[::-1].index(llm.engine.image_token_id)
+    last_image = len(ids) - 1 - ids[::-1].index(llm.engine.plan.image_token_id)
     assert llm.engine.block_manager.prefix_cache.hit_tokens > last_image  # the second row's image was shared
 
 

@@ -190,7 +190,7 @@ def test_prefix_sharing_keys_image_pages_by_the_image(llava_dir, reference):
         with torch.inference_mode():
             ref = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert out[0].outputs[0].token_ids == ref[0, enc["input_ids"].shape[1] :].tolist()
-        first_image = enc["input_ids"][0].tolist().index(llm.engine.image_token_id)
+        first_image = enc["input_ids"][0].tolist().index(llm.engine.plan.image_token_id)
     assert hits[0] == 0
     assert hits[1] > first_image  # past the image's first token: its pages were shared
     assert 0 < hits[2] <= first_image  # the text before it only

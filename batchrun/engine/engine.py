@@ -13,28 +13,25 @@ from typing import Any
 import torch
 
 from ..errors import BadInput
-from ..vocabulary import embedding_rows, token_id_error
-from . import families, memory
-from .architecture import inspect_model
+from ..vocabulary import token_id_error
+from . import memory
 from .attention import AttentionServices, make_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
-from .kv_cache import KVCache, text_config
+from .kv_cache import KVCache
 from .memory import MemorySnapshot
+from .model_plan import ModelPlan
 from .model_runner import ModelRunner
 from .multimodal import (
     EncoderBudget,
     EncoderCache,
     ImageInputs,
     image_feature_bytes,
-    image_token_id,
-    images_unsupported_reason,
 )
 from .output_processor import OutputProcessor
-from .quantization import computes_each_prompt_whole
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .sizing import model_max_len, pool_sizes
+from .sizing import pool_sizes
 from .state_cache import StateCache
 from .state_slots import NoStateSlots, StateSlots
 from .timing import PhaseTimes
@@ -105,43 +102,25 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = device
         self.eos_token_ids = eos_token_ids or set()
-        self.max_model_len = min(model_max_len(model.config), max_model_len or 1 << 62)
-        dtype = next(model.parameters()).dtype
-        # refuses what cannot run exactly, before any page is made
-        self.model_attention = inspect_model(model)
-        self.kv_spec = self.model_attention.kv_spec(config.page_size, dtype)
-        self.kv_groups = self.kv_spec.groups
-        state_spec = self.model_attention.states  # a hybrid model's per-sequence states; None: none
-        # whether a prompt may be computed in chunks, each continuing the state the last left (StateSpec)
-        chunks = state_spec is None or state_spec.continues_state
-        # quantized layers that choose their arithmetic from all of a prompt's tokens: no chunk, no shared prefix
-        whole = computes_each_prompt_whole(model)
-        # images: whether this model takes them, their positions (Qwen-VL's 3-D ones; None: each token at its
-        # index), whether one image's tokens see each other (Gemma's; None: causal), and how many image tokens'
-        # features may wait for prefill (their bytes come out of the KV budget)
-        self.images_refusal = images_unsupported_reason(model)
-        self.image_token_id = image_token_id(model.config)
-        self.embedding_rows = embedding_rows(model)  # a prompt's token ids must be below it (prompt_error)
-        image_blocks = families.image_blocks(model) if self.images_refusal is None else None
-        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
-        if image_blocks is not None and not self.attention.capabilities.image_blocks:
-            self.images_refusal = (
-                f"one image's tokens attend to each other, which attention `{self.attention.name}` does not "
-                "compute"
-            )
-            image_blocks = None
-        self.mrope = families.image_positions(model) if self.images_refusal is None else None
-        encoder_budget = EncoderBudget(config.max_num_batched_tokens) if self.images_refusal is None else None
+        # everything known of the model, found once (refusing what cannot run exactly, before any page is made)
+        plan = ModelPlan.of(model, config.page_size, max_model_len)
+        self.attention = make_backend(config.attention, plan.attention.num_heads, plan.kv_spec, device)
+        self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
+        self.kv_groups = plan.kv_spec.groups
+        # a vision-language model's image features waiting for prefill: at most so many tokens' (their bytes
+        # come out of the KV budget)
+        encoder_budget = EncoderBudget(config.max_num_batched_tokens) if plan.images is not None else None
         self.encoder_budget_bytes = (
             encoder_budget.max_tokens * image_feature_bytes(model) if encoder_budget else 0
         )
+        state_spec = plan.states  # a hybrid model's per-sequence states; None: none
         sizes = pool_sizes(
             config,
-            self.kv_spec.bytes_per_page,
+            plan.kv_spec.bytes_per_page,
             self.kv_groups.num_groups,
             state_spec.bytes_per_slot if state_spec else 0,
             device,
-            keeps_prefix_states=chunks,
+            keeps_prefix_states=plan.keeps_prefix_states,
             reserved_bytes=self.encoder_budget_bytes,
         )
         self.num_pages = sizes.num_pages
@@ -149,32 +128,25 @@ class Engine:
             self.num_pages,
             config.page_size,
             sizes.num_cpu_pages,
-            config.prefix_sharing and not whole,
+            config.prefix_sharing and plan.shares_prefixes,
             [kind.first_key for kind in self.kv_groups.kinds],
         )
-        if self.model_attention.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
-            self.block_manager.prefix_cache.shareable_tokens = self.model_attention.rope.shareable_tokens
+        if plan.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
+            self.block_manager.prefix_cache.shareable_tokens = plan.rope.shareable_tokens
         self.state_slots = (
             StateSlots(sizes.num_slots, sizes.num_cpu_slots, sizes.num_snapshots)
             if state_spec
             else NoStateSlots()
         )
         self.scheduler = Scheduler(
-            config,
-            self.block_manager,
-            max(1, self.num_pages // 100),
-            states=self.state_slots,
-            whole_prompts=not chunks or whole,
-            whole_images=image_blocks is not None,
-            encoder_budget=encoder_budget,
-            recompute_at=self.model_attention.rope and self.model_attention.rope.recompute_at,
+            config, self.block_manager, self.state_slots, plan.chunks, encoder_budget=encoder_budget
         )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
                 f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "
                 f"sequence; give it more pages or memory."
             )
-        self.kv_cache = KVCache(self.kv_spec, self.num_pages, sizes.num_cpu_pages, device)
+        self.kv_cache = KVCache(plan.kv_spec, self.num_pages, sizes.num_cpu_pages, device)
         self.state_cache = (
             StateCache(state_spec, sizes.num_slots + sizes.num_snapshots, sizes.num_cpu_slots, device)
             if state_spec
@@ -185,28 +157,17 @@ class Engine:
             self.attention,
             self.kv_cache,
             self.times,
-            specs=self.model_attention.layer_specs(),  # each attention layer, fixed from now on
-            layers=self.model_attention.layers,
+            specs=plan.attention.layer_specs(),  # each attention layer, fixed from now on
+            layers=plan.attention.layers,
         )
         # a vision-language model's image encoder outputs, while prompts with images are prefilled
-        self.encoder = EncoderCache(model, device) if self.images_refusal is None else None
-        self.runner = ModelRunner(
-            model,
-            services,
-            device,
-            self.times,
-            config.max_num_seqs,
-            self.state_cache,
-            self.encoder,
-            self.mrope,
-            image_blocks,
-            self.model_attention.rope,
-        )
+        self.encoder = EncoderCache(model, device) if plan.images is not None else None
+        self.runner = ModelRunner(model, plan, services, config.max_num_seqs, self.state_cache, self.encoder)
         self.outputs = OutputProcessor(
             tokenizer,
-            text_config(model.config).vocab_size,
+            plan.vocab_size,
             self.eos_token_ids,
-            self.max_model_len,
+            plan.max_model_len,
             self.scheduler,
             self.times,
         )
@@ -218,8 +179,8 @@ class Engine:
         """Why a tokenized prompt (from text, a conversation or given ids) can never run here, or None: a token
         id its embedding has no row for (vocabulary.py), then admission_error. Every prompt is checked here
         before it is added, by the job's worker and the Python API alike."""
-        placeholder = self.image_token_id if images is not None else None
-        return token_id_error(token_ids, self.embedding_rows, placeholder) or self.admission_error(
+        placeholder = self.plan.image_token_id if images is not None else None
+        return token_id_error(token_ids, self.plan.embedding_rows, placeholder) or self.admission_error(
             len(token_ids), params, images
         )
 
@@ -229,7 +190,7 @@ class Engine:
         """Why a prompt can never run here, or None: too long, a response format that does not compile, more
         pages than exist. Checked before a row enters the queue, so no row waits forever for pages that do not
         exist. `images`: the prompt's (an image computed whole may make a longer step)."""
-        limit = self.max_model_len
+        limit = self.plan.max_model_len
         if num_prompt_tokens == 0:
             return "the prompt has no tokens"
         if num_prompt_tokens >= limit:
@@ -274,10 +235,10 @@ class Engine:
         processor made them (its image tokens are in the prompt); ValueError where this model takes none."""
         seq = Sequence(next(self.outputs.seq_ids), list(prompt_token_ids), params, request=request)
         if images is not None and images.num_images:
-            if self.images_refusal:
-                raise ValueError(f"this model takes no images here: {self.images_refusal}")
-            if self.mrope is not None:
-                images.rope_positions, images.rope_delta = self.mrope.prompt_positions(
+            if self.plan.images is None:
+                raise ValueError(f"this model takes no images here: {self.plan.images_refusal}")
+            if self.plan.images.positions is not None:
+                images.rope_positions, images.rope_delta = self.plan.images.positions.prompt_positions(
                     prompt_token_ids, images
                 )
             seq.images = images
@@ -388,7 +349,7 @@ class Engine:
 
     def reserved_slots(self, seqs) -> int:
         """`reservation` summed over `seqs` (the statistics ask it of every running sequence, every step)."""
-        limit = self.max_model_len
+        limit = self.plan.max_model_len
         tokens = sum([min(len(s.prompt_token_ids) + s.params.max_new_tokens, limit) for s in seqs])
         return tokens * self.kv_groups.num_groups
 

@@ -22,36 +22,34 @@ from .attention import (
     products_as_generate,
 )
 from .block_table_buffer import BlockTableBuffer, slot_pages
-from .families import ImageBlocks, MRope
 from .kv_cache import text_config
+from .model_plan import ModelPlan
 from .multimodal import EncoderCache
-from .per_sequence_rope import PerSequenceRope
 from .scheduler import ScheduledSequence
 from .state_cache import StateCache, StepStates
-from .timing import PhaseTimes
 
 
 class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
+        plan: ModelPlan,
         services: AttentionServices,
-        device: torch.device,
-        times: PhaseTimes,
         max_num_seqs: int,
         state_cache: StateCache | None = None,
         encoder: EncoderCache | None = None,
-        mrope: MRope | None = None,
-        image_blocks: ImageBlocks | None = None,
-        rope: PerSequenceRope | None = None,
     ):
+        """`plan`: the model plan (its rope, image rules); `services`: the backend, the KV cache, the clock and
+        the layers' specs; `state_cache`: a hybrid model's state slots (None: no stateful layers); `encoder`: a
+        vision-language model's image features (multimodal.py; None: text only)."""
         self.model = model
-        self.rope = rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
-        self.mrope = mrope  # a model with 3-D rotary positions (Qwen-VL); None: 1-D positions
-        self.image_blocks = image_blocks  # Gemma's bidirectional image attention; None: images are causal
-        self.encoder = encoder  # a vision-language model's image features (multimodal.py); None: text only
-        self.state_cache = state_cache  # a hybrid model's state slots; None: no stateful layers
-        self.times = times
+        self.rope = plan.rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
+        images = plan.images
+        self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
+        self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
+        self.encoder = encoder
+        self.state_cache = state_cache
+        self.times = services.times
         self.services = services  # the backend (make_backend), the KV cache, the layers' specs
         spec = services.kv_cache.spec
         self.page_size = spec.page_size
@@ -64,10 +62,10 @@ class ModelRunner:
             (kind,) = {s.kind for s in members}  # one kind a group (KVGroups)
             self.kinds.append(kind)
             self.token_terms.append(any(s.token_terms for s in members))
+        self.device = services.kv_cache.device
         self.block_tables = BlockTableBuffer(
-            spec.groups.num_groups, 2 * max_num_seqs, pin=device.type == "cuda"
+            spec.groups.num_groups, 2 * max_num_seqs, pin=self.device.type == "cuda"
         )
-        self.device = device
 
     def prepare(
         self, scheduled: list[ScheduledSequence], chunks: list | None = None

@@ -100,39 +100,47 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class ChunkRules:
+    """How much of a prompt one step may compute (the scheduler's one chunk policy reads these):
+    - whole_prompts: each prompt (and a recompute) in one step, past the token budget when it begins the step: a
+      hybrid whose stateful layers cannot continue a state over several tokens, or a quantized layer that
+      chooses its arithmetic from all of a prompt's tokens (LLM.int8() with outliers);
+    - whole_images: a chunk never splits an image whose tokens attend to each other;
+    - recompute_at: a sequence reaching this many tokens is computed again whole (Phi-3's LongRoPE switches
+      factors there); None: never."""
+
+    whole_prompts: bool = False
+    whole_images: bool = False
+    recompute_at: int | None = None
+
+
 class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
         block_manager: BlockManager,
-        watermark_pages: int = 0,
         states: StateSlots | NoStateSlots | None = None,
-        whole_prompts: bool = False,
-        whole_images: bool = False,
+        rules: ChunkRules = ChunkRules(),
         encoder_budget: EncoderBudget | None = None,
-        recompute_at: int | None = None,
     ):
+        """`rules`: the model plan's chunk rules (model_plan.ChunkRules); `states`: a hybrid model's state slots (a
+        running sequence holds one beside its pages); `encoder_budget`: a vision-language model's image features
+        waiting for prefill (None: text only)."""
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
-        # a sequence reaching this many tokens is computed again whole (`recompute`: Phi-3's LongRoPE switches to
-        # its long factors there, per_sequence_rope.py); None: never
-        self.recompute_at = recompute_at
+        self.recompute_at = rules.recompute_at
         self.bm = block_manager
-        # a hybrid model's state slots: a running sequence holds one beside its pages
         self.states = states if states is not None else NoStateSlots()
         self._pending_forks: list[StateCopy] = []  # forks since the last plan: their states are copied first
-        # a hybrid whose stateful layers cannot continue a state over several tokens (StateSpec.continues_state)
-        # computes each prompt (or a preempted sequence's recompute) whole, in one step: past the token budget
-        # when it is the step's first, else in a later step
-        self.whole_prompts = whole_prompts
-        self.max_chunk = None if whole_prompts else config.max_num_batched_tokens  # of a prompt, in tokens
-        # a model whose image tokens attend to each other (multimodal.ImageBlocks): a chunk never splits an
-        # image, so it may end before one, or take one whole past the token budget when it is the step's first
-        self.whole_images = whole_images
-        # a vision-language model's image features waiting for prefill, at most so many tokens' (None: text)
+        self.whole_prompts = rules.whole_prompts
+        self.max_chunk = (
+            None if rules.whole_prompts else config.max_num_batched_tokens
+        )  # of a prompt, in tokens
+        self.whole_images = rules.whole_images
         self.encoder_budget = encoder_budget
         self.prefix_cache = block_manager.prefix_cache
-        # free pages admission leaves untouched, so decodes do not preempt at once
-        self.watermark_pages = watermark_pages
+        # free pages admission leaves untouched, so decodes do not preempt at once: 1% of the pool
+        self.watermark_pages = max(1, block_manager.num_pages // 100)
         self.waiting: deque[Sequence] = deque()
         # in admission order: a dict as an ordered set, so that a finished or preempted sequence leaves in O(1)
         self.running: dict[Sequence, None] = {}

@@ -1,0 +1,113 @@
+"""The model plan: what the engine knows of its model, found once at load and never derived again.
+
+The load probe (architecture.inspect_model) runs the model once under a recording attention and fixes each
+layer's spec, the KV cache groups and a hybrid's states; the family adapters (families/) add the image rules; the
+quantization module says whether a prompt must be one product. The plan holds all of it, so the Engine, the
+ModelRunner and the Scheduler each take the plan rather than a list of flags handed down, and a new rule is one
+field here and its reader there.
+
+`ModelPlan.of(model, ...)` is the model's own facts; `for_backend(capabilities)` narrows them to what the chosen
+attention backend computes (Gemma's bidirectional image blocks need a backend that computes them; without one
+the model's images are refused, its text still runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..vocabulary import embedding_rows
+from . import families
+from .architecture import ModelAttention, inspect_model
+from .families import ImageBlocks, MRope
+from .kv_cache import KVCacheSpec
+from .multimodal import image_token_id, images_unsupported_reason
+from .per_sequence_rope import PerSequenceRope
+from .quantization import computes_each_prompt_whole
+from .scheduler import ChunkRules
+from .sizing import model_max_len
+from .state_cache import StateSpec
+
+
+@dataclass(frozen=True)
+class ImageRules:
+    """How a vision-language model's image tokens run: whether one image's tokens attend to each other (Gemma's
+    `ImageBlocks`; None: causal), and their rotary positions (Qwen-VL's 3-D `MRope`; None: each token at its
+    index)."""
+
+    blocks: ImageBlocks | None = None
+    positions: MRope | None = None
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    attention: ModelAttention  # per-layer specs, KV groups, a hybrid's states, per-sequence rope
+    kv_spec: KVCacheSpec  # the pages those groups form, at the engine's page size and the model's dtype
+    max_model_len: int  # prompt + completion, the model's limit or the job's lower one
+    vocab_size: int  # the logits' width
+    embedding_rows: int  # a prompt's token ids must be below it
+    chunks: ChunkRules
+    # prefix sharing is exact for this model (False: a prompt must be one product of its own)
+    shares_prefixes: bool
+    images: ImageRules | None  # None: this model takes no images here (images_refusal says why)
+    images_refusal: str | None
+    image_token_id: int | None  # the token that holds an image's place in a prompt (None: none)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, page_size: int, max_model_len: int | None = None) -> ModelPlan:
+        """Probes `model` (refusing what cannot run exactly, before any page is made) and reads its rules."""
+        from .kv_cache import text_config
+
+        attention = inspect_model(model)
+        dtype = next(model.parameters()).dtype
+        whole = computes_each_prompt_whole(model)
+        states: StateSpec | None = attention.states
+        refusal = images_unsupported_reason(model)
+        images = None
+        if refusal is None:
+            images = ImageRules(families.image_blocks(model), families.image_positions(model))
+        rope: PerSequenceRope | None = attention.rope
+        return cls(
+            attention=attention,
+            kv_spec=attention.kv_spec(page_size, dtype),
+            max_model_len=min(model_max_len(model.config), max_model_len or 1 << 62),
+            vocab_size=text_config(model.config).vocab_size,
+            embedding_rows=embedding_rows(model),
+            chunks=ChunkRules(
+                whole_prompts=whole or (states is not None and not states.continues_state),
+                whole_images=images is not None and images.blocks is not None,
+                recompute_at=rope.recompute_at if rope is not None else None,
+            ),
+            shares_prefixes=not whole,
+            images=images,
+            images_refusal=refusal,
+            image_token_id=image_token_id(model.config),
+        )
+
+    def for_backend(self, capabilities, backend_name: str) -> ModelPlan:
+        """The plan as the chosen attention backend runs it: a model whose image tokens attend to each other
+        takes no images on a backend that does not compute that."""
+        if self.images is None or self.images.blocks is None or capabilities.image_blocks:
+            return self
+        return dataclasses.replace(
+            self,
+            images=None,
+            images_refusal=f"one image's tokens attend to each other, which attention `{backend_name}` does "
+            "not compute",
+            chunks=dataclasses.replace(self.chunks, whole_images=False),
+        )
+
+    @property
+    def rope(self) -> PerSequenceRope | None:
+        return self.attention.rope
+
+    @property
+    def states(self) -> StateSpec | None:
+        return self.attention.states
+
+    @property
+    def keeps_prefix_states(self) -> bool:
+        """A hybrid's states may be kept at a shared prefix and continued from there."""
+        return self.states is None or self.states.continues_state
