@@ -92,8 +92,17 @@ def model_and_reference(family: str, head_dim: int = 16):
 
 
 def run(model, family: str, attention: str, full_pages: int = 256, on_step=None, **engine):
-    """Run the prompts on batchrun's engine; `full_pages`: the KV memory of that many pages of all the model's
-    layers (a model with KV cache groups has more, smaller pages), plus a hybrid's state slots."""
+    """Run the prompts on batchrun's engine (`family_engine`)."""
+    eng = family_engine(model, attention, full_pages, **engine)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    seqs, steps = run_engine(eng, prompts(model.config.vocab_size), params, on_step=on_step)
+    eng.check_integrity()
+    return [s[0].output_token_ids for s in seqs], steps, eng
+
+
+def family_engine(model, attention: str, full_pages: int = 256, **engine):
+    """batchrun's engine on `model`; `full_pages`: the KV memory of that many pages of all the model's layers
+    (a model with KV cache groups has more, smaller pages), plus a hybrid's state slots."""
     from batchrun.engine import Engine, EngineConfig
     from batchrun.engine.architecture import inspect_model
 
@@ -115,11 +124,7 @@ def run(model, family: str, attention: str, full_pages: int = 256, on_step=None,
         found.states
     ):  # a hybrid: the pages alone, the state slots on top (one per sequence, not from the budget)
         cfg["num_pages"] = full_pages * found.groups.num_groups
-    eng = Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS)
-    seqs, steps = run_engine(eng, prompts(model.config.vocab_size), params, on_step=on_step)
-    eng.check_integrity()
-    return [s[0].output_token_ids for s in seqs], steps, eng
+    return Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
 
 
 @pytest.mark.parametrize("attention", ["torch", "gather"])

@@ -1,7 +1,9 @@
 """Nothing inside the model forward reads a tensor back to the host (on a GPU each such read waits for the
-device), nor makes a tensor from Python data: every shape, table and grid mapping the attention needs is built
-before the forward, once per step (what a CUDA graph of the step needs)."""
+device), nor makes a tensor from Python data: every shape, table, mask and grid mapping the attention needs is
+built before the forward, once per step (what a CUDA graph of the step needs). Watched on the plain model and on
+every attention path of the family matrix (tests/model_families.py)."""
 
+import os
 import sys
 import traceback
 
@@ -10,6 +12,7 @@ import torch
 from helpers import make_engine, run_engine
 from torch.overrides import TorchFunctionMode
 
+import batchrun
 from batchrun.engine import SamplingParams
 
 # tensor methods that copy device data to the host
@@ -26,6 +29,45 @@ HOST_READS = {
 # functions that make a tensor from Python data (torch.frombuffer, which a TorchFunctionMode does not see, is
 # wrapped by the test itself)
 FROM_PYTHON_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor}
+# functions that make a tensor from Python numbers (a range, a shape, a fill value): watched in batchrun's own
+# code, not in the model's (transformers' modules make their own cache positions and expert indices)
+FROM_PYTHON_NUMBERS = {torch.arange, torch.full, torch.zeros, torch.ones, torch.empty}
+BATCHRUN = os.path.dirname(batchrun.__file__) + os.sep
+TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def host_to_device(func, args, kwargs) -> bool:
+    """A copy from the host to the device: `.to` given a device (or a tensor, whose device it takes), even the
+    CPU it is on here, `.cuda()`, or `copy_` from a tensor on another device (seen only on a GPU)."""
+    if func is torch.Tensor.to:
+        given = list(args[1:]) + [kwargs.get("device")]
+        return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in given)
+    if func is torch.Tensor.copy_:
+        return args[1].device != args[0].device
+    return func is torch.Tensor.cuda
+
+
+def besides_the_gather_workspace(made: list[str]) -> list[str]:
+    """The tensors made, but for gather's reused workspace (gather.Workspace.get), which the forward still grows
+    with `torch.empty` when a step needs more rows than any before: sizing it with the step's plan needs each
+    group's page shape where the backend is made (backends/__init__.py), left to that change."""
+
+    def in_workspace(record: str) -> bool:
+        last_frame = [line for line in record.splitlines() if line.lstrip().startswith("File ")][-1]
+        return "backends/gather.py" in last_frame and last_frame.endswith(", in get")
+
+    return [m for m in made if not in_workspace(m)]
+
+
+def made_by_batchrun() -> bool:
+    """The call comes from batchrun's code: the first frame outside torch and this file is batchrun's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(TORCH) and name != __file__:
+            return name.startswith(BATCHRUN)
+        frame = frame.f_back
+    return False
 
 
 class HostReadsInForward(TorchFunctionMode):
@@ -44,6 +86,10 @@ class HostReadsInForward(TorchFunctionMode):
                 self.reads.append(f"{func.__name__}\n" + "".join(traceback.format_stack(limit=8)[:-1]))
             elif func in FROM_PYTHON_DATA:
                 self.record_made(func.__name__)
+            elif func in FROM_PYTHON_NUMBERS and made_by_batchrun():
+                self.record_made(func.__name__)
+            elif host_to_device(func, args, kwargs or {}) and made_by_batchrun():
+                self.record_made(f"{func.__name__} to a device")
         return func(*args, **(kwargs or {}))
 
     def record_made(self, name: str) -> None:
@@ -106,7 +152,7 @@ def test_the_forward_reads_nothing_back_from_the_device(tok_model, chat_prompts,
     if attention == "triton":
         prompts = [p[:40] for p in prompts]  # the interpreter is slow
     watched = run_watched(tok_model, prompts, attention)
-    reads, made = watched.reads, watched.made
+    reads, made = watched.reads, besides_the_gather_workspace(watched.made)
     assert not reads, f"{len(reads)} host reads inside the forward; the first:\n{reads[0]}"
     assert not made, f"{len(made)} tensors made from Python data inside the forward; the first:\n{made[0]}"
 
@@ -131,3 +177,54 @@ def test_the_watch_catches_a_tensor_made_from_python_data(tok_model, chat_prompt
 
     made = run_watched(tok_model, [chat_prompts[0][:30]], "torch", make).made
     assert made and made[0].startswith(how)
+
+
+# every attention path of the family matrix: a sliding window and soft-capping (Gemma 2), sinks beside a window
+# (gpt-oss), chunks and a query-scale fix (Llama 4), per-token sinks and relative bias beside short
+# convolutions' state slots (Inkling 2), a hybrid's Gated DeltaNet state slots (Qwen 3.5), KV-shared layers of
+# other head dims (Gemma 4)
+FAMILIES = ["gemma2", "gpt_oss", "llama4_text", "inkling2_text", "qwen3_5_text", "gemma4_text"]
+
+
+@pytest.mark.parametrize("attention", ["torch", "gather"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_attention_path_of_the_matrix_reads_back_or_makes_tensors(family, attention):
+    from test_families import family_engine, models, prompts
+
+    model, _ = models(family)
+    # 11, 33 and 75 tokens: whole prompts, one past the window of 32, one prefilled in chunks beside decodes
+    token_lists = [prompts(model.config.vocab_size)[i] for i in (1, 3, 5)]
+    watched = watch_engine(family_engine(model, attention), token_lists)
+    assert not watched.reads, (
+        f"{len(watched.reads)} host reads inside the forward; the first:\n{watched.reads[0]}"
+    )
+    made = besides_the_gather_workspace(watched.made)
+    assert not made, f"{len(made)} tensors made inside the forward; the first:\n{made[0]}"
+
+
+def as_batchrun_code(statement: str):
+    """A function running `statement` on x whose frame reads as batchrun's own code (the watch tells batchrun's
+    calls from the model's by their file)."""
+    namespace = {"torch": torch}
+    source = f"def make(x):\n    {statement}\n"
+    exec(compile(source, os.path.join(BATCHRUN, "engine", "attention", "made_here.py"), "exec"), namespace)
+    return namespace["make"]
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "torch.arange(3)",
+        "torch.full((3,), 1.0)",
+        "torch.zeros(3)",
+        "torch.ones(3)",
+        "torch.empty(3)",
+        "x.to(x.device)",
+    ],
+)
+def test_the_watch_catches_batchruns_tensors_from_python_numbers_and_copies_to_the_device(
+    tok_model, chat_prompts, statement
+):
+    make = as_batchrun_code(statement)
+    made = run_watched(tok_model, [chat_prompts[0][:30]], "torch", lambda m, a, out: make(out[0])).made
+    assert made and made[0].startswith(statement.split("(")[0].split(".")[-1]), made[:1]

@@ -159,7 +159,7 @@ class ProbeAttention:
         pos = torch.arange(q.shape[0], device=q.device)
         heads_first = lambda x: x.transpose(0, 1)[None]
         mask = call.kind.visible(pos, pos)[None, None]
-        terms = call.terms(pos[None], pos[None], len(pos))
+        terms = call.terms(pos[None], (pos[:, None] - pos[None, :])[None])
         o = attend(heads_first(q), heads_first(k), heads_first(v), mask, scale, call, terms=terms)
         return o[0].transpose(0, 1)
 

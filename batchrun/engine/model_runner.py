@@ -54,14 +54,15 @@ class ModelRunner:
         spec = services.kv_cache.spec
         self.page_size = spec.page_size
         self.dtype = spec.dtype
-        # per KV cache group: its layers' mask kind, and whether they add per-token terms (their prompts then
-        # need each query's row and position)
-        self.kinds, self.token_terms = [], []
+        # per KV cache group: its layers' mask kind, whether they add per-token terms (their prompts then
+        # need each query's row and position), and whether any runs the eager reference (GroupMetadata.eager)
+        self.kinds, self.token_terms, self.eager = [], [], []
         for g in range(spec.groups.num_groups):
             members = [s for s in services.specs if s is not None and s.group == g]
             (kind,) = {s.kind for s in members}  # one kind a group (KVGroups)
             self.kinds.append(kind)
             self.token_terms.append(any(s.token_terms for s in members))
+            self.eager.append(any(s.token_terms or not s.call.plain for s in members))
         self.device = services.kv_cache.device
         self.block_tables = BlockTableBuffer(
             spec.groups.num_groups, 2 * max_num_seqs, pin=self.device.type == "cuda"
@@ -119,6 +120,7 @@ class ModelRunner:
                 offsets,
                 images if images and self.image_blocks.applies(self.kinds[g]) else None,
                 self.token_terms[g],
+                self.eager[g],
             )
             for g, table in enumerate(tables)
         ]

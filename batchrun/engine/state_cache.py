@@ -324,8 +324,9 @@ def _token_slices(kwargs: dict, num_tokens: int, a: int, b: int) -> dict:
 
 
 def _token_rows(kwargs: dict, num_tokens: int, rows: torch.Tensor) -> dict:
-    """The keyword arguments of a call on the packed rows `rows` as a batch of one-token rows [B, 1, ...]."""
-    return _per_token(kwargs, num_tokens, lambda t: t[0].index_select(0, rows.to(t.device))[:, None])
+    """The keyword arguments of a call on the packed rows `rows` (on the step's device, StepStates) as a batch of
+    one-token rows [B, 1, ...]."""
+    return _per_token(kwargs, num_tokens, lambda t: t[0].index_select(0, rows)[:, None])
 
 
 def _per_token(kwargs: dict, num_tokens: int, cut) -> dict:

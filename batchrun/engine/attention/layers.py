@@ -50,15 +50,14 @@ class TokenScores:
     relative_bias: torch.Tensor | None  # [T, Hq, R]: at the key d = q_pos - k_pos back, for 0 <= d < R
     sinks: torch.Tensor | None  # [T, Hq]: a logit in the softmax's denominator, per token and head
 
-    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, num_keys: int) -> ScoreTerms:
-        """For a batch of B sequences of n queries each, at packed rows and positions [B, n], over the keys at
-        positions 0..num_keys-1 (m): the bias [B, Hq, n, m] and the sinks [B, Hq, n, 1]."""
+    def terms(self, rows: torch.Tensor, back: torch.Tensor) -> ScoreTerms:
+        """For a batch of B sequences of n queries each, at packed rows [B, n], over m keys, each key
+        `back` [B, n, m] positions behind its query (query position - key position, built with the step's
+        metadata): the bias [B, Hq, n, m] and the sinks [B, Hq, n, 1]."""
         bias = sinks = None
         if self.relative_bias is not None:
             rel = self.relative_bias[rows]  # [B, n, Hq, R]
             R = rel.shape[-1]
-            key_pos = torch.arange(num_keys, device=query_pos.device)
-            back = query_pos[:, :, None] - key_pos[None, None, :]  # [B, n, m]
             index = back.clamp(0, R - 1)[:, :, None, :].expand(-1, -1, rel.shape[2], -1)
             bias = rel.gather(-1, index).masked_fill(((back < 0) | (back >= R))[:, :, None, :], 0.0)
             bias = bias.transpose(1, 2)
@@ -100,9 +99,9 @@ class LayerCall:
         """SDPA computes it (no soft-capping, no sinks, nothing per token)."""
         return self.softcap is None and self.sinks is None and self.token_scores is None
 
-    def terms(self, rows: torch.Tensor, query_pos: torch.Tensor, num_keys: int) -> ScoreTerms | None:
+    def terms(self, rows: torch.Tensor, back: torch.Tensor) -> ScoreTerms | None:
         """These queries' per-token terms (TokenScores.terms); None for a layer without any."""
-        return None if self.token_scores is None else self.token_scores.terms(rows, query_pos, num_keys)
+        return None if self.token_scores is None else self.token_scores.terms(rows, back)
 
     @property
     def sink_logits(self) -> torch.Tensor | None:

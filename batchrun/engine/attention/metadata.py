@@ -165,6 +165,9 @@ class GroupMetadata:
     # (multimodal.ImageBlocks, on the layers it opens); None: no such image this step
     image_blocks: list[list[tuple[int, int]]] | None = None
     token_terms: bool = False  # its layers add per-token terms (LayerSpec.token_terms)
+    # some of its layers run the eager reference (soft-capping, sinks, per-token terms: not LayerCall.plain),
+    # which takes a whole prompt's causal mask as a tensor where SDPA takes is_causal
+    eager: bool = False
 
     @step_product
     def slot_mapping(self) -> torch.Tensor:

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from .layers import LayerCall, ScoreTerms
-from .masks import FULL
 
 
 def eager_attention(
@@ -46,13 +45,12 @@ def eager_attention(
 
 
 def attend(q, k, v, mask, scale: float, call: LayerCall, causal: bool = False, terms=None) -> torch.Tensor:
-    """SDPA where it computes the layer (`LayerCall.plain`), else `eager_attention` (with the queries' terms)."""
+    """SDPA where it computes the layer (`LayerCall.plain`; `causal`: its is_causal in place of the mask),
+    else `eager_attention` (with the queries' terms) on `mask`, which is then always given: it is built with
+    the step's metadata, never here per layer."""
     gqa = q.shape[1] > k.shape[1]
     if call.plain:
         if causal:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    if causal:
-        pos = torch.arange(q.shape[2], device=q.device)
-        mask = FULL.visible(pos, pos)[None, None]
     return eager_attention(q, k, v, mask, scale, call, terms)

@@ -27,6 +27,13 @@ class InklingRelativeBias(FamilyAdapter):
     def adapt_modules(self, model) -> None:
         for m in model.modules():
             if type(m).__name__ in RELATIVE_BIAS and "_batchrun_bias_forward" not in m.__dict__:
+                extent = getattr(m, RELATIVE_BIAS[type(m).__name__])
+                # every distance 0..R-1, made once here on the module's device (a buffer: it moves with the
+                # module), not per layer in the forward
+                device = next(m.parameters()).device
+                m.register_buffer(
+                    "_batchrun_distances", torch.arange(extent, device=device), persistent=False
+                )
                 m._batchrun_bias_forward = m.forward
                 m.forward = _relative_bias_forward.__get__(m)
 
@@ -35,8 +42,7 @@ def _relative_bias_forward(
     self, hidden_states: torch.Tensor, relative_distance, *args, **kwargs
 ) -> RelativeBias:
     """The bias module's own forward, asked for each of its R backward distances at every token: [1, Hq, T, R]."""
-    T, extent = hidden_states.shape[1], getattr(self, RELATIVE_BIAS[type(self).__name__])
-    every = torch.arange(extent, device=hidden_states.device).expand(T, extent)
+    every = self._batchrun_distances.expand(hidden_states.shape[1], -1)
     return RelativeBias(self._batchrun_bias_forward(hidden_states, every, *args, **kwargs))
 
 

@@ -24,7 +24,9 @@ class DecodeBatch:
     """Decoding sequences (one query token each) attended together over their gathered pages."""
 
     token_index: torch.Tensor  # [G] packed-token index of each sequence's query
-    query_pos: torch.Tensor  # [G] each one's query position (its context - 1)
+    back: (
+        torch.Tensor | None
+    )  # [G, 1, num_blocks * page_size]: query position - key position (per-token terms)
     page_index: torch.Tensor  # [G * num_blocks] block tables, flattened (padded with page 0)
     mask: torch.Tensor  # [G, 1, 1, num_blocks * page_size] bool: key j is in the sequence's context
     num_blocks: int
@@ -90,7 +92,10 @@ def decode_batches(step: StepMetadata, group: GroupMetadata) -> list[DecodeBatch
     for index, tokens, query_pos, mask, num_blocks in step.shared_product(("decode masks", group.kind), make):
         # pages behind a window (NULL = -1) are masked: page 0 stands in for them
         pages = group.block_tables[index, :num_blocks].clamp(min=0).long().view(-1).to(step.device)
-        batches.append(DecodeBatch(tokens, query_pos, pages, mask, num_blocks))
+        back = None
+        if group.token_terms:
+            back = (query_pos[:, None] - torch.arange(num_blocks * P, device=step.device))[:, None, :]
+        batches.append(DecodeBatch(tokens, back, pages, mask, num_blocks))
     return batches
 
 
@@ -126,7 +131,7 @@ def gathered_decode_attention(
                 q, k, v, attn_mask=batch.mask, scale=scale
             )  # [G, Hkv, gqa, Dv]
         else:  # the eager path wants query heads as heads: [G, Hq, 1, Dk]
-            terms = call.terms(batch.token_index[:, None], batch.query_pos[:, None], ctx)
+            terms = call.terms(batch.token_index[:, None], batch.back)
             o = eager_attention(q.reshape(G, num_heads, 1, head_dim), k, v, batch.mask, scale, call, terms)
         out[batch.token_index] = o.reshape(G, num_heads, v_dim)
 

@@ -22,14 +22,20 @@ class PrefillSequence:
     num_tokens: int
     context_len: int  # tokens it attends to, its new ones included
     pages: torch.Tensor | None  # [num_blocks] int64: its block table, when earlier tokens live in the cache
-    mask: torch.Tensor | None  # [1, 1, num_tokens, num_blocks * page_size], causal at the right offset
+    # a whole prompt attending causally to its own K/V: SDPA's is_causal, without `mask`
+    causal: bool
+    # [1, 1, num_tokens, num_keys] bool: the keys each query sees; None where it is causal and the group has no
+    # eager layers (GroupMetadata.eager)
+    mask: torch.Tensor | None
     rows: torch.Tensor | None  # [num_tokens] packed rows of its queries (layers with per-token terms)
-    query_pos: torch.Tensor | None  # [num_tokens] their positions (layers with per-token terms)
+    back: torch.Tensor | None  # [num_tokens, num_keys]: query position - key position (per-token terms)
 
 
 def prompt_masks(step: StepMetadata, group: GroupMetadata) -> list[torch.Tensor | None]:
     """Each prompt's mask for layers of this group's kind: None where a whole prompt attends causally to its
-    own K/V (SDPA's is_causal); shared by every group of the same kind and images."""
+    own K/V (SDPA's is_causal) and no layer of the group runs the eager reference, which takes every mask as a
+    tensor (made here, not per layer in the forward); shared by every group of the same kind, images and
+    eagerness."""
 
     def make() -> list[torch.Tensor | None]:
         masks = []
@@ -40,30 +46,36 @@ def prompt_masks(step: StepMetadata, group: GroupMetadata) -> list[torch.Tensor 
             key_pos = None
             if c > q:  # earlier tokens are in the cache: read through the block table
                 key_pos = torch.arange(cdiv(c, group.page_size) * group.page_size, device=step.device)
-            elif images or not group.kind.is_full:  # a whole prompt, under a window, chunks or images
+            elif images or not group.kind.is_full or group.eager:  # a whole prompt: windowed, ..., eager
                 key_pos = query_pos
             masks.append(
                 None if key_pos is None else group.kind.visible(query_pos, key_pos, images)[None, None]
             )
         return masks
 
-    return step.shared_product(("prompt masks", group.kind, group.image_blocks is not None), make)
+    key = ("prompt masks", group.kind, group.image_blocks is not None, group.eager)
+    return step.shared_product(key, make)
 
 
 def prompt_plans(step: StepMetadata, group: GroupMetadata) -> list[PrefillSequence]:
     """A PrefillSequence for every sequence of the step computing several tokens, in this group (with each
-    query's row and position where the group's layers add per-token terms)."""
+    query's row and how far behind it each key is, where the group's layers add per-token terms)."""
     out = []
     for i, mask in zip(step.prompts, prompt_masks(step, group)):
         q, c, start = step.query_lens[i], step.context_lens[i], step.starts[i]
+        images = group.image_blocks is not None and group.image_blocks[i]
         pages = None
         if c > q:  # a page behind the window (NULL) is masked: page 0 stands in for it
             pages = group.block_tables[i, : cdiv(c, group.page_size)].clamp(min=0).long().to(step.device)
-        rows = query_pos = None
+        rows = back = None
         if group.token_terms:
             rows = torch.arange(start, start + q, device=step.device)
-            query_pos = torch.arange(c - q, c, device=step.device)
-        out.append(PrefillSequence(start, q, c, pages, mask, rows, query_pos))
+            num_keys = q if pages is None else len(pages) * group.page_size
+            back = torch.arange(c - q, c, device=step.device)[:, None] - torch.arange(
+                num_keys, device=step.device
+            )
+        causal = c == q and group.kind.is_full and not images
+        out.append(PrefillSequence(start, q, c, pages, causal, mask, rows, back))
     return out
 
 
@@ -92,8 +104,8 @@ def prefill_attention(
             v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
         terms = None
         if call.token_scores is not None:
-            terms = call.terms(p.rows[None], p.query_pos[None], k.shape[2])
-        o = attend(q, k, v, p.mask, scale, call, causal=p.mask is None, terms=terms)
+            terms = call.terms(p.rows[None], p.back[None])
+        o = attend(q, k, v, p.mask, scale, call, causal=p.causal, terms=terms)
         out[rows] = o[0].transpose(0, 1)
 
 
