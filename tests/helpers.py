@@ -50,6 +50,19 @@ def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192,
     )
 
 
+def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
+    """A random-weight model from a config, with batchrun's attention as the engine loads a model directory's
+    (the tests' architecture matrix)."""
+    from batchrun.engine.attention import register
+    from batchrun.engine.loading import attention_implementation, model_class, refused_attention
+
+    register()
+    with refused_attention(config):
+        return model_class(config).from_config(
+            config, attn_implementation=attention_implementation(config), dtype=dtype
+        )
+
+
 def run_engine(engine, prompts, params, seeds=None, on_step=None):
     """Run prompts to completion; returns each prompt's sequences (in sample order) and the step results."""
     for i, p in enumerate(prompts):

@@ -230,7 +230,7 @@ def test_scheduler_never_deadlocks_or_leaks(
     assert len(done) == sum(n for _, _, n in lengths)
     assert not bm.sequences  # nothing kept of a finished sequence
     bm.check_integrity([])
-    assert bm.num_free_pages == bm.num_pages and bm.num_free_cpu_pages == cpu_pages
+    assert bm.num_free_pages == bm.num_pages and bm.cpu_pool.num_free == cpu_pages
 
 
 def test_scheduler_preempts_under_pressure_and_swaps_back():
@@ -273,7 +273,7 @@ def test_abort_all_frees_running_swapped_and_waiting():
     sched.abort_all()
     assert not sched.has_unfinished()
     bm.check_integrity([])
-    assert bm.num_free_pages == 12 and bm.num_free_cpu_pages == 40
+    assert bm.num_free_pages == 12 and bm.cpu_pool.num_free == 40
 
 
 def test_a_sliding_group_gives_back_the_pages_behind_its_window():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_engine
+from helpers import paged_model_from_config, run_engine
 from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
 
 from batchrun.engine import SamplingParams
@@ -36,8 +36,6 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def build(family: str, overrides: dict, attn: str):
     from transformers import AutoModelForCausalLM
-
-    from batchrun.engine.loading import paged_model_from_config
 
     cfg = tiny_config(family, overrides)
     torch.manual_seed(0)
@@ -432,8 +430,12 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
         [("sliding", 4)] * 8 + [("sliding", 2)] + [("full", 2)] * 3
     )
     spec = KVCacheSpec(groups, page_size=4, dtype=torch.float32)
-    padded = [g for g in range(groups.num_groups) if spec.padding_bytes(g)]
-    assert [groups.sizes[g] for g in padded] == [2] and spec.padding_bytes(padded[0]) == 4 * 1024 * 4
+
+    def padding_bytes(g: int) -> int:  # of each of g's pages: a page's elements per token less its layers'
+        return spec.page_size * (groups.elements_per_token - groups.sizes[g] * groups.shapes[g].elements) * 4
+
+    padded = [g for g in range(groups.num_groups) if padding_bytes(g)]
+    assert [groups.sizes[g] for g in padded] == [2] and padding_bytes(padded[0]) == 4 * 1024 * 4
     cache = KVCache(spec, num_pages=3, num_cpu_pages=0, device=torch.device("cpu"))
     owners = torch.zeros(groups.num_groups, 3, spec.page_elements)  # a page is one group's at a time
     for layer in range(42):
@@ -451,4 +453,4 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
         owners[group] += cache.pages != 0
     assert owners.max().item() == 1  # no element of a group's page is two layers'
     unused = (owners[:, 0] == 0).sum(dim=1) * 4  # bytes of a group's page none of its layers holds
-    assert unused.tolist() == [spec.padding_bytes(g) for g in range(groups.num_groups)]
+    assert unused.tolist() == [padding_bytes(g) for g in range(groups.num_groups)]

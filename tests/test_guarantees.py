@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import run_engine
+from helpers import paged_model_from_config, run_engine
 from model_families import perturb, tiny_config
 from test_families import NEW_TOKENS, hf_tokens, prompts
 
@@ -32,8 +32,6 @@ ROPE = {
 
 def rope_models(family: str, rope: str):
     from transformers import AutoModelForCausalLM
-
-    from batchrun.engine.loading import paged_model_from_config
 
     overrides = dict(rope_parameters=ROPE[rope], max_position_embeddings=128)
     torch.manual_seed(0)

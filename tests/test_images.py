@@ -14,7 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import read_outputs, run_cli, save_vlm, start_submit, wait_for_parts, write_job
+from helpers import (
+    paged_model_from_config,
+    read_outputs,
+    run_cli,
+    save_vlm,
+    start_submit,
+    wait_for_parts,
+    write_job,
+)
 
 from batchrun import LLM, SamplingParams
 
@@ -241,7 +249,6 @@ def test_images_the_engine_cannot_compute_are_refused(family):
     of its own (GLM-4V), on a family batchrun has no rule for, takes no images: the reason says which."""
     from transformers import AutoConfig
 
-    from batchrun.engine.loading import paged_model_from_config
     from batchrun.engine.multimodal import images_unsupported_reason
 
     cfg = AutoConfig.for_model(family)

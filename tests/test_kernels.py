@@ -190,11 +190,10 @@ EXACT_SHAPES = {"smollm2-135m": (576, 1536, 30, 9, 3, 64), "llama-8b-4-layers": 
 
 def engine_equals_hf_generate(sizes, device: str, rows: int = 8, new_tokens: int = 24):
     """fp32: the engine's batch (Triton attention) against HF `generate` one row at a time (no padding)."""
-    from helpers import run_engine
+    from helpers import paged_model_from_config, run_engine
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from batchrun.engine import Engine, EngineConfig, SamplingParams
-    from batchrun.engine.loading import paged_model_from_config
 
     names = "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim"
     config = lambda: LlamaConfig(

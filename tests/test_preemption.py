@@ -72,7 +72,7 @@ def test_quarter_memory_finishes_every_row_with_the_same_completions(
     assert len(preempted) >= len(workload) / 3, f"only {len(preempted)} of {len(workload)} preempted"
     bm = engine.block_manager
     bm.check_integrity([])
-    assert bm.num_free_pages == bm.num_pages and bm.num_free_cpu_pages == bm.num_cpu_pages
+    assert bm.num_free_pages == bm.num_pages and bm.cpu_pool.num_free == bm.num_cpu_pages
     assert swap_out == swap_in
     assert preemptions == sum(s[0].num_preemptions for s in seqs)
     if mode == "swap":

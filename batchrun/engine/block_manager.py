@@ -66,10 +66,6 @@ class BlockManager:
     def num_used_pages(self) -> int:
         return self.num_pages - self.pool.num_free
 
-    @property
-    def num_free_cpu_pages(self) -> int:
-        return self.cpu_pool.num_free
-
     def _no_tables(self) -> list[list[int]]:
         return [[] for _ in range(self.num_groups)]
 

@@ -5,7 +5,7 @@ sorted by mask kind and K/V shape: a model whose layers all attend alike is one 
 plain paged cache); Gemma 3's 5 sliding : 1 full is 6 groups of 1 layer; Gemma 4, whose full-attention layers
 have other head dims and KV heads than its sliding ones, has groups of each shape. Every page is one size, and
 pages of every group come from one pool, so the scheduler counts pages alone: a group of smaller layers takes
-more of them into a page (up to the page's size), and the rest of its pages is unused (`padding_bytes`).
+more of them into a page (up to the page's size), and the rest of its pages is unused.
 
 Each pool is [num_pages, page elements]: a page is one row, so a swap or a copy-on-write moves whole pages in
 one indexed copy, whatever the groups. Inside a page each of the group's layers has its keys [P, Hkv, Dk] then
@@ -114,11 +114,6 @@ class KVCacheSpec:
     @property
     def bytes_per_page(self) -> int:
         return self.page_elements * self.dtype.itemsize
-
-    def padding_bytes(self, group: int) -> int:
-        """The bytes of each of `group`'s pages its layers leave unused (a group of smaller layers)."""
-        used = self.groups.sizes[group] * self.groups.shapes[group].elements
-        return self.page_size * (self.groups.elements_per_token - used) * self.dtype.itemsize
 
     @classmethod
     def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheSpec:

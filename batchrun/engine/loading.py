@@ -1,9 +1,10 @@
-"""Loading a model with batchrun's paged attention: a model directory (what model_loader.py found or converted)
-or a config with random weights (the tests' architecture matrix, the benchmarks). A model class that will not
-take a custom attention function is refused here, naming its architecture (architecture.py refuses the rest)."""
+"""Loading a model with batchrun's paged attention from a model directory (what model_loader.py found or
+converted). A model class that will not take a custom attention function is refused here, naming its
+architecture (`refused_attention`; architecture.py refuses the rest)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from ..errors import BadInput
 from . import families
 from .architecture import not_the_models_fault
-from .attention import ATTENTION_NAME, UnsupportedModel, refusal, register
+from .attention import ATTENTION_NAME, refusal, register
 from .multimodal import is_vision_language
 from .quantization import call_per_sequence, finish_loading, missing_package
 
@@ -156,15 +157,22 @@ def eos_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
-def _load_refusal(architecture: str, e: Exception) -> UnsupportedModel:
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if ATTENTION_NAME in str(e) or "attn_implementation" in str(e) or "attention" in text.lower():
-        return refusal(
-            architecture,
+@contextmanager
+def refused_attention(config):
+    """Loading a model of `config` with batchrun's attention: a model class that refuses a custom attention
+    function (transformers names the function in its error) is UnsupportedModel naming the architecture; any
+    other error is raised as it is."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        if ATTENTION_NAME not in str(e):
+            raise
+        text = str(e).splitlines()[0]
+        raise refusal(
+            config.model_type,
             f"its attention does not go through transformers' attention interface (loading it with "
             f"attn_implementation={ATTENTION_NAME!r} failed: {text})",
-        )
-    return refusal(architecture, f"it does not load with batchrun's attention ({type(e).__name__}: {text})")
+        ) from None
 
 
 def model_class(config):
@@ -193,23 +201,8 @@ def load_paged_model(model_dir, dtype: torch.dtype, config=None):
     from transformers import AutoConfig
 
     register()
-    try:
-        config = config if config is not None else AutoConfig.from_pretrained(model_dir)
+    config = config if config is not None else AutoConfig.from_pretrained(model_dir)
+    with refused_attention(config):
         return model_class(config).from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attention_implementation(config), config=config
         )
-    except Exception as e:  # noqa: BLE001
-        if ATTENTION_NAME not in str(e) or config is None:
-            raise
-        raise _load_refusal(config.model_type, e) from None
-
-
-def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
-    """A random-weight model from a config, with batchrun's attention (the tests' architecture matrix)."""
-    register()
-    try:
-        return model_class(config).from_config(
-            config, attn_implementation=attention_implementation(config), dtype=dtype
-        )
-    except Exception as e:  # noqa: BLE001 - the model class refuses a custom attention function
-        raise _load_refusal(config.model_type, e) from None

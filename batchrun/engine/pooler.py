@@ -35,9 +35,6 @@ class PoolerConfig:
     def __post_init__(self) -> None:
         check_fields(self)
 
-    def is_default(self) -> bool:
-        return self == PoolerConfig()
-
 
 @dataclass(frozen=True)
 class PoolingPlan:

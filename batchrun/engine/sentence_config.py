@@ -63,10 +63,6 @@ class SentenceConfig:
     transformer_path: str = ""  # the folder of the transformers model inside the checkpoint
     from_files: bool = True  # False: the checkpoint has no sentence-transformers files (defaults)
 
-    @property
-    def normalizes(self) -> bool:
-        return "normalize" in self.after
-
     def output_dim(self, hidden_size: int) -> int:
         """The vector's length before any Matryoshka truncation."""
         dim = hidden_size * len(self.modes)
