@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .attention import UnsupportedModel
+from .attention import MaskKind, UnsupportedModel
 
 PACKED_ATTENTION = "batchrun_packed"
 
@@ -95,9 +95,7 @@ class PackedLayout:
         key = (length, causal, window)
         if key not in self.masks:
             pos = torch.arange(length, device=device)
-            distance = pos[:, None] - pos[None, :]
-            seen = distance.abs() < window
-            self.masks[key] = seen & (distance >= 0) if causal else seen
+            self.masks[key] = MaskKind(window=window).visible(pos, pos, causal=causal)
         return self.masks[key]
 
 

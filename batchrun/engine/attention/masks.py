@@ -36,17 +36,27 @@ class MaskKind:
         return torch.zeros_like(pos)
 
     def visible(
-        self, query_pos: torch.Tensor, key_pos: torch.Tensor, images: list[tuple[int, int]] | None = None
+        self,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        images: list[tuple[int, int]] | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """[n, m] bool: query_pos [n] sees key_pos [m]. `images`: (start, end) positions of images whose tokens
-        see each other (families.ImageBlocks), later ones included, within the window or chunk."""
+        see each other (families.ImageBlocks), later ones included, within the window or chunk. `causal` False:
+        an encoder's, later keys seen too, the window on both sides (|p - k| < window, as transformers' masks
+        have it; packed_attention.py)."""
         q, k = query_pos[:, None], key_pos[None, :]
-        seen = k <= q
+        seen = (
+            k <= q if causal else torch.ones(len(query_pos), len(key_pos), dtype=torch.bool, device=q.device)
+        )
         if images:
             qi, ki = image_of(query_pos, images)[:, None], image_of(key_pos, images)[None, :]
             seen |= (qi == ki) & (qi >= 0)
         if self.window is not None:
             seen &= k > q - self.window
+            if not causal:
+                seen &= k < q + self.window
         if self.chunk is not None:
             seen &= k // self.chunk == q // self.chunk
         return seen
