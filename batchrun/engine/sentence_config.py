@@ -117,7 +117,8 @@ def _cross_encoder_files(model_dir: Path) -> tuple[Path, dict] | None:
     if not ((model_dir / "modules.json").is_file() and st_file.is_file()):
         return None
     st = _json(st_file)
-    return (st_file, st) if st.get("model_type", "SentenceTransformer") == "CrossEncoder" else None
+    saved_as = st.get("model_type", "SentenceTransformer")  # sentence-transformers' class, not a model family
+    return (st_file, st) if saved_as == "CrossEncoder" else None
 
 
 def read_cross_encoder_config(model_dir: Path) -> SentenceConfig:
