@@ -16,7 +16,7 @@ from ..errors import BadInput
 from ..vocabulary import embedding_rows, token_id_error
 from . import families, memory
 from .architecture import inspect_model
-from .attention import AttentionServices, make_backend
+from .attention import AttentionLayers, AttentionServices, make_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, text_config
@@ -123,7 +123,9 @@ class Engine:
         self.image_token_id = image_token_id(model.config)
         self.embedding_rows = embedding_rows(model)  # a prompt's token ids must be below it (prompt_error)
         image_blocks = families.image_blocks(model) if self.images_refusal is None else None
-        self.attention = make_backend(config.attention, self.model_attention.num_heads, self.kv_spec, device)
+        specs = self.model_attention.layer_specs()  # each attention layer, fixed from now on
+        attention_layers = AttentionLayers(self.model_attention.num_heads, self.kv_spec, specs)
+        self.attention = make_backend(config.attention, attention_layers, device)
         if image_blocks is not None and not self.attention.capabilities.image_blocks:
             self.images_refusal = (
                 f"one image's tokens attend to each other, which attention `{self.attention.name}` does not "
@@ -185,7 +187,7 @@ class Engine:
             self.attention,
             self.kv_cache,
             self.times,
-            specs=self.model_attention.layer_specs(),  # each attention layer, fixed from now on
+            specs=specs,
             layers=self.model_attention.layers,
         )
         # a vision-language model's image encoder outputs, while prompts with images are prefilled
