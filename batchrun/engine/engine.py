@@ -15,7 +15,7 @@ import torch
 from ..errors import BadInput
 from ..vocabulary import token_id_error
 from . import memory
-from .attention import AttentionServices, make_backend
+from .attention import AttentionLayers, AttentionServices, make_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
@@ -104,7 +104,9 @@ class Engine:
         self.eos_token_ids = eos_token_ids or set()
         # everything known of the model, found once (refusing what cannot run exactly, before any page is made)
         plan = ModelPlan.of(model, config.page_size, max_model_len)
-        self.attention = make_backend(config.attention, plan.attention.num_heads, plan.kv_spec, device)
+        specs = plan.attention.layer_specs()  # each attention layer, fixed from now on
+        attention_layers = AttentionLayers(plan.attention.num_heads, plan.kv_spec, specs)
+        self.attention = make_backend(config.attention, attention_layers, device)
         self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
         self.kv_groups = plan.kv_spec.groups
         # a vision-language model's image features waiting for prefill: at most so many tokens' (their bytes
@@ -157,7 +159,7 @@ class Engine:
             self.attention,
             self.kv_cache,
             self.times,
-            specs=plan.attention.layer_specs(),  # each attention layer, fixed from now on
+            specs=specs,
             layers=plan.attention.layers,
         )
         # a vision-language model's image encoder outputs, while prompts with images are prefilled

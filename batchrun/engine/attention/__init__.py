@@ -11,8 +11,8 @@ backend chosen once per engine (backends/). The package, by concept:
   block tables and slot mapping, each group's backend plan), and the step the forward is running;
 - interface.py: the function transformers calls, which reads and checks the layer's arguments;
 - reference.py: the models' own eager attention, and SDPA where it computes the same;
-- backends/: `torch` (CPU: batchrun's C++ paged decode), `gather` (plain PyTorch), `triton` (GPU), behind a
-  registry whose entries declare their capabilities.
+- backends/: `torch` (CPU: batchrun's C++ paged decode), `gather` (plain PyTorch), `triton` (GPU), each an
+  `AttentionBackend` declaring its capabilities, chosen once by what it supports.
 
 What a layer computes beyond plain causal attention arrives with its call and is honoured by every backend: a
 sliding window (Mistral, Gemma 2/3, gpt-oss, ...), chunked attention (Llama 4's local layers), logit
@@ -21,7 +21,7 @@ and relative position bias). An argument batchrun does not know is an error (`Un
 ignored: the engine's load probe (architecture.py) meets it before any row runs.
 """
 
-from .backends import Capabilities, make_backend
+from .backends import AttentionBackend, AttentionLayers, Capabilities, make_backend
 from .interface import ATTENTION_NAME, register
 from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel, refusal
 from .masks import FULL, MaskKind
@@ -37,6 +37,8 @@ from .metadata import (
 __all__ = [
     "ATTENTION_NAME",
     "FULL",
+    "AttentionBackend",
+    "AttentionLayers",
     "AttentionMetadata",
     "AttentionServices",
     "Capabilities",

@@ -120,6 +120,12 @@ class LayerCall:
         """[T, Hq, R] (TokenScores), as the paged kernels take it."""
         return None if self.token_scores is None else self.token_scores.relative_bias
 
+    @property
+    def kernel_relative_bias(self) -> torch.Tensor | None:
+        """`relative_bias` in fp32, detached (the C++ decode's form)."""
+        bias = self.relative_bias
+        return None if bias is None else bias.detach().float()
+
 
 @dataclass(frozen=True)
 class LayerSpec:

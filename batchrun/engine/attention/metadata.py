@@ -55,7 +55,7 @@ class AttentionServices:
     each attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
     what the config says of the layers (architecture.ModelLayers: chunks, shared modules)."""
 
-    backend: Any  # a backends.AttentionBackend, or architecture.ProbeAttention
+    backend: Any  # the engine's backends.AttentionBackend (backends/base.py), or architecture.ProbeAttention
     kv_cache: Any  # kv_cache.KVCache (None for the load probe)
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)

@@ -1,13 +1,10 @@
-"""The attention backends, behind one registry. Each declares what it computes beyond paged causal attention
-(`Capabilities`): the engine asks a capability, never a backend's name.
+"""The attention backends, behind one registry. Each is an `AttentionBackend` (base.py) declaring its name and
+what it computes beyond paged causal attention (`Capabilities`): the engine asks a capability, never a backend's
+name. Adding a backend is its module and its place in `BACKENDS`.
 
-A backend has two methods: `build(step, group) -> plan`, called once per step and KV cache group while the step
-is prepared (engine/model_runner.py), and `forward(meta, spec, call, q, k, v, scale) -> out [T, Hq, Dv]`, called
-by every attention layer with the plan of its group (`meta.plans[spec.group]`).
-
-- `torch` (the CPU default): decodes through batchrun's C++ kernel, prompts through SDPA (cpu_paged.py);
-- `gather`: plain PyTorch, pages gathered per step for SDPA (gather.py);
-- `triton` (the GPU default): the paged Triton kernels (triton_paged.py).
+- `triton` (CUDA): the paged Triton kernels (triton_paged.py; batchrun_kernels imported only once it is asked);
+- `torch` (CPU): decodes through batchrun's C++ kernel, prompts through SDPA (cpu_paged.py);
+- `gather` (anywhere): plain PyTorch, pages gathered per step for SDPA (gather.py).
 """
 
 from __future__ import annotations
@@ -15,47 +12,45 @@ from __future__ import annotations
 import torch
 
 from ....errors import BadInput
+from .base import AttentionBackend, AttentionLayers
 from .capabilities import Capabilities
+from .cpu_paged import TorchAttention
+from .gather import GatherAttention
+from .triton_paged import TritonAttention
 
-__all__ = ["Capabilities", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionLayers", "Capabilities", "make_backend"]
+
+# in the order `auto` tries them: the first that runs on the device and supports the model is chosen
+BACKENDS: tuple[type[AttentionBackend], ...] = (TritonAttention, TorchAttention, GatherAttention)
 
 
-def make_backend(name: str, num_heads: int, kv_spec, device: torch.device):
-    """The attention backend for `engine.attention`, chosen once: auto is triton on CUDA, torch elsewhere. `torch`
-    is the C++ paged decode, a CPU kernel: on another device it is a bad job; where it cannot be built on the
-    CPU (no compiler) gather runs, with the build's warning. `kv_spec`: the kv_cache.KVCacheSpec (page size, dtype, each
-    group's KV heads and head dims). A shape the Triton kernels do not take is a bad job here, at load, not an
-    error in every row."""
+def make_backend(name: str, layers: AttentionLayers, device: torch.device) -> AttentionBackend:
+    """The attention backend for `engine.attention`, chosen once: the one named, or for auto the first of
+    BACKENDS whose capabilities list the device and which supports the model. A named one that does not is a bad
+    job here, at load, naming the reason and the backends that would run it, not an error in every row. One that
+    cannot be built on this machine (torch without a compiler: cpu_kernels warned why) gives way to the next of
+    BACKENDS that supports the model."""
+    by_name = {b.name: b for b in BACKENDS}
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    page_size, shapes = kv_spec.page_size, kv_spec.groups.shapes
-    if name == "triton":
-        import batchrun_kernels
-
-        from .triton_paged import TritonAttention
-
-        gqa = tuple(num_heads // s.num_kv_heads for s in shapes)
-        for shape, g in zip(shapes, gqa):
-            why = batchrun_kernels.unsupported_reason(
-                kv_spec.dtype, page_size, shape.head_dim, shape.v_head_dim, g
-            )
-            if why:
-                raise BadInput(
-                    f"key `engine.attention`: triton cannot run this model: {why}; use attention: gather"
-                )
-        return TritonAttention(gqa, device)
-    from .gather import GatherAttention
-
-    if name == "torch":
-        if device.type != "cpu":
+        chosen = (
+            b for b in BACKENDS if b.capabilities.runs_on(device) and b.supports(layers, device) is None
+        )
+    elif name not in by_name:
+        raise BadInput(f"key `engine.attention`: {name!r} is none of auto, {', '.join(by_name)}")
+    else:
+        asked = by_name[name]
+        why = asked.supports(layers, device)
+        if why:
+            others = [b.name for b in BACKENDS if b is not asked and b.supports(layers, device) is None]
+            instead = f"; use attention: {' or '.join(others)}" if others else ""
             raise BadInput(
-                f"key `engine.attention`: torch is batchrun's C++ decode, a CPU kernel; on {device} use triton "
-                "or gather"
+                f"key `engine.attention`: {name} cannot run this model on {device}: {why}{instead}"
             )
-        from ... import cpu_kernels
-        from .cpu_paged import TorchAttention
-
-        kernel = cpu_kernels.load()
-        if kernel is not None:
-            return TorchAttention(page_size, kernel)  # else cpu_kernels.load warned why
-    return GatherAttention(page_size, device)
+        later = BACKENDS[BACKENDS.index(asked) + 1 :]
+        chosen = (b for b in (asked, *later) if b is asked or b.supports(layers, device) is None)
+    for backend in chosen:
+        made = backend.create(layers, device)
+        if made is not None:
+            return made
+    reasons = "; ".join(f"{b.name}: {b.supports(layers, device)}" for b in BACKENDS)
+    raise BadInput(f"key `engine.attention`: no attention backend runs this model on {device} ({reasons})")

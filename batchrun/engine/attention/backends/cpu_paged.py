@@ -9,6 +9,7 @@ import torch
 
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
+from .base import AttentionBackend, AttentionLayers
 from .capabilities import Capabilities
 from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
 
@@ -38,16 +39,26 @@ def keys_read(step: StepMetadata, kind, page_size: int) -> int:
     return sum(c - kind.first_key(c - 1) // page_size * page_size for c in lens)
 
 
-class TorchAttention:
+class TorchAttention(AttentionBackend):
     """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
     through SDPA, as in GatherAttention."""
 
     name = "torch"
-    capabilities = Capabilities(image_blocks=True)
+    # the dtypes cpu_kernels.cpp's paged decode dispatches on
+    capabilities = Capabilities(
+        devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16), image_blocks=True
+    )
 
     def __init__(self, page_size: int, kernel):
         self.page_size = page_size
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
+
+    @classmethod
+    def create(cls, layers: AttentionLayers, device: torch.device) -> TorchAttention | None:
+        from ... import cpu_kernels
+
+        kernel = cpu_kernels.load()  # None: it could not be built here, and warned why
+        return None if kernel is None else cls(layers.kv_spec.page_size, kernel)
 
     def build(self, step: StepMetadata, group: GroupMetadata) -> TorchPlan:
         prefills = prompt_plans(step, group)
@@ -81,12 +92,10 @@ class TorchAttention:
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
-            bias = call.relative_bias  # per token: made by this call
-            bias = None if bias is None else bias.detach().float()
             with times.part("C++ decode"):
                 self.kernel.paged_decode_attention(
                     out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
-                    d.first_keys, call.softcap or 0.0, call.kernel_sinks, bias,
+                    d.first_keys, call.softcap or 0.0, call.kernel_sinks, call.kernel_relative_bias,
                 )  # fmt: skip
             if times.detailed:
                 key_bytes = k_cache[0, 0].nbytes + v_cache[0, 0].nbytes

@@ -15,6 +15,7 @@ from ...page_pool import cdiv
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata, int_tensor
 from ..reference import eager_attention
+from .base import AttentionBackend, AttentionLayers
 from .capabilities import Capabilities
 from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
 
@@ -136,16 +137,20 @@ def gathered_decode_attention(
         out[batch.token_index] = o.reshape(G, num_heads, v_dim)
 
 
-class GatherAttention:
+class GatherAttention(AttentionBackend):
     """Pages gathered into a reused workspace per decode batch, then SDPA; prompts attend on their own K/V."""
 
     name = "gather"
-    capabilities = Capabilities(image_blocks=True)
+    capabilities = Capabilities(devices=None, image_blocks=True)
 
     def __init__(self, page_size: int, device: torch.device):
         self.page_size = page_size
         self.device = device
         self.workspace = Workspace()
+
+    @classmethod
+    def create(cls, layers: AttentionLayers, device: torch.device) -> GatherAttention:
+        return cls(layers.kv_spec.page_size, device)
 
     def build(self, step: StepMetadata, group: GroupMetadata) -> GatherPlan:
         return GatherPlan(decode_batches(step, group), prompt_plans(step, group))

@@ -4,6 +4,7 @@ soft-capping, sinks and relative bias are arguments of the kernel."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
+from .base import AttentionBackend, AttentionLayers
 from .capabilities import Capabilities
 
 
@@ -22,13 +24,37 @@ class TritonPlan:
     query_blocks: Any  # batchrun_kernels.QueryBlocks: the grid mapping
 
 
-class TritonAttention:
+class TritonAttention(AttentionBackend):
     """The paged Triton kernels: K/V written and read in place (a group's query heads per KV head, of its
     layers' shape, set the grid)."""
 
     name = "triton"
-    # one image's tokens seeing each other (Gemma's image blocks) is a mask the kernels do not compute
-    capabilities = Capabilities(image_blocks=False)
+    # one image's tokens seeing each other (Gemma's image blocks) is a mask the kernels do not compute; they take
+    # one head dim for keys and values. Their dtypes, page sizes and head dims: batchrun_kernels says
+    # (`unsupported_shape`).
+    capabilities = Capabilities(devices=("cuda",), image_blocks=False, unequal_head_dims=False)
+
+    @classmethod
+    def runs_on(cls, device: torch.device) -> bool:
+        """CUDA; or, asked by name, any device under Triton's interpreter (TRITON_INTERPRET=1: the tests)."""
+        return super().runs_on(device) or os.environ.get("TRITON_INTERPRET") == "1"
+
+    @classmethod
+    def unsupported_shape(cls, layers: AttentionLayers) -> str | None:
+        import batchrun_kernels
+
+        spec = layers.kv_spec
+        for shape, gqa in zip(spec.groups.shapes, layers.gqa):
+            why = batchrun_kernels.unsupported_reason(
+                spec.dtype, spec.page_size, shape.head_dim, shape.v_head_dim, gqa
+            )
+            if why:
+                return why
+        return None
+
+    @classmethod
+    def create(cls, layers: AttentionLayers, device: torch.device) -> TritonAttention:
+        return cls(layers.gqa, device)
 
     def __init__(self, gqa: tuple[int, ...], device: torch.device):
         import batchrun_kernels
