@@ -22,10 +22,10 @@ from ..vocabulary import embedding_rows
 from . import families
 from .architecture import ModelAttention, inspect_model
 from .families import ImageBlocks, MRope
-from .kv_cache import KVCacheSpec
+from .kv_cache import KVCacheSpec, text_config
 from .multimodal import image_token_id, images_unsupported_reason
 from .per_sequence_rope import PerSequenceRope
-from .quantization import computes_each_prompt_whole
+from .quantization import computes_each_prompt_whole, computes_per_sequence
 from .scheduler import ChunkRules
 from .sizing import model_max_len
 from .state_cache import StateSpec
@@ -51,6 +51,8 @@ class ModelPlan:
     chunks: ChunkRules
     # prefix sharing is exact for this model (False: a prompt must be one product of its own)
     shares_prefixes: bool
+    # some quantized layer computes each sequence apart: a step carries HF generate's runs of tokens
+    generate_products: bool
     images: ImageRules | None  # None: this model takes no images here (images_refusal says why)
     images_refusal: str | None
     image_token_id: int | None  # the token that holds an image's place in a prompt (None: none)
@@ -58,8 +60,6 @@ class ModelPlan:
     @classmethod
     def of(cls, model: torch.nn.Module, page_size: int, max_model_len: int | None = None) -> ModelPlan:
         """Probes `model` (refusing what cannot run exactly, before any page is made) and reads its rules."""
-        from .kv_cache import text_config
-
         attention = inspect_model(model)
         dtype = next(model.parameters()).dtype
         whole = computes_each_prompt_whole(model)
@@ -81,6 +81,7 @@ class ModelPlan:
                 recompute_at=rope.recompute_at if rope is not None else None,
             ),
             shares_prefixes=not whole,
+            generate_products=computes_per_sequence(model),
             images=images,
             images_refusal=refusal,
             image_token_id=image_token_id(model.config),

@@ -44,6 +44,7 @@ class ModelRunner:
         vision-language model's image features (multimodal.py; None: text only)."""
         self.model = model
         self.rope = plan.rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
+        self.generate_products = plan.generate_products  # quantized layers that compute each sequence apart
         images = plan.images
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
@@ -90,7 +91,8 @@ class ModelRunner:
             query_lens = [s.num_new_tokens for s in scheduled]
             context_lens = [p + n for p, n in zip(starts, query_lens)]
             for s, start, end in zip(scheduled, starts, context_lens):
-                products += products_as_generate(start, end, s.seq.num_prompt_tokens)
+                if self.generate_products:
+                    products += products_as_generate(start, end, s.seq.num_prompt_tokens)
                 if s.prompt_logprob_positions:
                     logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
                 input_ids += s.seq.token_slice(start, end)
@@ -102,7 +104,7 @@ class ModelRunner:
         page_index = host_positions // P  # each token's page in its sequence's table
         offsets = (host_positions % P).to(dev)  # and its place in that page: every group's
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
-        if not step.decode_only:
+        if self.generate_products and not step.decode_only:
             step.generate_products = products
         tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's

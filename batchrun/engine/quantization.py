@@ -134,6 +134,12 @@ def _sequences(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     return None if len(products) == 1 else x.split(products, dim=1)
 
 
+def computes_per_sequence(model: torch.nn.Module) -> bool:
+    """Whether some layer computes each sequence of a step apart (`call_per_sequence` made it so): only then
+    does a step need the runs HF `generate` multiplies together (`StepMetadata.generate_products`)."""
+    return any(isinstance(m, PerSequenceLinear | PerSequenceForward) for m in model.modules())
+
+
 def computes_each_prompt_whole(model: torch.nn.Module) -> bool:
     """Whether a prompt's tokens must be one product, as HF `generate` makes it: LLM.int8() with outliers chooses
     its fp16 columns from all of them, so a prompt is never cut into chunks nor started from a prefix another

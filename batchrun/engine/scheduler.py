@@ -133,9 +133,8 @@ class Scheduler:
         self.states = states if states is not None else NoStateSlots()
         self._pending_forks: list[StateCopy] = []  # forks since the last plan: their states are copied first
         self.whole_prompts = rules.whole_prompts
-        self.max_chunk = (
-            None if rules.whole_prompts else config.max_num_batched_tokens
-        )  # of a prompt, in tokens
+        # the most tokens of a prompt one step computes (None: the whole prompt)
+        self.max_chunk = None if rules.whole_prompts else config.max_num_batched_tokens
         self.whole_images = rules.whole_images
         self.encoder_budget = encoder_budget
         self.prefix_cache = block_manager.prefix_cache
