@@ -258,6 +258,20 @@ def score_job(folder, data, out, **extra) -> dict:
     }
 
 
+def reward_job(folder, conversations, tmp_path) -> dict:
+    """A reward job over `conversations` (ids 0..), written to tmp_path / "out"."""
+    data = tmp_path / "convs.parquet"
+    pq.write_table(pa.table({"id": list(range(len(conversations))), "prompt": conversations}), data)
+    return {
+        "name": "rewards",
+        "task": "reward",
+        "model": {"path": str(folder), "dtype": "float32"},
+        "input": {"parquet": str(data), "id_column": "id"},
+        "engine": {"device": "cpu"},
+        "output": {"path": str(tmp_path / "out")},
+    }
+
+
 def test_score_job_writes_a_score_column_and_error_rows(bases, tmp_path):
     """Scores equal CrossEncoder.predict's, an empty query's and an over-long pair's (cut as CrossEncoder cuts
     it, and counted) included; a null passage is its row's error, naming the job's column."""
@@ -301,19 +315,8 @@ def test_score_job_writes_a_score_column_and_error_rows(bases, tmp_path):
 
 def test_reward_job_over_conversations(reward_model, tmp_path):
     conversations = [*CONVERSATIONS, [{"role": "assistant", "content": "hi"}]]
-    data = tmp_path / "convs.parquet"
-    pq.write_table(pa.table({"id": list(range(4)), "prompt": conversations}), data)
-    out = tmp_path / "out"
-    job = {
-        "name": "rewards",
-        "task": "reward",
-        "model": {"path": str(reward_model), "dtype": "float32"},
-        "input": {"parquet": str(data), "id_column": "id"},
-        "engine": {"device": "cpu"},
-        "output": {"path": str(out)},
-    }
-    run_job(job, progress=False)
-    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    run_job(reward_job(reward_model, conversations, tmp_path), progress=False)
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
     assert "no user turn" in rows[3]["error"] and rows[3]["score"] is None
     expected = pooling_llm(reward_model).reward(CONVERSATIONS, use_tqdm=False)
     assert_close([rows[i]["score"] for i in range(3)], [o.outputs.data[0] for o in expected])
@@ -334,17 +337,7 @@ def test_an_over_long_text_or_conversation_is_its_rows_error_unless_a_cut_is_ask
     tok = AutoTokenizer.from_pretrained(reward_model)
     length = len(tok.apply_chat_template(long, tokenize=True, return_dict=True)["input_ids"])
     assert length > 512  # the reward model's positions
-    data = tmp_path / "convs.parquet"
-    pq.write_table(pa.table({"id": [0, 1], "prompt": [long, CONVERSATIONS[0]]}), data)
-    job = {
-        "name": "rewards",
-        "task": "reward",
-        "model": {"path": str(reward_model), "dtype": "float32"},
-        "input": {"parquet": str(data), "id_column": "id"},
-        "engine": {"device": "cpu"},
-        "output": {"path": str(tmp_path / "out")},
-    }
-    run_job(job, progress=False)
+    run_job(reward_job(reward_model, [long, CONVERSATIONS[0]], tmp_path), progress=False)
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
     assert (
         rows[0]["error"]
