@@ -182,6 +182,13 @@ def validate(job_file: Path, overrides) -> None:
     spec = load_job(job_file, overrides)
     source = check_job(spec, spec.input.limit)
     model = check_model_path(spec.model.path, spec.source_file)
+    if (
+        spec.model.adapters
+    ):  # each adapter's folder and config (its weights are checked against the model at load)
+        from .adapters import read_adapters
+
+        read_adapters(spec.model.adapters, spec.engine.max_lora_rank, spec.source_file)
+        model += f" with {len(spec.model.adapters)} LoRA adapters"
     check_outputs(spec)
     rows = source.num_rows()
     if rows is not None and spec.input.limit is not None:

@@ -37,6 +37,11 @@ STATE_DIR = ".batchrun"
 __all__ = ["JobSpec", "ModelSpec", "load_job", "parse_job", "parse_size", "apply_overrides", "to_dict"]
 
 
+def _adapter_names(v: dict) -> str | None:
+    bad = [k for k, path in v.items() if not isinstance(k, str) or not k.strip() or not isinstance(path, str)]
+    return f"a mapping of adapter names to folders, URLs or hub ids (not {bad[0]!r})" if bad else None
+
+
 @dataclass
 class ModelSpec:
     path: str | None = None
@@ -44,9 +49,18 @@ class ModelSpec:
     chat_template: bool = True
     system_prompt: str | None = None
     max_model_len: int | None = field(default=None, metadata={"check": at_least(1)})
+    # LoRA adapters over the model (adapters.py, engine/lora.py): {name: a PEFT adapter folder, URL or hub id}
+    adapters: dict[str, str] = field(default_factory=dict, metadata={"check": _adapter_names})
+    # the adapter of every row that names none (input.adapter_column's null cells too); None: the base model
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.adapter is not None and self.adapter not in self.adapters:
+            raise FieldError(
+                "adapter",
+                f"{self.adapter!r} is not one of model.adapters ({', '.join(self.adapters) or 'none'})",
+            )
 
 
 # the sampling keys a row may set for itself (input.sampling_columns, or an OpenAI batch request's body)
@@ -94,6 +108,9 @@ class InputSpec:
     # a column of images (an HF Image feature, bytes, or paths and URLs) put before the row's text prompt, for a
     # vision-language model
     image_column: str | None = None
+    # task generate: the column naming each row's LoRA adapter (one of model.adapters; null: model.adapter, else
+    # the base model)
+    adapter_column: str | None = None
     id_column: str | None = None
     passthrough: list[str] = field(default_factory=list)
     limit: int | None = field(default=None, metadata={"check": at_least(0)})
@@ -311,11 +328,11 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
         if getattr(inp, key) is not None and not str(getattr(inp, key)).strip():
             raise BadInput(f"{source}: key `input.{key}` is empty; expected a file, a directory or a glob.")
     if inp.openai_batch is not None:
-        for key in ("id_column", "passthrough", "sampling_columns"):
+        for key in ("id_column", "passthrough", "sampling_columns", "adapter_column"):
             if getattr(inp, key):
                 raise BadInput(
                     f"{source}: key `input.{key}` does not apply to `input.openai_batch` (a request's id is its "
-                    f"custom_id, its sampling its body)."
+                    f"custom_id, its sampling its body, its adapter the body's model)."
                 )
     if inp.dataset is not None and not inp.dataset.path:
         raise BadInput(
@@ -352,6 +369,14 @@ def _check_task(spec: JobSpec, source: str) -> None:
         raise BadInput(
             f"{source}: key `output.embedding_dtype` applies to task embed (its embedding column), and task is "
             f"{spec.task}."
+        )
+    if spec.input.adapter_column is not None and not spec.model.adapters:
+        raise BadInput(
+            f"{source}: key `input.adapter_column` names each row's LoRA adapter, and model.adapters is empty."
+        )
+    if spec.task != "generate" and spec.model.adapters:
+        raise BadInput(
+            f"{source}: key `model.adapters`: LoRA adapters apply to task generate, and task is {spec.task}."
         )
     if spec.task == "generate":
         changed = [

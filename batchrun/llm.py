@@ -111,12 +111,19 @@ class LLM:
         max_model_len: int | None = None,
         runner: str = "generate",
         pooler: dict | None = None,
+        adapters: dict[str, str] | None = None,
         **engine_options: Any,
     ):
         """`runner="pooling"`: the model for `embed` (its base model on batchrun's packed attention, pooled as
-        its sentence-transformers files say), with `pooler` the job file's `pooler:` keys; no paged engine."""
+        its sentence-transformers files say), with `pooler` the job file's `pooler:` keys; no paged engine.
+        `adapters`: LoRA adapters over the model, {name: PEFT adapter folder, URL or hub id}, each prompt naming
+        its own in `generate(..., adapter=...)` (engine keys max_loras and max_lora_rank size them)."""
+        if adapters and runner != "generate":
+            raise BadInput("LLM(...): adapters= applies to runner='generate'")
         try:
-            model_spec = ModelSpec(path=model, dtype=dtype, max_model_len=max_model_len)
+            model_spec = ModelSpec(
+                path=model, dtype=dtype, max_model_len=max_model_len, adapters=adapters or {}
+            )
             engine_config = EngineConfig(device=device, **engine_options)
             pooler_config = PoolerConfig(**(pooler or {}))
         except (TypeError, ValueError) as e:  # an unknown keyword, or a value its field's check refuses
@@ -173,6 +180,12 @@ class LLM:
         )
         # the weights' format and bytes in memory, for the summary (counted before any packing for oneDNN)
         self.weights = Weights.of(hf_model, checkpoint_format(config))
+        if model.adapters:  # each adapter's layers wrapped before packing, which then packs their base layers
+            from .adapters import read_adapters
+            from .engine import lora
+
+            folders = read_adapters(model.adapters, engine.max_lora_rank, source)
+            lora.attach(hf_model, folders, engine.max_loras, self.device)
         if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
             from .engine import cpu_linear
 
@@ -273,8 +286,10 @@ class LLM:
         prompts: str | dict | list[str | list[int] | dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        adapter: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete raw prompts, no chat template; outputs in input order. A prompt is text, a list of token ids,
+        """Complete raw prompts, no chat template; outputs in input order. `adapter`: the LoRA adapter (a name
+        given to `LLM(adapters=...)`) of every prompt, or a list of one per prompt (None: the base model). A prompt is text, a list of token ids,
         or vLLM's {"prompt": text} or {"prompt_token_ids": [...]}; a text prompt may carry
         "multi_modal_data": {"image": a PIL image or a list of them} for a vision-language model, its text holding
         the model's image placeholder for each (as vLLM's does). A prompt of another shape is a ValueError naming
@@ -283,7 +298,9 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         given = [self._raw_prompt(p, i) for i, p in enumerate(prompts)]
-        return self._run([shown for shown, _ in given], [p for _, p in given], sampling_params, use_tqdm)
+        return self._run(
+            [shown for shown, _ in given], [p for _, p in given], sampling_params, use_tqdm, adapter
+        )
 
     def _raw_prompt(self, prompt: Any, index: int) -> tuple[str | list[int], Prompt]:
         """One of generate's prompts: (what RequestOutput.prompt shows, the prompt for the engine)."""
@@ -327,6 +344,7 @@ class LLM:
         conversations: Conversation | list[Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        adapter: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of {role, content}) through the chat template; outputs in input order.
         A content may be OpenAI's content parts; with a vision-language model, image parts too ({type: image_url,
@@ -339,12 +357,15 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         ids = [self.encode_chat(c) for c in conversations]
-        return self._run(list(conversations), ids, sampling_params, use_tqdm)
+        return self._run(list(conversations), ids, sampling_params, use_tqdm, adapter)
 
-    def _run(self, prompts: list, ids: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list, ids: list[Prompt], sampling_params, use_tqdm: bool, adapter=None
+    ) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         params = _params_per_prompt(sampling_params, len(prompts))
+        adapters = _adapter_per_prompt(adapter, len(prompts))
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("this LLM's engine is busy with another batch")
@@ -354,7 +375,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"sampling_params.response_format: {e}") from None
         outputs = [RequestOutput(i, prompt, p.token_ids) for i, (prompt, p) in enumerate(zip(prompts, ids))]
-        worker = _PromptWorker(self, outputs, params, ids)
+        worker = _PromptWorker(self, outputs, params, ids, adapters)
         items = iter(enumerate(params))
         bar = tqdm(
             total=len(prompts), unit="prompt", disable=not use_tqdm, desc="batchrun", bar_format=BAR_FORMAT
@@ -495,9 +516,15 @@ class _PromptWorker:
     wants_rows = True
 
     def __init__(
-        self, llm: LLM, outputs: list[RequestOutput], params: list[SamplingParams], prompts: list[Prompt]
+        self,
+        llm: LLM,
+        outputs: list[RequestOutput],
+        params: list[SamplingParams],
+        prompts: list[Prompt],
+        adapters: list[str | None],
     ):
         self.llm = llm
+        self.adapters = adapters
         self.engine = llm.engine
         self.outputs = outputs
         self.prompts = prompts
@@ -512,12 +539,18 @@ class _PromptWorker:
         output = self.outputs[i]
         prompt = self.prompts[i]
         reason = self.engine.prompt_error(prompt.token_ids, p, prompt.images)
+        try:
+            self.engine.adapter_id(self.adapters[i])
+        except ValueError as e:
+            reason = reason or str(e)
         if reason:
             output.error = f"prompt {i}: {reason}"
             output.outputs = [CompletionOutput(s, "", [], "error") for s in range(p.n)]
             return output
         seeds = [row_seed(p.seed, i, s) for s in range(p.n)]
-        self.engine.add(prompt.token_ids, p, request=i, seeds=seeds, images=prompt.images)
+        self.engine.add(
+            prompt.token_ids, p, request=i, seeds=seeds, images=prompt.images, adapter=self.adapters[i]
+        )
         return None
 
     def step(self) -> list[RequestOutput]:
@@ -541,6 +574,15 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if not isinstance(sampling_params, SequenceOf) or len(sampling_params) != count:
         raise ValueError(f"sampling_params: one SamplingParams, or a list of {count} (one per prompt)")
     return list(sampling_params)
+
+
+def _adapter_per_prompt(adapter, count: int) -> list[str | None]:
+    """generate's `adapter`: one name (or None) for every prompt, or a list of one per prompt."""
+    if adapter is None or isinstance(adapter, str):
+        return [adapter] * count
+    if not isinstance(adapter, SequenceOf) or len(adapter) != count:
+        raise ValueError(f"adapter: one adapter name (or None), or a list of {count} (one per prompt)")
+    return list(adapter)
 
 
 def _shape(value: Any) -> str:

@@ -63,7 +63,7 @@ def resolve_model_dir(path: str | None, source: str = "<job>") -> Path:
     if p.exists():
         raise BadInput(f"{source}: key `model.path`: {p} is neither a model directory nor a .gguf file.")
     if is_hub_id(path):
-        return _from_hub(path, source)
+        return from_hub(path, source)
     raise BadInput(
         f"{source}: key `model.path`: {path} does not exist; expected a Hugging Face model "
         f"directory, a hub id (owner/name), or a .gguf file."
@@ -78,8 +78,9 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _from_hub(repo_id: str, source: str) -> Path:
-    """A hub id: the local Hugging Face cache, else a download (huggingface_hub) unless HF_HUB_OFFLINE=1."""
+def from_hub(repo_id: str, source: str, key: str = "model.path") -> Path:
+    """A hub id: the local Hugging Face cache, else a download (huggingface_hub) unless HF_HUB_OFFLINE=1; errors
+    name `key` (the model's path, or an adapter's)."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -88,16 +89,14 @@ def _from_hub(repo_id: str, source: str) -> Path:
         pass
     if hub_offline():
         raise BadInput(
-            f"{source}: key `model.path`: {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 "
+            f"{source}: key `{key}`: {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 "
             f"is set, so it is not downloaded; unset HF_HUB_OFFLINE to download it, or give a local path."
         )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise BadInput(
-            f"{source}: key `model.path`: cannot download {repo_id!r} from the hub: {reason}"
-        ) from None
+        raise BadInput(f"{source}: key `{key}`: cannot download {repo_id!r} from the hub: {reason}") from None
 
 
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]

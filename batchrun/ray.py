@@ -160,7 +160,13 @@ class Processor:
         spec = self.spec.input
         missing = [
             c
-            for c in [spec.prompt_column, spec.id_column, spec.image_column, *spec.sampling_columns.values()]
+            for c in [
+                spec.prompt_column,
+                spec.id_column,
+                spec.image_column,
+                spec.adapter_column,
+                *spec.sampling_columns.values(),
+            ]
             if c and c not in data
         ]
         if missing:

@@ -160,6 +160,21 @@ def format_summary(s: dict) -> str:
                 f"given back: peak {s['window_freed_peak']}, mean {s.get('window_freed_mean', 0):.1f}",
             )
         )
+    if s.get("adapter_bytes"):
+        rows, prompt, generated = (
+            s.get(k) or {} for k in ("adapter_rows", "adapter_prompt_tokens", "adapter_generated_tokens")
+        )
+        per = "; ".join(
+            f"{name} {rows[name]} rows, {prompt.get(name, 0)} + {generated.get(name, 0)} tokens"
+            for name in sorted(rows)
+        )
+        lines.append(
+            (
+                "LoRA adapters",
+                f"{per or 'no rows'}; {s.get('adapter_loads', 0)} loads, {s.get('adapter_evictions', 0)} "
+                f"evictions; weights {_bytes(s['adapter_bytes'])}",
+            )
+        )
     if s.get("structured_rows"):
         lines.append(
             (

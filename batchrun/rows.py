@@ -29,6 +29,7 @@ class InputRow:
     error: str | None = None  # why the row cannot be served, known from reading it
     input_hash: str | None = None  # what its output is made from (content_hash); its output records it
     pair: Any = None  # task score: the pair's second text (input.pair_column), not yet checked
+    adapter: Any = None  # its LoRA adapter's name (input.adapter_column), not yet checked; None: the job's
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ class InputSource:
             wanted.append(("input.image_column", self.spec.image_column))
         if self.spec.pair_column:
             wanted.append(("input.pair_column", self.spec.pair_column))
+        if self.spec.adapter_column:
+            wanted.append(("input.adapter_column", self.spec.adapter_column))
         wanted += [(f"input.passthrough[{i}]", c) for i, c in enumerate(self.spec.passthrough)]
         wanted += [(f"input.sampling_columns.{k}", c) for k, c in self.spec.sampling_columns.items()]
         for key, col in wanted:
@@ -105,7 +107,7 @@ class InputSource:
         spec = self.spec
         columns = [spec.prompt_column] + ([spec.id_column] if spec.id_column else [])
         extra = [*spec.passthrough, *spec.sampling_columns.values()]
-        extra += [c for c in (spec.image_column, spec.pair_column) if c]
+        extra += [c for c in (spec.image_column, spec.pair_column, spec.adapter_column) if c]
         columns += [c for c in extra if c not in columns]
         index = 0
         for batch in self._batches(columns):
@@ -229,6 +231,9 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
     sampling = {k: data[c][j] for k, c in spec.sampling_columns.items() if data[c][j] is not None}
     pair = data[spec.pair_column][j] if spec.pair_column else None
     cells = (prompt, pair, sampling, passthrough) if spec.pair_column else (prompt, sampling, passthrough)
+    adapter = data[spec.adapter_column][j] if spec.adapter_column else None
+    if spec.adapter_column:  # the adapter makes the row's output (a job without the column hashes as before)
+        cells += (adapter,)
     return InputRow(
         index=index,
         id=data[spec.id_column][j] if spec.id_column else index,
@@ -238,6 +243,7 @@ def input_row(spec: InputSpec, data: dict[str, list], j: int, index: int) -> Inp
         error=error,
         input_hash=content_hash(*cells),
         pair=pair,
+        adapter=adapter,
     )
 
 

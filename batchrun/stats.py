@@ -121,6 +121,16 @@ SUMMARY_KEYS = {
     # and a run sorting the texts by length first, in batches of 32, as sentence-transformers' encode batches
     "padding_tokens_sorted": ("sum", "sum"),
     "truncated_rows": ("sum", "sum"),  # a pooling job's texts cut at the longest the model takes
+    # LoRA adapters (engine/lora.py): per adapter name, the rows finished, their prompt and generated tokens
+    "adapter_rows": ("counts", "counts"),
+    "adapter_prompt_tokens": ("counts", "counts"),
+    "adapter_generated_tokens": ("counts", "counts"),
+    "adapter_loads": ("sum", "sum"),  # adapters loaded into a slot beside the model, and evicted from one
+    "adapter_evictions": ("sum", "sum"),
+    "adapter_bytes": (
+        "sum",
+        "max",
+    ),  # the adapters' weights in memory (CPU copies, and slots on an accelerator)
     # where the steps' time went (engine/timing.py), seconds summed over processes and runs
     **{summary_key(phase): ("sum", "sum") for phase in PHASES},
 }
@@ -139,6 +149,8 @@ def combine(summaries: list[dict], sequential: bool = False) -> dict:
             out[key] = max(values)
         elif how == "mean":
             out[key] = sum(v * s.get("steps", 0) for v, s in zip(values, summaries)) / steps
+        elif how == "counts":  # {name: count}, added name by name
+            out[key] = dict(sum((Counter(v or {}) for v in values), Counter()))
     wall = out["wall_s"]
     out["prompt_tokens_per_s"] = out["prompt_tokens"] / wall if wall else 0.0
     out["generated_tokens_per_s"] = out["generated_tokens"] / wall if wall else 0.0
@@ -252,6 +264,10 @@ class StatsCollector:
         self.rows_with_images = 0  # input rows whose prompt held images
         self.structured_rows = 0  # output rows with a response format, and those whose grammar completed
         self.structured_complete = 0
+        # per LoRA adapter: rows finished, their prompt tokens, and the tokens generated
+        self.adapter_rows: Counter[str] = Counter()
+        self.adapter_prompt_tokens: Counter[str] = Counter()
+        self.adapter_generated_tokens: Counter[str] = Counter()
 
     def record(self, step: StepResult) -> dict:
         now = time.perf_counter() - self.start
@@ -265,6 +281,8 @@ class StatsCollector:
         structured, complete = step.structured_finished
         self.structured_rows += structured
         self.structured_complete += complete
+        if self.engine.lora is not None:
+            self._count_adapters(step)
         self._aggregate(row)
         for seq in self.engine.running_sequences():
             if seq.seq_id not in self.agg.seen_reservations:
@@ -278,6 +296,17 @@ class StatsCollector:
         else:
             self._pending = row
         return row
+
+    def _count_adapters(self, step: StepResult) -> None:
+        names = self.engine.lora.names
+        for seq in step.finished:
+            if seq.adapter is None:
+                continue
+            name = names[seq.adapter]
+            self.adapter_generated_tokens[name] += len(seq.output_token_ids)
+            if seq.sample_index == 0:  # the row's first sample: forks share its prompt
+                self.adapter_rows[name] += 1
+                self.adapter_prompt_tokens[name] += seq.num_prompt_tokens
 
     def take_rows(self, final: bool = False) -> list[dict]:
         """The rows kept since the last call (the last step's too when `final`)."""
@@ -372,11 +401,23 @@ class StatsCollector:
             "padding_tokens_avoided": 0,
             "padding_tokens_sorted": 0,
             "truncated_rows": 0,
+            **self._adapter_summary(),
             **self.engine.times.summary(),
         }
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
         s.update(self.extra)
         return s
+
+    def _adapter_summary(self) -> dict:
+        lora = self.engine.lora
+        return {
+            "adapter_rows": dict(self.adapter_rows),
+            "adapter_prompt_tokens": dict(self.adapter_prompt_tokens),
+            "adapter_generated_tokens": dict(self.adapter_generated_tokens),
+            "adapter_loads": lora.stats.loads if lora else 0,
+            "adapter_evictions": lora.stats.evictions if lora else 0,
+            "adapter_bytes": lora.host_bytes + lora.slot_bytes if lora else 0,
+        }
 
 
 SORTED_BATCH = 32  # sentence-transformers' encode and predict batch_size default

@@ -63,6 +63,7 @@ class RowWorker:
         """Queue a row; returns its error rows at once when it cannot be served."""
         try:
             params = self._params(row)
+            adapter = self._adapter(row)
             prompt = self._tokenize(row)
         except ValueError as e:
             return self._error_rows(row, str(e), [])
@@ -73,7 +74,7 @@ class RowWorker:
         state = RowState(row, ids, [None] * params.n)
         self.in_flight[row.index] = state
         seeds = [row_seed(params.seed, row.id, i) for i in range(params.n)]
-        self.engine.add(ids, params, request=state, seeds=seeds, images=prompt.images)
+        self.engine.add(ids, params, request=state, seeds=seeds, images=prompt.images, adapter=adapter)
         return None
 
     def step(self) -> list[list[OutputRow]]:
@@ -138,6 +139,23 @@ class RowWorker:
             return dataclasses.replace(self.params, **values)
         except ValueError as e:
             raise ValueError(f"this row's sampling: {e}") from None
+
+    def _adapter(self, row: InputRow) -> str | None:
+        """The row's LoRA adapter: its adapter column's cell (input.adapter_column), or for an OpenAI request its
+        body's `model` where that names one of model.adapters (as vLLM's server picks an adapter); else the job's
+        model.adapter (None: the base model). ValueError naming the column for a cell that names no adapter."""
+        m = self.spec.model
+        if row.request is not None:
+            model = row.request.get("model")
+            return model if isinstance(model, str) and model in m.adapters else m.adapter
+        if row.adapter is None:
+            return m.adapter
+        if not isinstance(row.adapter, str) or row.adapter not in m.adapters:
+            column = self.spec.input.adapter_column
+            raise ValueError(
+                f"column {column!r}: {row.adapter!r} is not one of model.adapters ({', '.join(m.adapters)})"
+            )
+        return row.adapter
 
     def _tokenize(self, row: InputRow) -> Prompt:
         """The row's prompt as token ids (and images); ValueError with the reason for a row that cannot be served.

@@ -77,6 +77,10 @@ class EngineConfig:
     # CPU: linear weights reordered once into oneDNN's blocked layout (engine/cpu_linear.py)
     pack_weights: bool = True
     preemption: str = field(default="swap", metadata={"check": one_of("swap", "recompute")})
+    # LoRA adapters (engine/lora.py): how many one step may run (their weights in as many slots beside the model;
+    # the others wait in CPU memory), and the largest rank an adapter may have
+    max_loras: int = field(default=4, metadata={"check": at_least(1)})
+    max_lora_rank: int = field(default=64, metadata={"check": at_least(1)})
     # engine processes on this machine sharing a run's rows (the job runner's, not one engine's): a count, or
     # auto = one per visible GPU
     replicas: Union[int, str] = field(default=1, metadata={"check": _replicas})  # noqa: UP007

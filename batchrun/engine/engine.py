@@ -109,6 +109,7 @@ class Engine:
         self.attention = make_backend(config.attention, attention_layers, device)
         self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
         self.kv_groups = plan.kv_spec.groups
+        self.lora = plan.lora  # LoRA adapters (lora.py); None: none
         # a vision-language model's image features waiting for prefill: at most so many tokens' (their bytes
         # come out of the KV budget)
         encoder_budget = EncoderBudget(config.max_num_batched_tokens) if plan.images is not None else None
@@ -123,7 +124,7 @@ class Engine:
             state_spec.bytes_per_slot if state_spec else 0,
             device,
             keeps_prefix_states=plan.keeps_prefix_states,
-            reserved_bytes=self.encoder_budget_bytes,
+            reserved_bytes=self.encoder_budget_bytes + (plan.lora.slot_bytes if plan.lora else 0),
         )
         self.num_pages = sizes.num_pages
         self.block_manager = BlockManager(
@@ -231,11 +232,16 @@ class Engine:
         request: Any = None,
         seeds: list[int] | None = None,
         images: ImageInputs | None = None,
+        adapter: str | None = None,
     ) -> Sequence:
         """Queue a prompt; with params.n > 1 the other samples are forked once the prompt is prefilled.
         `seeds[i]` seeds sample i's generator (sampled rows only). `images`: the prompt's images, as the model's
-        processor made them (its image tokens are in the prompt); ValueError where this model takes none."""
+        processor made them (its image tokens are in the prompt); ValueError where this model takes none.
+        `adapter`: the name of the LoRA adapter it runs with (None: the base model); ValueError for a name the
+        engine was not given."""
+        adapter_id = self.adapter_id(adapter)
         seq = Sequence(next(self.outputs.seq_ids), list(prompt_token_ids), params, request=request)
+        seq.adapter = adapter_id
         if images is not None and images.num_images:
             if self.plan.images is None:
                 raise ValueError(f"this model takes no images here: {self.plan.images_refusal}")
@@ -257,6 +263,14 @@ class Engine:
             seq.generator = self.outputs.generator(seq.sibling_seeds[0])
         self.scheduler.add(seq)
         return seq
+
+    def adapter_id(self, name: str | None) -> int | None:
+        """The id of LoRA adapter `name` (None: the base model); ValueError naming the adapters there are."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"adapter {name!r}: this engine was given no LoRA adapters")
+        return self.lora.id_of(name)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

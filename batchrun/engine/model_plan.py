@@ -23,6 +23,7 @@ from . import families
 from .architecture import ModelAttention, inspect_model
 from .families import ImageBlocks, MRope
 from .kv_cache import KVCacheSpec, text_config
+from .lora import LoRAManager, manager_of
 from .multimodal import image_token_id, images_unsupported_reason
 from .per_sequence_rope import PerSequenceRope
 from .quantization import computes_each_prompt_whole, computes_per_sequence
@@ -56,6 +57,7 @@ class ModelPlan:
     images: ImageRules | None  # None: this model takes no images here (images_refusal says why)
     images_refusal: str | None
     image_token_id: int | None  # the token that holds an image's place in a prompt (None: none)
+    lora: LoRAManager | None = None  # the LoRA adapters attached to the model (lora.attach); None: none
 
     @classmethod
     def of(cls, model: torch.nn.Module, page_size: int, max_model_len: int | None = None) -> ModelPlan:
@@ -85,6 +87,7 @@ class ModelPlan:
             images=images,
             images_refusal=refusal,
             image_token_id=image_token_id(model.config),
+            lora=manager_of(model),
         )
 
     def for_backend(self, capabilities, backend_name: str) -> ModelPlan:

@@ -45,6 +45,7 @@ class ModelRunner:
         self.model = model
         self.rope = plan.rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
         self.generate_products = plan.generate_products  # quantized layers that compute each sequence apart
+        self.lora = plan.lora  # LoRA adapters (None: none)
         images = plan.images
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
@@ -106,6 +107,10 @@ class ModelRunner:
         step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
         if self.generate_products and not step.decode_only:
             step.generate_products = products
+        if (
+            self.lora is not None
+        ):  # the step's tokens by adapter (none: the base model's alone, nothing added)
+            step.lora = self.lora.step_batch([s.seq.adapter for s in scheduled], query_lens, len(positions))
         tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's
             token_seq = step.decode_index  # 0..S-1

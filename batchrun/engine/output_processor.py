@@ -141,6 +141,7 @@ class OutputProcessor:
             )
             child.output_token_ids = list(parent.output_token_ids)
             child.images = parent.images
+            child.adapter = parent.adapter
             if parent.prompt_logprobs is not None:
                 child.prompt_logprobs = list(parent.prompt_logprobs)
             if parent.logprobs is not None:

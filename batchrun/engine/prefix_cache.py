@@ -57,7 +57,7 @@ class PrefixCache:
         if len(chain) < n:
             tokens = seq.cache_key_tokens
             for i in range(len(chain), n):
-                chain.append(chain_hash(chain[-1] if chain else None, tokens[i * P : (i + 1) * P]))
+                chain.append(chain_hash(chain[-1] if chain else seq.cache_salt, tokens[i * P : (i + 1) * P]))
         return chain
 
     def _shareable_pages(self, seq: Sequence, n: int) -> int:

@@ -22,6 +22,10 @@ from .page_pool import PageCopy
 from .sequence import Sequence
 from .state_slots import NoStateSlots, StateCopy, StateSlots
 
+# how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
+# adapter would be one more than a step may run
+ADAPTER_LOOKAHEAD = 64
+
 _NONE = range(0)
 
 
@@ -308,9 +312,19 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters the running sequences use (a step runs at most engine.max_loras of them)."""
+        return {s.adapter for s in self.running if s.adapter is not None}
+
+    def _admits_adapter(self, seq: Sequence, adapters: set[int]) -> bool:
+        return seq.adapter is None or seq.adapter in adapters or len(adapters) < self.config.max_loras
+
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        adapters = self._running_adapters()
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
+            if not self._admits_adapter(seq, adapters):
+                break  # it comes back once a running adapter's rows are done
             n = self._chunk(seq, budget, out)
             if not n:
                 break
@@ -322,13 +336,18 @@ class Scheduler:
             out.swap_in.extend(self.bm.swap_in(seq))
             _add(out.state_swap_in, self.states.swap_in(seq))
             self.running[seq] = None
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             self._schedule(seq, n, out)
             budget -= n
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self._running_adapters()
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = self._next_waiting(adapters)
+            if seq is None:
+                break  # every waiting row within reach needs one more adapter than a step may run
             seats = 1 + seq.num_siblings_to_fork
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
@@ -342,7 +361,12 @@ class Scheduler:
             reserve = self.watermark_pages if self.running else 0
             if need + reserve > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             self.states.allocate(seq)
             if self.states.num_snapshots:
                 theirs = [
@@ -356,6 +380,17 @@ class Scheduler:
             self.running[seq] = None
             self._planned(seq, n, out)
             budget -= n
+
+    def _next_waiting(self, adapters: set[int]) -> Sequence | None:
+        """The next sequence to admit: the oldest waiting one, unless its LoRA adapter would make one more than a
+        step runs (engine.max_loras); then the oldest among the next few whose adapter is running already (or
+        that has none), so rows of the loaded adapters go on while the others wait their turn."""
+        head = self.waiting[0]
+        if self._admits_adapter(head, adapters):
+            return head
+        return next(
+            (s for s in islice(self.waiting, ADAPTER_LOOKAHEAD) if self._admits_adapter(s, adapters)), None
+        )
 
     # ---- after the forward pass -----------------------------------------------------------------------------
     def computed(self, plan: SchedulerOutput) -> None:

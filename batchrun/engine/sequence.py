@@ -41,6 +41,13 @@ class Sequence:
     prompt_logprobs: list[float | None] | None = None
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
     images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
+    adapter: int | None = None  # its LoRA adapter's id (lora.py); None: the base model
+
+    @property
+    def cache_salt(self) -> bytes | None:
+        """What the prefix cache's hash chain starts from: a page computed under one adapter holds other K/V than
+        the same tokens under another (or under the base model), so the adapter is part of every page's key."""
+        return None if self.adapter is None else b"lora:%d" % self.adapter
 
     @property
     def token_ids(self) -> list[int]:

@@ -82,6 +82,9 @@ class StepMetadata:
     # as one product, each generated token alone, a recomputed sequence's too (`products_as_generate`); None:
     # one run per sequence (query_lens). Read by the quantized layers that compute each product apart.
     generate_products: list[int] | None = None
+    # the step's tokens by LoRA adapter (lora.LoRABatch), read by the adapted linear layers; None: no token of the
+    # step has an adapter
+    lora: Any = None
 
     def __post_init__(self) -> None:
         # every sequence computes one token (the common step): token i is sequence i's

@@ -1,0 +1,328 @@
+"""LoRA adapters: many fine-tunes of one base model in one packed step.
+
+Each adapter is read once at load (its `adapter_config.json` by lora_config.py, its weights here) and checked
+against the model: every module it names must be a plain float linear layer of the decoder whose input is the
+step's tokens, with the shapes the adapter's weights have. Each such layer becomes a `LoRALinear` around the
+layer as it was (later packed for oneDNN like any other). A sequence carries its adapter's id
+(`Sequence.adapter`; None: the base model), and each step the model runner groups the step's packed tokens by
+adapter (`LoRABatch`, on the step's metadata): every adapted layer makes its base product once for all tokens,
+then for each adapter of the step adds `lora_B(lora_A(x)) * scaling` on that adapter's tokens, the computation
+PEFT's unmerged LoRA layer makes (in the adapter's dtype, then back to the layer's, as PEFT casts). Rows of the
+base model pay nothing: a step without adapter tokens makes no extra product, a layer no extra call.
+
+At most `engine.max_loras` adapters take part in one step: their weights sit in that many slots beside the model
+(`LoRAManager`), the rest wait in CPU memory and are loaded into the least recently used free slot when a step
+needs them; the scheduler never runs a step with more adapters than slots (`Scheduler` asks
+`admits_adapter`), and prefers waiting rows of the adapters already running.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import BadInput
+from .attention import AttentionMetadata
+from .lora_config import WEIGHT_FILES, AdapterConfig
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights: per target module (its name in the model), lora_A [r, in], lora_B [out, r] and the
+    scaling PEFT applies."""
+
+    name: str
+    index: int  # its id: Sequence.adapter, the statistics' key
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a, _, _ in self.weights.values())
+
+
+def read_weights(folder: Path, where: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{module: {"A": lora_A, "B": lora_B}} of an adapter folder's weights file; BadInput naming the key of any
+    tensor that is not a LoRA A or B matrix (an embedding's, a DoRA magnitude, a bias)."""
+    path = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+    if path is None:
+        raise BadInput(f"{where}: {folder} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise BadInput(f"{where}: cannot read {path}: {e}") from None
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise BadInput(
+                f"{where}: {path}: tensor {key!r} is not a LoRA A or B matrix; batchrun applies plain LoRA"
+            )
+        modules.setdefault(m["module"], {})[m["which"]] = tensor
+    for module, pair in modules.items():
+        if set(pair) != {"A", "B"}:
+            raise BadInput(f"{where}: {path}: module {module!r} has lora_{next(iter(pair))} without its pair")
+    if not modules:
+        raise BadInput(f"{where}: {path} holds no LoRA weights")
+    return modules
+
+
+def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The layers an adapter may target, by name: plain float `nn.Linear` layers inside the decoder, whose input
+    is the step's packed tokens (the LM head sees only the tokens whose logits are kept, an image encoder its
+    patches: LoRA there is refused), and whose weight the model's own code does not read."""
+    from .cpu_linear import plain_float_linear, read_directly
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    inside = {id(m) for m in decoder.modules()}
+    read = read_directly(model)
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if id(module) in inside
+        and type(module) is torch.nn.Linear
+        and plain_float_linear(module)
+        and name.rsplit(".", 1)[-1] not in read
+    }
+
+
+def load_adapter(
+    name: str, index: int, folder: Path, config: AdapterConfig, model: torch.nn.Module, where: str
+) -> LoRAAdapter:
+    """Adapter `name` read from `folder` and checked against `model` (BadInput naming the module otherwise). Its
+    weights are kept in the model's dtype, but in float32 for a half-precision model, as PEFT keeps them
+    (`autocast_adapter_dtype`)."""
+    targets = adaptable_linears(model)
+    base_dtype = next(model.parameters()).dtype
+    dtype = torch.float32 if base_dtype in (torch.float16, torch.bfloat16) else base_dtype
+    weights = {}
+    for module, pair in read_weights(folder, where).items():
+        layer = targets.get(module)
+        if layer is None:
+            found = model.get_submodule(module) if _has_module(model, module) else None
+            why = (
+                "is not in this model (an adapter for another base model?"
+                + (f" it was made for {config.base_model})" if config.base_model else ")")
+                if found is None
+                else f"is a {type(found).__name__} batchrun does not adapt (LoRA applies to the decoder's "
+                "linear layers whose input is the step's tokens)"
+            )
+            raise BadInput(f"{where}: module {module!r} {why}")
+        a, b = pair["A"], pair["B"]
+        rank = a.shape[0]
+        if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
+            raise BadInput(
+                f"{where}: module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its "
+                f"{layer.in_features} -> {layer.out_features} layer (an adapter for another base model?)"
+            )
+        weights[module] = (a.to(dtype).contiguous(), b.to(dtype).contiguous(), config.scaling(module, rank))
+    return LoRAAdapter(name, index, weights)
+
+
+def _has_module(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The step's packed tokens by adapter: per slot taking part, its tokens' rows (a slice where they are one
+    run, else their indices on the device). Built once per step by the model runner, read by every LoRALinear."""
+
+    num_tokens: int
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+
+
+class LoRALinear(torch.nn.Module):
+    """A linear layer and the adapters that target it: the base product for every token, then each adapter's
+    low-rank product added on its own tokens (the module docstring)."""
+
+    def __init__(self, base_layer: torch.nn.Module, name: str, num_slots: int):
+        super().__init__()
+        self.base_layer = base_layer
+        self.name = name
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        # per slot: (lora_A, lora_B, scaling) of the adapter loaded there, None where it does not target this layer
+        self.slots: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * num_slots
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        step = getattr(AttentionMetadata.current(), "step", None)
+        batch = getattr(step, "lora", None)
+        if batch is None:
+            return out
+        flat_x, flat = x.reshape(-1, self.in_features), out.view(-1, self.out_features)
+        if flat_x.shape[0] != batch.num_tokens:
+            raise RuntimeError(
+                f"LoRA layer {self.name} was called on {flat_x.shape[0]} rows, not the step's {batch.num_tokens} "
+                "tokens: batchrun cannot tell which adapter each row is for"
+            )
+        for slot, rows in batch.groups:
+            weights = self.slots[slot]
+            if weights is None:
+                continue
+            a, b, scaling = weights
+            part = flat_x[rows].to(a.dtype)
+            delta = torch.nn.functional.linear(torch.nn.functional.linear(part, a), b) * scaling
+            if isinstance(rows, slice):
+                flat[rows] = (flat[rows] + delta).to(flat.dtype)
+            else:
+                flat.index_copy_(0, rows, (flat.index_select(0, rows) + delta).to(flat.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, {sum(s is not None for s in self.slots)} adapters loaded"
+
+
+@dataclass
+class LoRAStats:
+    """What the statistics report of the adapters: loads into a slot and evictions from one."""
+
+    loads: int = 0
+    evictions: int = 0
+    per_adapter_loads: dict[str, int] = field(default_factory=dict)
+
+
+class LoRAManager:
+    """The job's adapters (every one read into CPU memory at load) and the `max_loras` slots beside the model
+    that a step's adapters are loaded into: one manager for the resource, as the block manager is the pages'."""
+
+    def __init__(self, model: torch.nn.Module, adapters: list[LoRAAdapter], max_loras: int, device):
+        self.adapters = adapters
+        self.ids = {a.name: a.index for a in adapters}
+        self.max_loras = max_loras
+        self.device = torch.device(device)
+        targets = {m for a in adapters for m in a.weights}
+        self.layers: dict[str, LoRALinear] = {}
+        for name in sorted(targets):
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            layer = LoRALinear(getattr(owner, child), name, max_loras)
+            setattr(owner, child, layer)
+            self.layers[name] = layer
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.stats = LoRAStats()
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.adapters]
+
+    def id_of(self, name: str | None) -> int | None:
+        """The id of adapter `name` (None: the base model); ValueError naming the known ones for another."""
+        if name is None:
+            return None
+        if name not in self.ids:
+            known = ", ".join(self.ids) or "none"
+            raise ValueError(f"adapter {name!r} is not one of this job's adapters ({known})")
+        return self.ids[name]
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of every adapter's weights in CPU memory."""
+        return sum(a.nbytes for a in self.adapters)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes the slots beside the model hold at most: the largest adapters', one a slot (on the CPU the
+        slots are the CPU copies themselves: nothing more)."""
+        if self.device.type == "cpu":
+            return 0
+        return sum(sorted((a.nbytes for a in self.adapters), reverse=True)[: self.max_loras])
+
+    def step_batch(self, adapter_ids: list[int | None], query_lens: list[int], num_tokens: int):
+        """The step's LoRABatch for its sequences' adapters (in packed order, with their token counts), their
+        adapters loaded into slots first; None when no token of the step has an adapter."""
+        if all(a is None for a in adapter_ids):
+            return None
+        runs: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for adapter, n in zip(adapter_ids, query_lens):
+            if adapter is not None:
+                spans = runs.setdefault(adapter, [])
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], start + n)
+                else:
+                    spans.append((start, start + n))
+            start += n
+        slots = self._load(set(runs))
+        groups = []
+        for adapter, spans in runs.items():
+            if len(spans) == 1:
+                rows: slice | torch.Tensor = slice(*spans[0])
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
+            groups.append((slots[adapter], rows))
+        return LoRABatch(num_tokens, tuple(groups))
+
+    def _load(self, wanted: set[int]) -> dict[int, int]:
+        """Each wanted adapter's slot, loading those not resident into free slots or evicting the least recently
+        used adapter that this step does not use (the scheduler keeps a step's adapters within max_loras)."""
+        assert len(wanted) <= self.max_loras, "the scheduler runs at most max_loras adapters a step"
+        for adapter in wanted:
+            if adapter in self.resident:
+                self.resident.move_to_end(adapter)
+                continue
+            used = set(self.resident.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next(a for a in self.resident if a not in wanted)
+                slot = self.resident.pop(victim)
+                self.stats.evictions += 1
+            self._put(adapter, slot)
+            self.resident[adapter] = slot
+        return {a: self.resident[a] for a in wanted}
+
+    def _put(self, adapter_id: int, slot: int) -> None:
+        adapter = self.adapters[adapter_id]
+        for name, layer in self.layers.items():
+            w = adapter.weights.get(name)
+            layer.slots[slot] = None if w is None else (w[0].to(self.device), w[1].to(self.device), w[2])
+        self.stats.loads += 1
+        self.stats.per_adapter_loads[adapter.name] = self.stats.per_adapter_loads.get(adapter.name, 0) + 1
+
+
+def attach(
+    model: torch.nn.Module, adapters: dict[str, tuple[Path, AdapterConfig]], max_loras: int, device
+) -> LoRAManager:
+    """Reads each adapter ({name: (folder, config)}, in order: the id is the place) against `model`, wraps the
+    layers they target, and returns the manager (also kept on the model, where the model plan finds it). A model
+    transformers loaded through a quantizer is refused: PEFT's LoRA over a quantized layer computes in the
+    format's own dtype, which batchrun does not reproduce."""
+    from .quantization import checkpoint_format, quantized
+
+    if quantized(model):
+        raise BadInput(
+            f"model.adapters: LoRA adapters over a quantized checkpoint "
+            f"({checkpoint_format(model.config) or 'quantized'}) are not applied by batchrun; use the float model"
+        )
+    loaded = [
+        load_adapter(name, i, folder, config, model, f"model.adapters.{name}")
+        for i, (name, (folder, config)) in enumerate(adapters.items())
+    ]
+    manager = LoRAManager(model, loaded, max_loras, device)
+    model.batchrun_lora = manager
+    return manager
+
+
+def manager_of(model: torch.nn.Module) -> LoRAManager | None:
+    """The adapters `attach` put on `model`, or None."""
+    return getattr(model, "batchrun_lora", None)

@@ -1,0 +1,341 @@
+"""LoRA adapters (engine/lora.py): rows of several adapters and of the base model in one packed step, each equal
+to PEFT's unmerged adapter (`PeftModel.from_pretrained(base, folder)`) running `generate` for that row alone,
+greedy fp32 — on a Llama, a Qwen3 and a Gemma 3 (sliding windows) base, on the torch and gather backends, under
+preemption, and with identical prompts of different adapters side by side (the prefix cache keys the adapter).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import paged_model_from_config
+from model_families import SUPPORTED, perturb, tiny_config
+from test_families import family_engine
+
+from batchrun.adapters import read_adapters
+from batchrun.engine import SamplingParams
+from batchrun.engine.lora import LoRALinear, attach
+from batchrun.errors import BadInput
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 16
+FAMILIES = ["llama", "qwen3", "gemma3_text"]
+# two adapters of different ranks, targets and scalings (b: rsLoRA and a per-module alpha)
+ADAPTERS = {
+    "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "b": dict(
+        r=4,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
+        alpha_pattern={"down_proj": 2},
+    ),
+}
+# the rows' adapters: base rows among them, and the same prompt under three adapters (rows 0, 1, 2)
+ROW_ADAPTERS = [None, "a", "b", "a", "b", None, "b", "a"]
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    lens = (40, 40, 40, 11, 33, 50, 75, 4)
+    out = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+    out[1] = out[2] = out[0]  # one prompt, three adapters: their pages must not be shared
+    return out
+
+
+@functools.cache
+def base(family: str):
+    """The family's tiny base (random, perturbed weights) as the engine loads it, and the same weights with
+    eager attention for PEFT."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, SUPPORTED[family][1])
+    torch.manual_seed(0)
+    ours = paged_model_from_config(cfg).eval()
+    perturb(ours, seed=len(family))
+    cfg = tiny_config(family, SUPPORTED[family][1])  # a config of its own (from_config sets its attention)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    ref.load_state_dict(ours.state_dict())
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    return ours, ref
+
+
+@functools.cache
+def adapter_folders(family: str, root: str) -> dict[str, Path]:
+    """Each adapter saved by PEFT from random weights (init_lora_weights=False: B is not zero)."""
+    _, ref = base(family)
+    folders = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        model = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(init_lora_weights=False, **kw))
+        folders[name] = Path(root) / family / name
+        model.save_pretrained(folders[name])
+    return folders
+
+
+@functools.cache
+def peft_tokens(family: str, root: str) -> list[list[int]]:
+    """Each row as PEFT runs it alone: its adapter loaded unmerged over the base (the base for a base row)."""
+    _, ref = base(family)
+    folders = adapter_folders(family, root)
+    models = {None: ref}
+    for name, folder in folders.items():
+        models[name] = peft.PeftModel.from_pretrained(copy.deepcopy(ref), folder).eval()
+    out = []
+    with torch.inference_mode():
+        for p, name in zip(prompts(ref.config.vocab_size), ROW_ADAPTERS):
+            ids = models[name].generate(
+                input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("adapters"))
+
+
+def adapted(family: str, root: str, max_loras: int = 4):
+    """A copy of the family's base with the two adapters attached, as a job loads them."""
+    model = copy.deepcopy(base(family)[0])
+    folders = {name: str(f) for name, f in adapter_folders(family, root).items()}
+    attach(model, read_adapters(folders, 64, "test"), max_loras, "cpu")
+    return model
+
+
+def run_rows(engine, vocab: int, adapters=ROW_ADAPTERS, on_step=None):
+    seqs = [
+        engine.add(p, SamplingParams(max_new_tokens=NEW_TOKENS), request=i, adapter=a)
+        for i, (p, a) in enumerate(zip(prompts(vocab), adapters))
+    ]
+    steps = []
+    while engine.has_unfinished():
+        steps.append(engine.step())
+        if on_step:
+            on_step(engine, steps[-1])
+    engine.check_integrity()
+    return [s.output_token_ids for s in seqs], steps
+
+
+@pytest.mark.parametrize("attention", ["torch", "gather"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_of_two_adapters_and_the_base_each_equal_peft_alone(family, attention, root):
+    model = adapted(family, root)
+    targets = {t for kw in ADAPTERS.values() for t in kw["target_modules"]}  # q_proj in both: wrapped once
+    assert (
+        sum(isinstance(m, LoRALinear) for m in model.modules())
+        == len(targets) * model.config.num_hidden_layers
+    )
+    got, _ = run_rows(family_engine(model, attention), model.config.vocab_size)
+    want = peft_tokens(family, root)
+    assert got == want
+    # the adapters change the tokens (else the test would not see one ignored), and the three rows of one prompt
+    # differ (else the prefix cache could have handed one adapter's pages to another)
+    assert len({tuple(want[0]), tuple(want[1]), tuple(want[2])}) == 3
+
+
+def test_rows_equal_peft_under_preemption_by_swap_and_recompute(root):
+    model = adapted("llama", root)
+    want = peft_tokens("llama", root)
+    for preemption in ("swap", "recompute"):
+        got, steps = run_rows(family_engine(model, "torch", full_pages=12, preemption=preemption), 256)
+        assert sum(s.num_preempted for s in steps) > 0, preemption
+        assert got == want, preemption
+
+
+def test_a_step_runs_at_most_max_loras_adapters_and_rows_still_equal_peft(root):
+    """One slot: the adapters take turns (the scheduler admits rows of the running adapter, and the base model's,
+    while the other's wait), each loaded again when its turn comes; every row still equals PEFT."""
+    model = adapted("llama", root, max_loras=1)
+    seen = []
+
+    def watch(engine, step):
+        seen.append({s.seq.adapter for s in step.plan.scheduled} - {None})
+
+    got, _ = run_rows(family_engine(model, "torch", max_loras=1), 256, on_step=watch)
+    assert got == peft_tokens("llama", root)
+    assert max(len(s) for s in seen) == 1 and {a for s in seen for a in s} == {0, 1}
+    stats = model.batchrun_lora.stats
+    assert stats.loads >= 2 and stats.evictions == stats.loads - 1
+
+
+def test_an_unknown_adapter_is_the_prompts_error(root):
+    model = adapted("llama", root)
+    engine = family_engine(model, "torch")
+    with pytest.raises(ValueError, match=r"adapter 'c' is not one of this job's adapters \(a, b\)"):
+        engine.add([5, 6, 7], SamplingParams(max_new_tokens=2), adapter="c")
+
+
+# ---- jobs -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def job_model(tmp_path_factory, model_dir):
+    """A tiny Llama saved with the embedded model's tokenizer, and two PEFT adapters of it saved beside it."""
+    from test_families import saved_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("job_model")
+    torch.manual_seed(0)
+    path = saved_model(root, "llama", {}, model_dir)
+    folders = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(200 + i)
+        base_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        peft_model = peft.get_peft_model(base_model, peft.LoraConfig(init_lora_weights=False, **kw))
+        folders[name] = root / f"adapter-{name}"
+        peft_model.save_pretrained(folders[name])
+    return path, folders
+
+
+def peft_generate(path: Path, folder: Path | None, prompt: list[int], new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if folder is not None:
+        model = peft.PeftModel.from_pretrained(model, folder).eval()
+    with torch.inference_mode():
+        ids = model.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+        )
+    return ids[0, len(prompt) :].tolist()
+
+
+def adapter_job(tmp_path: Path, job_model, adapter_cells: list, extra: str = "") -> Path:
+    from helpers import write_job, write_prompts
+
+    path, folders = job_model
+    texts = [f"row {i}: the quick brown fox jumps over the lazy dog {i}" for i in range(len(adapter_cells))]
+    write_prompts(tmp_path / "in.parquet", texts, extra={"adapter": adapter_cells})
+    adapters = ", ".join(f"{name}: {folder}" for name, folder in folders.items())
+    return write_job(
+        tmp_path / "job.yaml",
+        f"name: lora\nmodel: {{path: {path}, dtype: float32, chat_template: false, adapters: {{{adapters}}}{extra}}}\n"
+        f"input: {{parquet: {tmp_path / 'in.parquet'}, adapter_column: adapter}}\n"
+        f"output: {{path: {tmp_path / 'out'}, token_ids: true}}\n"
+        "sampling: {max_new_tokens: 8, ignore_eos: true}\nengine: {num_pages: 64, attention: torch}\n",
+    )
+
+
+def test_a_job_runs_each_rows_adapter_counts_them_and_makes_an_unknown_one_that_rows_error(
+    tmp_path, job_model
+):
+    from helpers import read_outputs, run_cli
+
+    cells = [None, "a", "b", "c", "a", None]
+    job = adapter_job(tmp_path, job_model, cells)
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = read_outputs(tmp_path / "out")
+    path, folders = job_model
+    for i, cell in enumerate(cells):
+        row = rows[(i, 0)]
+        if cell == "c":
+            assert row["error"] == "column 'adapter': 'c' is not one of model.adapters (a, b)"
+            continue
+        assert row["error"] is None
+        want = peft_generate(path, folders.get(cell), row["prompt_token_ids"], 8)
+        assert row["completion_token_ids"] == want, (i, cell)
+    s = run_cli("stats", str(tmp_path / "out"), "--json")
+    summary = __import__("json").loads(s.stdout)
+    assert summary["error_rows"] == 1
+    assert summary["adapter_rows"] == {"a": 2, "b": 1}
+    assert summary["adapter_generated_tokens"] == {"a": 16, "b": 8}
+    counted = {
+        name: sum(len(rows[(i, 0)]["prompt_token_ids"]) for i, c in enumerate(cells) if c == name)
+        for name in ("a", "b")
+    }
+    assert summary["adapter_prompt_tokens"] == counted
+    assert summary["adapter_loads"] == 2 and summary["adapter_bytes"] > 0
+
+
+def _adapter_config(folder: Path, **changes) -> None:
+    import json
+
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"use_dora": True}, "key `use_dora`: DoRA (weight-decomposed LoRA) is not applied by batchrun"),
+        ({"modules_to_save": ["lm_head"]}, "key `modules_to_save`: modules saved whole beside the adapter"),
+        ({"bias": "all"}, "key `bias` is 'all': trained biases are not applied by batchrun"),
+        ({"init_lora_weights": "pissa"}, "rewrites the base model's weights"),
+        ({"peft_type": "IA3"}, "key `peft_type` is 'IA3'; batchrun applies LoRA adapters only"),
+        ({"r": 128, "lora_alpha": 16}, "rank 128 is over engine.max_lora_rank (64)"),
+    ],
+)
+def test_an_adapter_batchrun_does_not_apply_exactly_is_exit_2_at_validation(
+    tmp_path, job_model, changes, message
+):
+    import shutil
+
+    from helpers import run_cli
+
+    path, folders = job_model
+    copied = tmp_path / "adapter-b"
+    shutil.copytree(folders["b"], copied)
+    _adapter_config(copied, **changes)
+    job = adapter_job(tmp_path, (path, {"a": folders["a"], "b": copied}), ["a", "b"])
+    r = run_cli("validate", str(job))
+    assert r.returncode == 2 and message in r.stderr and "model.adapters.b" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_adapter_of_another_base_model_is_exit_2_at_load_naming_the_module(tmp_path, job_model, model_dir):
+    from helpers import run_cli
+    from test_families import saved_model
+    from transformers import AutoModelForCausalLM
+
+    path, folders = job_model
+    wider = saved_model(tmp_path, "llama", {"hidden_size": 96, "head_dim": 24}, model_dir)
+    other = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(wider), peft.LoraConfig(r=4, target_modules=["q_proj"])
+    )
+    other.save_pretrained(tmp_path / "other")
+    job = adapter_job(tmp_path, (path, {"a": folders["a"], "b": tmp_path / "other"}), ["a", "b"])
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 2, r.stderr
+    assert (
+        "model.adapters.b: module 'model.layers.0.self_attn.q_proj'" in r.stderr
+        and "another base" in r.stderr
+    )
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "job, message",
+    [
+        ("task: embed\n", "key `model.adapters`: LoRA adapters apply to task generate, and task is embed"),
+        ("model: {adapters: {}}\n", "key `input.adapter_column` names each row's LoRA adapter"),
+        (
+            "model: {adapters: {a: /x}, adapter: b}\n",
+            "key `model.adapter`: 'b' is not one of model.adapters (a)",
+        ),
+    ],
+)
+def test_adapter_keys_that_do_not_fit_the_job_are_exit_2(tmp_path, job, message):
+    import yaml
+
+    from batchrun.config import parse_job
+
+    raw = {
+        "name": "t",
+        "input": {"parquet": "x.parquet", "adapter_column": "adapter"},
+        "model": {"adapters": {"a": "/x"}},
+    }
+    for key, value in yaml.safe_load(job).items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    with pytest.raises(BadInput, match=__import__("re").escape(message)):
+        parse_job(raw)
