@@ -339,3 +339,56 @@ def test_adapter_keys_that_do_not_fit_the_job_are_exit_2(tmp_path, job, message)
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
     with pytest.raises(BadInput, match=__import__("re").escape(message)):
         parse_job(raw)
+
+
+def test_the_python_api_runs_a_list_of_adapters_and_n_samples_share_their_rows(job_model):
+    from batchrun import LLM
+
+    path, folders = job_model
+    llm = LLM(str(path), dtype="float32", num_pages=64, adapters={k: str(v) for k, v in folders.items()})
+    prompts = [[5 + i, 900, 41, 7000 + i, 12, 300] * 3 for i in range(4)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, n=2)  # greedy: both samples are the row's
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, adapter=["b", None, "a", "zz"]
+    )
+    for p, name, out in zip(prompts, ["b", None, "a"], outs):
+        want = peft_generate(path, folders.get(name), p, 6)
+        assert [c.token_ids for c in out.outputs] == [want, want], name
+    assert outs[3].error == "prompt 3: adapter 'zz' is not one of this job's adapters (a, b)"
+    with pytest.raises(ValueError, match="one adapter name"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False, adapter=["a", "b"])
+
+
+def test_an_openai_request_names_its_adapter_in_its_model_field(tmp_path, job_model):
+    import json
+
+    from helpers import run_cli, write_job
+    from transformers import AutoTokenizer
+
+    path, folders = job_model
+    models = {"r-a": "a", "r-b": "b", "r-base": "the-base-model", "r-none": None}
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for custom_id, model in models.items():
+            body = {"prompt": f"request {custom_id} asks for a story", "max_tokens": 6}
+            if model is not None:
+                body["model"] = model
+            f.write(
+                json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body})
+            )
+            f.write("\n")
+    adapters = ", ".join(f"{name}: {folder}" for name, folder in folders.items())
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: lora\nmodel: {{path: {path}, dtype: float32, adapters: {{{adapters}}}}}\n"
+        f"input: {{openai_batch: {tmp_path / 'in.jsonl'}}}\noutput: {{path: {tmp_path / 'out'}}}\n"
+        "sampling: {ignore_eos: true}\nengine: {num_pages: 64}\n",
+    )
+    r = run_cli("submit", str(job), "--quiet")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for f in sorted((tmp_path / "out").glob("part-*.jsonl")) for x in open(f)]
+    texts = {x["custom_id"]: x["response"]["body"]["choices"][0]["text"] for x in lines}
+    tok = AutoTokenizer.from_pretrained(path)
+    for custom_id, model in models.items():
+        prompt = tok(f"request {custom_id} asks for a story")["input_ids"]
+        want = tok.decode(peft_generate(path, folders.get(model), prompt, 6))  # another name: the base model
+        assert texts[custom_id] == want, custom_id
