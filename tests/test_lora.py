@@ -110,10 +110,13 @@ def adapted(family: str, root: str, max_loras: int = 4):
     return model
 
 
-def run_rows(engine, vocab: int, adapters=ROW_ADAPTERS, on_step=None):
+def run_rows(engine, vocab: int, adapters=ROW_ADAPTERS, on_step=None, rows=None, new_tokens=NEW_TOKENS):
+    """The rows (`rows`: their indices; None: all) on `engine`, each with its adapter; their new tokens."""
+    picked = range(len(adapters)) if rows is None else rows
+    all_prompts = prompts(vocab)
     seqs = [
-        engine.add(p, SamplingParams(max_new_tokens=NEW_TOKENS), request=i, adapter=a)
-        for i, (p, a) in enumerate(zip(prompts(vocab), adapters))
+        engine.add(all_prompts[i], SamplingParams(max_new_tokens=new_tokens), request=i, adapter=adapters[i])
+        for i in picked
     ]
     steps = []
     while engine.has_unfinished():
@@ -392,3 +395,45 @@ def test_an_openai_request_names_its_adapter_in_its_model_field(tmp_path, job_mo
         prompt = tok(f"request {custom_id} asks for a story")["input_ids"]
         want = tok.decode(peft_generate(path, folders.get(model), prompt, 6))  # another name: the base model
         assert texts[custom_id] == want, custom_id
+
+
+# ---- the GPU path: Triton kernels over stacked weights (interpreted on the CPU here) ----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lora_kernels_equal_plain_pytorch(dtype):
+    from batchrun_kernels.lora import lora_apply, ref_lora
+
+    gen = torch.Generator().manual_seed(0)
+    slots_n, rank, n_in, n_out, T = 3, 12, 80, 72, 9  # sizes off the kernels' blocks
+    a = torch.randn(slots_n, rank, n_in, generator=gen)
+    b = torch.randn(slots_n, n_out, rank, generator=gen)
+    a[1, 5:] = 0  # slot 1 holds a rank-5 adapter, padded with zeros
+    b[1, :, 5:] = 0
+    scales = torch.tensor([0.5, 2.0, 1.25])
+    x = torch.randn(T, n_in, generator=gen).to(dtype)
+    out = torch.randn(T, n_out, generator=gen).to(dtype)
+    slots = torch.tensor([0, -1, 1, 1, 2, -1, 0, 2, 2], dtype=torch.int32)
+    want = ref_lora(x, a, b, scales, slots, out)
+    got = out.clone()
+    lora_apply(x, a, b, scales, slots, got)
+    assert torch.equal(got[slots < 0], out[slots < 0])  # base rows untouched
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < tol, err
+    assert (
+        (out.float() - want.float()).norm() / want.float().norm()
+    ).item() > 100 * tol  # the adapters count
+
+
+def test_the_stacked_kernel_path_equals_peft_in_an_engine(root):
+    """The GPU path (stacked weights, one kernel launch per layer for every adapter) run under Triton's
+    interpreter on the CPU (slow: one prompt under both adapters and a short one on the base, 4 new tokens):
+    each row's tokens still equal PEFT's."""
+    model = copy.deepcopy(base("llama")[0])
+    folders = {name: str(f) for name, f in adapter_folders("llama", root).items()}
+    manager = attach(model, read_adapters(folders, 64, "test"), 4, "cpu", stacked=True)
+    assert all(layer.stacked is not None for layer in manager.layers.values())
+    rows = [1, 2, 7]
+    got, _ = run_rows(family_engine(model, "torch"), model.config.vocab_size, rows=rows, new_tokens=4)
+    assert got == [peft_tokens("llama", root)[i][:4] for i in rows]

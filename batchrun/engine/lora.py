@@ -10,6 +10,11 @@ then for each adapter of the step adds `lora_B(lora_A(x)) * scaling` on that ada
 PEFT's unmerged LoRA layer makes (in the adapter's dtype, then back to the layer's, as PEFT casts). Rows of the
 base model pay nothing: a step without adapter tokens makes no extra product, a layer no extra call.
 
+On a GPU each adapted layer keeps the slots' weights stacked ([slots, rank, in] and [slots, out, rank], zero
+past an adapter's rank) and applies every token's adapter in two Triton kernels over the whole step
+(batchrun_kernels/lora.py: shrink, then expand into the base product), two launches a layer however many
+adapters the step has; the step then carries each token's slot (`LoRABatch.token_slots`).
+
 At most `engine.max_loras` adapters take part in one step: their weights sit in that many slots beside the model
 (`LoRAManager`), the rest wait in CPU memory and are loaded into the least recently used free slot when a step
 needs them; the scheduler never runs a step with more adapters than slots (`Scheduler` asks
@@ -148,19 +153,49 @@ class LoRABatch:
 
     num_tokens: int
     groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    token_slots: torch.Tensor | None = None  # [T] int32, each token's slot (-1: none): the stacked (GPU) path
 
 
 class LoRALinear(torch.nn.Module):
     """A linear layer and the adapters that target it: the base product for every token, then each adapter's
     low-rank product added on its own tokens (the module docstring)."""
 
-    def __init__(self, base_layer: torch.nn.Module, name: str, num_slots: int):
+    def __init__(
+        self, base_layer: torch.nn.Module, name: str, num_slots: int, stacked_rank: int | None = None
+    ):
+        """`stacked_rank`: keep the slots' weights stacked to this rank for the Triton kernels (a GPU); None:
+        per slot, for the PyTorch path."""
         super().__init__()
         self.base_layer = base_layer
         self.name = name
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         # per slot: (lora_A, lora_B, scaling) of the adapter loaded there, None where it does not target this layer
         self.slots: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * num_slots
+        self.stacked = None  # (A [S, R, in], B [S, out, R], scaling [S] float32) for the kernels
+        if stacked_rank is not None:
+            weight = next(base_layer.parameters(), None)
+            device = weight.device if weight is not None else None
+            dtype = torch.float32 if weight is None or weight.dtype != torch.float64 else weight.dtype
+            self.stacked = (
+                torch.zeros(num_slots, stacked_rank, self.in_features, device=device, dtype=dtype),
+                torch.zeros(num_slots, self.out_features, stacked_rank, device=device, dtype=dtype),
+                torch.zeros(num_slots, device=device, dtype=torch.float32),
+            )
+
+    def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
+        """The adapter `weights` (None: one that does not target this layer) into `slot`."""
+        if self.stacked is None:
+            self.slots[slot] = weights
+            return
+        a_stack, b_stack, scales = self.stacked
+        a_stack[slot].zero_()
+        b_stack[slot].zero_()
+        scales[slot] = 0.0
+        if weights is not None:
+            a, b, scaling = weights
+            a_stack[slot, : a.shape[0]].copy_(a)
+            b_stack[slot, :, : b.shape[1]].copy_(b)
+            scales[slot] = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
@@ -174,6 +209,11 @@ class LoRALinear(torch.nn.Module):
                 f"LoRA layer {self.name} was called on {flat_x.shape[0]} rows, not the step's {batch.num_tokens} "
                 "tokens: batchrun cannot tell which adapter each row is for"
             )
+        if self.stacked is not None:
+            from batchrun_kernels.lora import lora_apply
+
+            lora_apply(flat_x, *self.stacked, batch.token_slots, flat)
+            return out
         for slot, rows in batch.groups:
             weights = self.slots[slot]
             if weights is None:
@@ -204,17 +244,27 @@ class LoRAManager:
     """The job's adapters (every one read into CPU memory at load) and the `max_loras` slots beside the model
     that a step's adapters are loaded into: one manager for the resource, as the block manager is the pages'."""
 
-    def __init__(self, model: torch.nn.Module, adapters: list[LoRAAdapter], max_loras: int, device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        adapters: list[LoRAAdapter],
+        max_loras: int,
+        device,
+        stacked: bool | None = None,
+    ):
+        """`stacked`: the Triton kernels' path (default: on a CUDA device)."""
         self.adapters = adapters
         self.ids = {a.name: a.index for a in adapters}
         self.max_loras = max_loras
         self.device = torch.device(device)
+        self.stacked = self.device.type == "cuda" if stacked is None else stacked
+        rank = max((a.rank for a in adapters), default=1) if self.stacked else None
         targets = {m for a in adapters for m in a.weights}
         self.layers: dict[str, LoRALinear] = {}
         for name in sorted(targets):
             parent, _, child = name.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
-            layer = LoRALinear(getattr(owner, child), name, max_loras)
+            layer = LoRALinear(getattr(owner, child), name, max_loras, rank)
             setattr(owner, child, layer)
             self.layers[name] = layer
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
@@ -240,11 +290,9 @@ class LoRAManager:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes the slots beside the model hold at most: the largest adapters', one a slot (on the CPU the
-        slots are the CPU copies themselves: nothing more)."""
-        if self.device.type == "cpu":
-            return 0
-        return sum(sorted((a.nbytes for a in self.adapters), reverse=True)[: self.max_loras])
+        """Bytes the slots beside the model hold: the stacked weights (a GPU), or on the CPU nothing more (the
+        slots are the CPU copies themselves)."""
+        return sum(t.nbytes for layer in self.layers.values() if layer.stacked for t in layer.stacked)
 
     def step_batch(self, adapter_ids: list[int | None], query_lens: list[int], num_tokens: int):
         """The step's LoRABatch for its sequences' adapters (in packed order, with their token counts), their
@@ -262,6 +310,12 @@ class LoRAManager:
                     spans.append((start, start + n))
             start += n
         slots = self._load(set(runs))
+        if self.stacked:  # every token's slot, for the kernels
+            token_slots = [
+                s for a, n in zip(adapter_ids, query_lens) for s in [-1 if a is None else slots[a]] * n
+            ]
+            tensor = torch.tensor(token_slots, dtype=torch.int32).to(self.device)
+            return LoRABatch(num_tokens, (), tensor)
         groups = []
         for adapter, spans in runs.items():
             if len(spans) == 1:
@@ -295,13 +349,17 @@ class LoRAManager:
         adapter = self.adapters[adapter_id]
         for name, layer in self.layers.items():
             w = adapter.weights.get(name)
-            layer.slots[slot] = None if w is None else (w[0].to(self.device), w[1].to(self.device), w[2])
+            layer.load(slot, None if w is None else (w[0].to(self.device), w[1].to(self.device), w[2]))
         self.stats.loads += 1
         self.stats.per_adapter_loads[adapter.name] = self.stats.per_adapter_loads.get(adapter.name, 0) + 1
 
 
 def attach(
-    model: torch.nn.Module, adapters: dict[str, tuple[Path, AdapterConfig]], max_loras: int, device
+    model: torch.nn.Module,
+    adapters: dict[str, tuple[Path, AdapterConfig]],
+    max_loras: int,
+    device,
+    stacked: bool | None = None,
 ) -> LoRAManager:
     """Reads each adapter ({name: (folder, config)}, in order: the id is the place) against `model`, wraps the
     layers they target, and returns the manager (also kept on the model, where the model plan finds it). A model
@@ -318,7 +376,7 @@ def attach(
         load_adapter(name, i, folder, config, model, f"model.adapters.{name}")
         for i, (name, (folder, config)) in enumerate(adapters.items())
     ]
-    manager = LoRAManager(model, loaded, max_loras, device)
+    manager = LoRAManager(model, loaded, max_loras, device, stacked)
     model.batchrun_lora = manager
     return manager
 
