@@ -437,3 +437,30 @@ def test_the_stacked_kernel_path_equals_peft_in_an_engine(root):
     rows = [1, 2, 7]
     got, _ = run_rows(family_engine(model, "torch"), model.config.vocab_size, rows=rows, new_tokens=4)
     assert got == [peft_tokens("llama", root)[i][:4] for i in rows]
+
+
+def test_an_adapter_over_a_quantized_base_is_refused_naming_the_format(root):
+    model = copy.deepcopy(base("llama")[0])
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    folders = {name: str(f) for name, f in adapter_folders("llama", root).items()}
+    with pytest.raises(BadInput, match=r"over a quantized checkpoint \(bitsandbytes\) are not applied"):
+        attach(model, read_adapters(folders, 64, "test"), 4, "cpu")
+
+
+def test_an_adapter_at_a_url_is_copied_into_the_cache_and_read(root, tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.setenv("BATCHRUN_CACHE", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("memory")
+    local = adapter_folders("llama", root)["a"]
+    for f in local.iterdir():
+        fs.pipe(f"/lora-test/a/{f.name}", f.read_bytes())
+    found = read_adapters({"a": "memory://lora-test/a"}, 64, "test")
+    folder, config = found["a"]
+    assert folder.is_relative_to(tmp_path / "cache" / "adapters")
+    assert config.rank == ADAPTERS["a"]["r"]
+    assert (folder / "adapter_model.safetensors").read_bytes() == (
+        local / "adapter_model.safetensors"
+    ).read_bytes()
+    with pytest.raises(BadInput, match="memory://lora-test/none has no adapter_config.json"):
+        read_adapters({"b": "memory://lora-test/none"}, 64, "test")

@@ -26,19 +26,25 @@ SHARED_MEMORY = {80: 163 * 1024, 90: 227 * 1024}
 TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
-def _kernels():
+MODULES = ("paged_attention", "lora")  # every module of kernels, each with its `specializations()`
+
+
+def _kernels(module: str = "paged_attention"):
     # `batchrun_kernels.paged_attention` is also the name of the launcher function the package exports
-    return importlib.import_module("batchrun_kernels.paged_attention")
+    return importlib.import_module(f"batchrun_kernels.{module}")
 
 
-def signature(fn, dtype_name: str, constexprs: dict) -> dict[str, str]:
+def signature(fn, dtype_name: str, constexprs: dict, types: dict | None = None) -> dict[str, str]:
     """Triton signature of `fn`: pointers to K/V/query/output in `dtype_name`, index pointers int32, strides
-    and run-time sizes int32, the scale fp32; `constexprs` left out (they are passed separately)."""
+    and run-time sizes int32, the scale fp32; `constexprs` left out (they are passed separately); `types`: the
+    arguments whose type the kernel's module states itself."""
     data = "*" + TRITON_TYPES[dtype_name]
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif types and name in types:
+            sig[name] = types[name]
         elif name in (
             "block_tables_ptr",
             "query_start_ptr",
@@ -60,19 +66,19 @@ def signature(fn, dtype_name: str, constexprs: dict) -> dict[str, str]:
     return sig
 
 
-def compile_one(job: tuple[str, str, dict, dict, int]) -> dict:
-    kernel_name, dtype_name, constexprs, options, arch = job
+def compile_one(job: tuple[str, str, str, dict, dict, int, dict | None]) -> dict:
+    module, kernel_name, dtype_name, constexprs, options, arch, types = job
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    fn = getattr(_kernels(), kernel_name)
+    fn = getattr(_kernels(module), kernel_name)
     row = {"kernel": kernel_name.strip("_"), "arch": f"sm_{arch}", "dtype": dtype_name, **constexprs}
     row["WARPS"] = options["num_warps"]
     t0 = time.perf_counter()
     try:
-        src = ASTSource(fn, signature(fn, dtype_name, constexprs), constexprs)
+        src = ASTSource(fn, signature(fn, dtype_name, constexprs, types), constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         with tempfile.TemporaryDirectory() as tmp:
             ptx = os.path.join(tmp, "k.ptx")
@@ -101,11 +107,15 @@ def compile_one(job: tuple[str, str, dict, dict, int]) -> dict:
     return row
 
 
-def jobs(archs: list[int]) -> list[tuple[str, str, dict, dict, int]]:
+def jobs(archs: list[int]) -> list[tuple[str, str, str, dict, dict, int, dict | None]]:
     out = []
-    for fn, dtype, constexprs, options in _kernels().specializations():
-        for arch in archs:
-            out.append((fn.__name__, str(dtype).replace("torch.", ""), constexprs, options, arch))
+    for module in MODULES:
+        for fn, dtype, constexprs, options, *types in _kernels(module).specializations():
+            for arch in archs:
+                dtype_name = str(dtype).replace("torch.", "")
+                out.append(
+                    (module, fn.__name__, dtype_name, constexprs, options, arch, types[0] if types else None)
+                )
     return out
 
 

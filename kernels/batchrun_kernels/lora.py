@@ -78,6 +78,34 @@ def _expand(
     )
 
 
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the model's (x and the base product)
+RANK_BLOCKS = (16, 32, 64, 128, 256)  # next_power_of_2(rank), at least 16: engine.max_lora_rank up to 256
+BLOCK_N = 64
+
+
+def block_k(block_r: int) -> int:
+    """The shrink's input block: a [BLOCK_R, BLOCK_K] tile of at most 4096 elements (larger ones spill registers:
+    `make kernels-check`)."""
+    return min(64, max(16, 4096 // block_r))
+
+
+def specializations():
+    """Every (kernel, dtype, compile-time arguments, launch options, argument types) the launcher can produce,
+    for `make kernels-check` (the stacked weights, scales and shrunk rows are float32 whatever the model's dtype;
+    the slots int32)."""
+    for dtype in DTYPES:
+        for block_r in RANK_BLOCKS:
+            types = {
+                "a_ptr": "*fp32",
+                "b_ptr": "*fp32",
+                "y_ptr": "*fp32",
+                "scale_ptr": "*fp32",
+                "slot_ptr": "*i32",
+            }
+            yield _shrink, dtype, dict(BLOCK_R=block_r, BLOCK_K=block_k(block_r)), {"num_warps": 4}, types
+            yield _expand, dtype, dict(BLOCK_R=block_r, BLOCK_N=BLOCK_N), {"num_warps": 4}, types
+
+
 def lora_apply(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -97,9 +125,20 @@ def lora_apply(
     block_r = max(16, triton.next_power_of_2(R))
     y = torch.empty(T, R, device=x.device, dtype=torch.float32)
     _shrink[(T,)](
-        x, a, slots, y, IN, R, x.stride(0), a.stride(0), a.stride(1), y.stride(0), BLOCK_R=block_r, BLOCK_K=64
+        x,
+        a,
+        slots,
+        y,
+        IN,
+        R,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        y.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k(block_r),
     )
-    block_n = 64
+    block_n = BLOCK_N
     _expand[(T, triton.cdiv(OUT, block_n))](
         y,
         b,
