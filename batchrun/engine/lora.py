@@ -221,9 +221,13 @@ class LoRALinear(torch.nn.Module):
             a, b, scaling = weights
             part = flat_x[rows].to(a.dtype)
             delta = torch.nn.functional.linear(torch.nn.functional.linear(part, a), b) * scaling
+            # PEFT's `result + delta`, rounded once to the layer's dtype: in place, an add computes in the
+            # wider of the two dtypes and rounds into the output
             if isinstance(rows, slice):
-                flat[rows] = (flat[rows] + delta).to(flat.dtype)
-            else:
+                flat[rows].add_(delta)
+            elif delta.dtype == flat.dtype:
+                flat.index_add_(0, rows, delta)
+            else:  # index_add_ takes its own dtype only: add in the adapter's, round once
                 flat.index_copy_(0, rows, (flat.index_select(0, rows) + delta).to(flat.dtype))
         return out
 
