@@ -13,7 +13,9 @@ False) on every linear layer of the decoder (q, k, v, o, gate, up, down):
 
 batchrun's runs alternate, twice each, each in its own process (the best run counts); the rows of adapter 0 in
 (4) are checked equal to (3) token for token (a row does not depend on its batch-mates' adapters). vLLM's CPU
-build with `enable_lora` runs where its virtual environment is (bench/vs_vllm.py); without it the table says so.
+build with `enable_lora` (bench/vllm_lora_peer.py: max_loras 4, eager mode, a LoRARequest per prompt) runs the
+base, one-adapter and four-adapter workloads where its virtual environment is (bench/vs_vllm.py); without it the
+table says so.
 
 Usage: python -m bench.lora [--runs 2] [--rank 16]
 """
@@ -24,7 +26,18 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import OUT, VLLM_PYTHON, environment, in_process, reference_prompts, save, serve_one, table
+from .common import (
+    OUT,
+    VLLM_PYTHON,
+    chat_ids,
+    environment,
+    in_process,
+    reference_prompts,
+    run_vllm_peer,
+    save,
+    serve_one,
+    table,
+)
 
 MODULE = "bench.lora"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -131,6 +144,34 @@ def peft_run(model_dir: str, adapters: list[str], cells: list) -> dict:
     return {"label": "peft", "tokens_per_s": generated / seconds, "generated_tokens": generated}
 
 
+def vllm_run(work: Path, model_dir: str, adapters: list[str], cells: list, rank: int) -> dict | None:
+    """vLLM's CPU build with enable_lora on the workload (None where it is not installed or fails: the reason is
+    printed)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    if not VLLM_PYTHON.exists():
+        return None
+    ids = chat_ids(AutoTokenizer.from_pretrained(model_dir), reference_prompts())
+    index = [None if c is None else int(c[1:]) for c in cells]
+    files = {}
+    for name, value in (("prompts", ids), ("adapters", adapters), ("cells", index)):
+        files[name] = work / f"vllm-{name}.json"
+        files[name].write_text(json.dumps(value))
+    result = work / "vllm-result.json"
+    args = [model_dir, files["prompts"], files["adapters"], files["cells"], NEW_TOKENS, rank, result]
+    proc = run_vllm_peer("vllm_lora_peer.py", args)
+    if proc.returncode != 0:
+        print(f"vLLM failed: {proc.stderr[-2000:]}")
+        return None
+    r = json.loads(result.read_text())
+    return {
+        "tokens_per_s": r["generated_tokens"] / r["gen_wall_s"],
+        "generated_tokens": r["generated_tokens"],
+    }
+
+
 def _until_eos(row, eos: int) -> int:
     ids = row.tolist()
     return ids.index(eos) + 1 if eos in ids else len(ids)
@@ -171,6 +212,11 @@ def main() -> None:
                 )
                 if label not in best or r["tokens_per_s"] > best[label]["tokens_per_s"]:
                     best[label] = r
+        vllm = {}
+        for label in ("base", "one adapter", "four adapters"):
+            given, cells = configs[label]
+            print(f"  running vLLM, {label} ...", flush=True)
+            vllm[label] = vllm_run(work, model_dir, adapters, cells, args.rank)
         peft_result = in_process(
             MODULE,
             "peft_run",
@@ -182,39 +228,54 @@ def main() -> None:
     one, four = best["one adapter"]["completions"], best["four adapters"]["completions"]
     same = all(one[i] == four[i] for i in range(0, n, 4))  # the rows on adapter 0 in both runs
     base = best["base"]["tokens_per_s"]
-    rows = [
-        [label, r["tokens_per_s"], f"{r['tokens_per_s'] / base:.2f}", r.get("adapter_loads", "")]
-        for label, r in best.items()
-    ]
+    vllm_base = (vllm.get("base") or {}).get("tokens_per_s")
+    rows = []
+    for label, r in best.items():
+        peer = vllm.get(label)
+        rows.append(
+            [
+                label,
+                r["tokens_per_s"],
+                f"{r['tokens_per_s'] / base:.2f}",
+                r.get("adapter_loads", ""),
+                f"{peer['tokens_per_s']:.1f}" if peer else "-",
+                f"{peer['tokens_per_s'] / vllm_base:.2f}" if peer and vllm_base else "-",
+                f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-",
+            ]
+        )
     rows.append(
         [
             "PEFT generate, a padded batch per adapter",
             peft_result["tokens_per_s"],
             f"{peft_result['tokens_per_s'] / base:.2f}",
             "",
+            "-",
+            "-",
+            "-",
         ]
     )
+    header = ["configuration", "batchrun tok/s", "of the base", "adapter loads", "vLLM tok/s", "of its base"]
     text = "\n".join(
         [
             f"LoRA adapters, rank {args.rank} on every decoder linear, reference workload, fp32, greedy, "
             f"{NEW_TOKENS} new tokens ({env['cpu']}, {env['cpus']} CPUs, {env['date']})",
             "",
-            *table(["configuration", "tok/s", "of the base", "adapter loads"], rows),
+            *table([*header, "batchrun / vLLM"], rows),
             "",
             f"adapter 0's rows equal in 'one adapter' and 'four adapters': {same}",
-            "vLLM with enable_lora: not run ("
+            "vLLM with enable_lora: "
             + (
-                f"no vLLM at {VLLM_PYTHON}"
-                if not VLLM_PYTHON.exists()
-                else "this bench has no vLLM LoRA run yet"
-            )
-            + ")",
+                "ran (eager mode, max_loras 4)"
+                if vllm_base
+                else f"not run (no working vLLM at {VLLM_PYTHON})"
+            ),
         ]
     )
     save(
         {
             "best": {k: {kk: vv for kk, vv in v.items() if kk != "completions"} for k, v in best.items()},
             "peft": peft_result,
+            "vllm": vllm,
             "same": same,
             **env,
         },
