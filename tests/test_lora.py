@@ -25,12 +25,13 @@ peft = pytest.importorskip("peft")
 
 NEW_TOKENS = 16
 FAMILIES = ["llama", "qwen3", "gemma3_text"]
-# two adapters of different ranks, targets and scalings (b: rsLoRA and a per-module alpha)
+# two adapters of different ranks, targets and scalings (b: rsLoRA and a per-module alpha); scalings that are powers
+# of two are folded into B at load (a's 2), the others multiply the product (b's 3)
 ADAPTERS = {
     "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "b": dict(
         r=4,
-        lora_alpha=8,
+        lora_alpha=6,  # rsLoRA: 6 / sqrt(4) = 3, multiplied after B; down_proj's 2 / sqrt(4) = 1 rides on B
         use_rslora=True,
         target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
         alpha_pattern={"down_proj": 2},

@@ -23,6 +23,7 @@ needs them; the scheduler never runs a step with more adapters than slots (`Sche
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -134,8 +135,17 @@ def load_adapter(
                 f"{where}: module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its "
                 f"{layer.in_features} -> {layer.out_features} layer (an adapter for another base model?)"
             )
-        weights[module] = (a.to(dtype).contiguous(), b.to(dtype).contiguous(), config.scaling(module, rank))
+        b, scaling = b.to(dtype).contiguous(), config.scaling(module, rank)
+        if _power_of_two(scaling):  # folded into B: the same products bit for bit, one multiplication fewer
+            b, scaling = b * scaling, 1.0
+        weights[module] = (a.to(dtype).contiguous(), b, scaling)
     return LoRAAdapter(name, index, weights)
+
+
+def _power_of_two(x: float) -> bool:
+    """Whether multiplying by `x` only moves the exponent (exact: (B * x) y == (B y) * x in floating point, short
+    of overflow), so a scaling of 2 (alpha = 2 r, the common choice) or 1 can ride on B."""
+    return x > 0 and math.frexp(x)[0] == 0.5
 
 
 def _has_module(model: torch.nn.Module, name: str) -> bool:
@@ -219,8 +229,12 @@ class LoRALinear(torch.nn.Module):
             if weights is None:
                 continue
             a, b, scaling = weights
-            part = flat_x[rows].to(a.dtype)
-            delta = torch.nn.functional.linear(torch.nn.functional.linear(part, a), b) * scaling
+            part = flat_x[rows]
+            if part.dtype != a.dtype:
+                part = part.to(a.dtype)
+            delta = torch.nn.functional.linear(torch.nn.functional.linear(part, a), b)
+            if scaling != 1.0:
+                delta = delta * scaling
             # PEFT's `result + delta`, rounded once to the layer's dtype: in place, an add computes in the
             # wider of the two dtypes and rounds into the output
             if isinstance(rows, slice):
