@@ -106,7 +106,7 @@ def batchrun_run(work: str, label: str, model_dir: str, adapters: list[str], cel
     }
 
 
-def peft_run(model_dir: str, adapters: list[str], cells: list) -> dict:
+def peft_run(label: str, model_dir: str, adapters: list[str], cells: list) -> dict:
     """PEFT: each adapter's rows as one left-padded batch through `PeftModel.generate`."""
     import peft
     import torch
@@ -210,6 +210,7 @@ def main() -> None:
                     adapters=adapters if given is None else given,
                     cells=cells,
                 )
+                print(f"    {label}: {r['tokens_per_s']:.1f} tok/s", flush=True)
                 if label not in best or r["tokens_per_s"] > best[label]["tokens_per_s"]:
                     best[label] = r
         vllm = {}
@@ -217,6 +218,7 @@ def main() -> None:
             given, cells = configs[label]
             print(f"  running vLLM, {label} ...", flush=True)
             vllm[label] = vllm_run(work, model_dir, adapters, cells, args.rank)
+            print(f"    vLLM {label}: {vllm[label]}", flush=True)
         peft_result = in_process(
             MODULE,
             "peft_run",
