@@ -199,10 +199,10 @@ class Scheduler:
         model's image tokens see each other), the encoder's budget for features waiting for prefill, and the
         prefix whose state a hybrid keeps (the step stops there)."""
         start = seq.num_computed_tokens if start is None else start
-        n = seq.num_tokens - start
         snapshot_ends = self.states.snapshot_ends
-        if n == 1 and start >= seq.num_prompt_tokens and seq.seq_id not in snapshot_ends:
-            return 1  # a generated token's decode (the callers leave a budget > 0): no resource cuts it
+        if decodes_generated_token(seq, start, snapshot_ends):
+            return 1
+        n = seq.num_tokens - start
         if self.whole_prompts:
             n = n if n <= budget or not out.scheduled else 0
         else:
@@ -237,10 +237,10 @@ class Scheduler:
             if seq not in running:
                 break  # preempted for an older one: so is every sequence after it
             if plain:
-                start, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
-                if start >= num_prompt and start + 1 == num_prompt + len(seq.output_token_ids):
+                start = seq.num_computed_tokens
+                if decodes_generated_token(seq, start, snapshot_ends):  # _chunk's 1
                     tables = records[seq.seq_id].tables
-                    if start < P * min(map(len, tables)) and seq.seq_id not in snapshot_ends:
+                    if start < P * min(map(len, tables)):
                         if register is not None:
                             register(seq, start + 1)
                         scheduled.append(ScheduledSequence.decode(seq, start, tables, slot_of(seq)))
@@ -370,6 +370,17 @@ class Scheduler:
         self.bm.fork(parent, child)
         _add(self._pending_forks, self.states.fork(parent, child))
         self.running[child] = None
+
+
+def decodes_generated_token(seq: Sequence, start: int, snapshot_ends) -> bool:
+    """Whether `seq` computes one token from `start`, its last, a generated one, that no resource cuts: the rule
+    `_chunk` asks first and the decode fast path asks alone (the callers leave a budget > 0; whole prompts,
+    whole images and the encoder's budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may
+    end a step anywhere)."""
+    num_prompt = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
+    return (
+        num_prompt <= start == num_prompt + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends
+    )
 
 
 def _add(copies: list[StateCopy], copy: StateCopy | None) -> None:
