@@ -23,7 +23,6 @@ from .memory import MemorySnapshot
 from .model_plan import ModelPlan
 from .model_runner import ModelRunner
 from .multimodal import (
-    EncoderBudget,
     EncoderCache,
     ImageInputs,
     image_feature_bytes,
@@ -109,11 +108,13 @@ class Engine:
         self.attention = make_backend(config.attention, attention_layers, device)
         self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
         self.kv_groups = plan.kv_spec.groups
-        # a vision-language model's image features waiting for prefill: at most so many tokens' (their bytes
-        # come out of the KV budget)
-        encoder_budget = EncoderBudget(config.max_num_batched_tokens) if plan.images is not None else None
+        # a vision-language model's image encoder outputs, while prompts with images are prefilled, and their
+        # budget: at most a step's tokens' features at once (their bytes come out of the KV budget)
+        self.encoder = (
+            EncoderCache(model, device, config.max_num_batched_tokens) if plan.images is not None else None
+        )
         self.encoder_budget_bytes = (
-            encoder_budget.max_tokens * image_feature_bytes(model) if encoder_budget else 0
+            self.encoder.max_tokens * image_feature_bytes(model) if self.encoder else 0
         )
         state_spec = plan.states  # a hybrid model's per-sequence states; None: none
         sizes = pool_sizes(
@@ -141,7 +142,7 @@ class Engine:
             else NoStateSlots()
         )
         self.scheduler = Scheduler(
-            config, self.block_manager, self.state_slots, plan.chunks, encoder_budget=encoder_budget
+            config, self.block_manager, self.state_slots, plan.chunks, encoder=self.encoder
         )
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
@@ -162,8 +163,6 @@ class Engine:
             specs=specs,
             layers=plan.attention.layers,
         )
-        # a vision-language model's image encoder outputs, while prompts with images are prefilled
-        self.encoder = EncoderCache(model, device) if plan.images is not None else None
         self.runner = ModelRunner(model, plan, services, config.max_num_seqs, self.state_cache, self.encoder)
         self.outputs = OutputProcessor(
             tokenizer,

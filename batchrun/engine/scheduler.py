@@ -17,7 +17,7 @@ from itertools import islice
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .multimodal import EncoderBudget
+from .multimodal import EncoderCache
 from .page_pool import PageCopy
 from .sequence import Sequence
 from .state_slots import NoStateSlots, StateCopy, StateSlots
@@ -122,11 +122,11 @@ class Scheduler:
         block_manager: BlockManager,
         states: StateSlots | NoStateSlots | None = None,
         rules: ChunkRules = ChunkRules(),
-        encoder_budget: EncoderBudget | None = None,
+        encoder: EncoderCache | None = None,
     ):
         """`rules`: the model plan's chunk rules (model_plan.ChunkRules); `states`: a hybrid model's state slots (a
-        running sequence holds one beside its pages); `encoder_budget`: a vision-language model's image features
-        waiting for prefill (None: text only)."""
+        running sequence holds one beside its pages); `encoder`: a vision-language model's image features
+        waiting for prefill, and their budget (None: text only)."""
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.recompute_at = rules.recompute_at
         self.bm = block_manager
@@ -136,7 +136,7 @@ class Scheduler:
         # the most tokens of a prompt one step computes (None: the whole prompt)
         self.max_chunk = None if rules.whole_prompts else config.max_num_batched_tokens
         self.whole_images = rules.whole_images
-        self.encoder_budget = encoder_budget
+        self.encoder = encoder
         self.prefix_cache = block_manager.prefix_cache
         # free pages admission leaves untouched, so decodes do not preempt at once: 1% of the pool
         self.watermark_pages = max(1, block_manager.num_pages // 100)
@@ -181,8 +181,8 @@ class Scheduler:
         out = SchedulerOutput(state_forks=self._pending_forks)  # forks and snapshots of the last plan first
         self._pending_forks = []
         self.states.new_step()
-        if self.encoder_budget is not None:
-            self.encoder_budget.new_step(self.running)
+        if self.encoder is not None:
+            self.encoder.new_step()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -209,8 +209,8 @@ class Scheduler:
             n = min(n, budget)
             if self.whole_images and seq.images is not None:
                 n = seq.images.keep_whole(start, n, first=not out.scheduled)
-            if self.encoder_budget is not None:
-                n = self.encoder_budget.fit(seq, start, n)
+            if self.encoder is not None:
+                n = self.encoder.fit(seq, start, n)
         if n and seq.seq_id in snapshot_ends:
             n = self.states.limit(seq, start, n, self.bm.page_size)
         return n
@@ -228,7 +228,7 @@ class Scheduler:
         # behind a window and no encoder budget counts: planned at once (what the general path below would
         # plan, without its calls: this loop is most of a decode step's scheduling)
         P, records, snapshot_ends = bm.page_size, bm.sequences, self.states.snapshot_ends
-        plain = bm.num_groups and not windowed and self.encoder_budget is None and not bm.pool.num_shared
+        plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
         register = self.prefix_cache.register_full_pages if self.prefix_cache.enabled else None
         scheduled, slot_of = out.scheduled, self.states.slot_of
         for seq in list(running):  # a copy: preemption takes sequences off the end
@@ -270,8 +270,8 @@ class Scheduler:
         self._planned(seq, n, out)
 
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        if self.encoder_budget is not None:
-            self.encoder_budget.take(seq, seq.num_computed_tokens, n)
+        if self.encoder is not None:
+            self.encoder.take(seq, seq.num_computed_tokens, n)
         self.prefix_cache.register_full_pages(seq, seq.num_computed_tokens + n)
         out.scheduled.append(
             ScheduledSequence(
