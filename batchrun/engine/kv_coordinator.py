@@ -24,8 +24,6 @@ from .prefix_cache import PrefixMatch
 from .sequence import Sequence
 from .state_slots import StateCopy, StateSlots
 
-_NO_ENDS: dict[int, int] = {}  # snapshot_ends of a model without state slots: never written
-
 
 def _no_slot(seq: Sequence) -> int:
     return -1
@@ -49,11 +47,15 @@ class KVCacheCoordinator:
         self.states = states
         self.prefix_cache = block_manager.prefix_cache
         self.page_size = block_manager.page_size
-        # every decode of every step asks it: the state manager's own method, or -1 without one (no extra call)
+        # asked of every scheduled sequence, every step: the managers' own methods and dict, not calls through
+        # this object. slot_of: the state slot a sequence holds (-1: none, or a model without state slots);
+        # snapshot_ends: seq_id -> the prefix (full pages) whose state it keeps when its prefill gets there, the
+        # chunk rule's last cut (StateSlots only ever changes that dict in place; without state slots, empty)
         self.slot_of = states.slot_of if states is not None else _no_slot
-        self._pending: list[
-            StateCopy
-        ] = []  # forks and snapshots since the last plan: copied first in the next
+        self.block_tables = block_manager.block_tables
+        self.snapshot_ends: dict[int, int] = states.snapshot_ends if states is not None else {}
+        # forks and snapshots since the last plan: copied first in the next
+        self._pending: list[StateCopy] = []
 
     # ---- what the scheduler and the engine read ------------------------------------------------------------
     @property
@@ -61,22 +63,9 @@ class KVCacheCoordinator:
         return self.bm.num_pages
 
     @property
-    def num_free_pages(self) -> int:
-        return self.bm.num_free_pages
-
-    @property
     def num_state_slots(self) -> int:
         """A hybrid model's accelerator state slots (0: no stateful layers)."""
         return self.states.num_slots if self.states is not None else 0
-
-    @property
-    def snapshot_ends(self) -> dict[int, int]:
-        """seq_id -> the prefix (full pages) whose state it keeps when its prefill gets there (StateSlots):
-        the chunk rule's last cut."""
-        return self.states.snapshot_ends if self.states is not None else _NO_ENDS
-
-    def block_tables(self, seq: Sequence) -> list[list[int]]:
-        return self.bm.block_tables(seq)
 
     # ---- a step ---------------------------------------------------------------------------------------------
     def new_step(self) -> list[StateCopy]:
