@@ -149,7 +149,9 @@ class KVCacheCoordinator:
         if self.states is not None:
             self.states.free(seq)
 
-    def abort(self, running: Iterable[Sequence], swapped: Iterable[Sequence], waiting: Iterable[Sequence]):
+    def abort(
+        self, running: Iterable[Sequence], swapped: Iterable[Sequence], waiting: Iterable[Sequence]
+    ) -> None:
         """Every request is dropped: running ones give back pages and slots, swapped ones their CPU pages and
         slots, waiting ones what is kept of them; state copies not made yet are dropped with their snapshots."""
         for seq in running:
