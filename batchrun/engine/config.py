@@ -23,21 +23,11 @@ from ..checks import (
     size,
     size_or_fraction,
 )
+from .backend_registry import REGISTRY
 
 
 def _device(v: str) -> str | None:
     return None if v in ("auto", "cpu", "cuda") or str(v).startswith("cuda:") else "auto, cpu, cuda or cuda:N"
-
-
-def _attention(v: str) -> str | None:
-    """`auto` or the name of a backend in the registry (attention/backends: BACKENDS, the one list of them).
-    Imported only for a name other than auto: parsing a job file otherwise imports no torch."""
-    if v == "auto":
-        return None
-    from .attention.backends import BACKENDS
-
-    names = [backend.name for backend in BACKENDS]
-    return None if v in names else f"one of auto, {', '.join(names)}"
 
 
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
@@ -75,7 +65,8 @@ def _replicas(v: int | str) -> str | None:
 @dataclass
 class EngineConfig:
     device: str = field(default="auto", metadata={"check": _device})
-    attention: str = field(default="auto", metadata={"check": _attention})
+    # auto, or a backend's name as the backends' registry has them (backend_registry.py: torch-free)
+    attention: str = field(default="auto", metadata={"check": one_of("auto", *REGISTRY)})
     page_size: int = field(default=16, metadata={"check": power_of_two})
     # a fraction of free accelerator memory after loading the model (on the CPU: of a tenth of available RAM),
     # or a size such as "2GiB"
