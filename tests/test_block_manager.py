@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from batchrun.engine.attention import FULL, MaskKind
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.kv_coordinator import KVCacheCoordinator
 from batchrun.engine.scheduler import ScheduledSequence, Scheduler
 from batchrun.engine.sequence import NULL_PAGE, Sequence
 
@@ -161,7 +162,7 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
 
 def drive(scheduler: Scheduler, max_steps: int = 20000):
     """Run the scheduler with a fake model (every sampled token is 7); returns finished sequences."""
-    bm = scheduler.bm
+    bm = scheduler.kv.bm
     finished = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
@@ -222,7 +223,8 @@ def test_scheduler_never_deadlocks_or_leaks(
         biggest + extra_pages, page_size, cpu_pages, prefix_sharing=sharing, first_keys=GROUPS[groups]
     )
     sched = Scheduler(
-        EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption=preemption), bm
+        EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption=preemption),
+        KVCacheCoordinator(bm),
     )
     for i, (p, m, n) in enumerate(lengths):
         sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
@@ -235,7 +237,9 @@ def test_scheduler_never_deadlocks_or_leaks(
 
 def test_scheduler_preempts_under_pressure_and_swaps_back():
     bm = BlockManager(12, 4, num_cpu_pages=40)
-    sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), bm)
+    sched = Scheduler(
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), KVCacheCoordinator(bm)
+    )
     for i in range(6):
         sched.add(seq(i, [i] * 6, max_new=20))
     preempted, swapped_in = 0, 0
@@ -256,7 +260,9 @@ def test_scheduler_preempts_under_pressure_and_swaps_back():
 
 def test_abort_all_frees_running_swapped_and_waiting():
     bm = BlockManager(12, 4, num_cpu_pages=40)
-    sched = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), bm)
+    sched = Scheduler(
+        EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption="swap"), KVCacheCoordinator(bm)
+    )
     for i in range(8):
         sched.add(seq(i, [i] * 6, max_new=20))
     swapped_seen = False
@@ -330,7 +336,9 @@ def test_abort_gives_back_the_snapshots_planned_but_not_copied():
     from batchrun.engine.state_slots import StateSlots
 
     bm, states = BlockManager(64, 4, 16), StateSlots(4, 2, 2)
-    scheduler = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), bm, states=states)
+    scheduler = Scheduler(
+        EngineConfig(max_num_seqs=4, max_num_batched_tokens=64), KVCacheCoordinator(bm, states)
+    )
     common = list(range(12))
     scheduler.add(seq(0, common + [50, 51, 52]))
     scheduler.add(seq(1, common + [60, 61, 62]))

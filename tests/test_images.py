@@ -449,7 +449,7 @@ def test_image_features_wait_within_their_budget(llava_dir, reference, tmp_path)
     peak, bound = run()
     assert 0 < peak <= bound
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(multimodal.EncoderBudget, "fit", lambda self, seq, start, n: n)
+        patch.setattr(multimodal.EncoderCache, "fit", lambda self, seq, start, n: n)
         unbounded, _ = run()
     assert unbounded > bound
 

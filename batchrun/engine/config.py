@@ -23,6 +23,7 @@ from ..checks import (
     size,
     size_or_fraction,
 )
+from .backend_registry import REGISTRY
 
 
 def _device(v: str) -> str | None:
@@ -64,7 +65,8 @@ def _replicas(v: int | str) -> str | None:
 @dataclass
 class EngineConfig:
     device: str = field(default="auto", metadata={"check": _device})
-    attention: str = field(default="auto", metadata={"check": one_of("auto", "triton", "torch", "gather")})
+    # auto, or a backend's name as the backends' registry has them (backend_registry.py: torch-free)
+    attention: str = field(default="auto", metadata={"check": one_of("auto", *REGISTRY)})
     page_size: int = field(default=16, metadata={"check": power_of_two})
     # a fraction of free accelerator memory after loading the model (on the CPU: of a tenth of available RAM),
     # or a size such as "2GiB"

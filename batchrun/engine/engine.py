@@ -19,11 +19,11 @@ from .attention import AttentionLayers, AttentionServices, make_backend
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
+from .kv_coordinator import KVCacheCoordinator
 from .memory import MemorySnapshot
 from .model_plan import ModelPlan
 from .model_runner import ModelRunner
 from .multimodal import (
-    EncoderBudget,
     EncoderCache,
     ImageInputs,
     image_feature_bytes,
@@ -33,7 +33,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .sizing import pool_sizes
 from .state_cache import StateCache
-from .state_slots import NoStateSlots, StateSlots
+from .state_slots import StateSlots
 from .timing import PhaseTimes
 
 
@@ -110,11 +110,13 @@ class Engine:
         self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
         self.kv_groups = plan.kv_spec.groups
         self.lora = plan.lora  # LoRA adapters (lora.py); None: none
-        # a vision-language model's image features waiting for prefill: at most so many tokens' (their bytes
-        # come out of the KV budget)
-        encoder_budget = EncoderBudget(config.max_num_batched_tokens) if plan.images is not None else None
+        # a vision-language model's image encoder outputs, while prompts with images are prefilled, and their
+        # budget: at most a step's tokens' features at once (their bytes come out of the KV budget)
+        self.encoder = (
+            EncoderCache(model, device, config.max_num_batched_tokens) if plan.images is not None else None
+        )
         self.encoder_budget_bytes = (
-            encoder_budget.max_tokens * image_feature_bytes(model) if encoder_budget else 0
+            self.encoder.max_tokens * image_feature_bytes(model) if self.encoder else 0
         )
         state_spec = plan.states  # a hybrid model's per-sequence states; None: none
         sizes = pool_sizes(
@@ -127,7 +129,7 @@ class Engine:
             reserved_bytes=self.encoder_budget_bytes + (plan.lora.slot_bytes if plan.lora else 0),
         )
         self.num_pages = sizes.num_pages
-        self.block_manager = BlockManager(
+        block_manager = BlockManager(
             self.num_pages,
             config.page_size,
             sizes.num_cpu_pages,
@@ -135,15 +137,11 @@ class Engine:
             [kind.first_key for kind in self.kv_groups.kinds],
         )
         if plan.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
-            self.block_manager.prefix_cache.shareable_tokens = plan.rope.shareable_tokens
-        self.state_slots = (
-            StateSlots(sizes.num_slots, sizes.num_cpu_slots, sizes.num_snapshots)
-            if state_spec
-            else NoStateSlots()
-        )
-        self.scheduler = Scheduler(
-            config, self.block_manager, self.state_slots, plan.chunks, encoder_budget=encoder_budget
-        )
+            block_manager.prefix_cache.shareable_tokens = plan.rope.shareable_tokens
+        # what each sequence holds in the cache: pages, and a hybrid model's state slots (None: no such layers)
+        states = StateSlots(sizes.num_slots, sizes.num_cpu_slots, sizes.num_snapshots) if state_spec else None
+        self.kv = KVCacheCoordinator(block_manager, states)
+        self.scheduler = Scheduler(config, self.kv, plan.chunks, encoder=self.encoder)
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
                 f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "
@@ -163,8 +161,6 @@ class Engine:
             specs=specs,
             layers=plan.attention.layers,
         )
-        # a vision-language model's image encoder outputs, while prompts with images are prefilled
-        self.encoder = EncoderCache(model, device) if plan.images is not None else None
         self.runner = ModelRunner(model, plan, services, config.max_num_seqs, self.state_cache, self.encoder)
         self.outputs = OutputProcessor(
             tokenizer,
@@ -206,7 +202,7 @@ class Engine:
                 self.grammars.compile(params.response_format)
             except ValueError as e:
                 return str(e)
-        slots = self.state_slots.num_slots  # a hybrid model's (0: none): each sample holds one
+        slots = self.kv.num_state_slots  # a hybrid model's (0: none): each sample holds one
         if slots and params.n > slots:
             return (
                 f"{params.n} samples need {params.n} state slots at once (one each); this engine has {slots} "
@@ -214,7 +210,7 @@ class Engine:
             )
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
-        pages = self.block_manager.layout.pages_to_run(
+        pages = self.kv.bm.layout.pages_to_run(
             num_prompt_tokens, total, self.scheduler.max_chunk_of(images) or num_prompt_tokens
         )
         if pages > self.num_pages:
@@ -331,7 +327,17 @@ class Engine:
 
     @property
     def num_used_pages(self) -> int:
-        return self.block_manager.num_used_pages
+        return self.kv.bm.num_used_pages
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The coordinator's pages (its counters: prefix-cache hits, copies on write, pages freed by windows)."""
+        return self.kv.bm
+
+    @property
+    def state_slots(self) -> StateSlots | None:
+        """The coordinator's state slots (a hybrid model's; None: no stateful layers)."""
+        return self.kv.states
 
     @property
     def bytes_per_state_slot(self) -> int:
@@ -373,8 +379,8 @@ class Engine:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""
         counter = memory.recount if recount else memory.count
         return counter(
-            self.block_manager,
-            self.state_slots,
+            self.kv.bm,
+            self.kv.states,
             self.scheduler.running,
             self.num_waiting,
             self.num_swapped,
@@ -382,10 +388,8 @@ class Engine:
         )
 
     def check_integrity(self) -> None:
-        """Page and state-slot bookkeeping agrees with every live sequence (AssertionError otherwise)."""
-        self.block_manager.check_integrity(self.scheduler.live_sequences())
-        bm = self.block_manager
-        self.runner.block_tables.check(
-            {s.seq_id: bm.sequences[s.seq_id].tables for s in self.scheduler.running}
-        )
-        self.state_slots.check(self.scheduler.running, self.scheduler.swapped)
+        """Page and state-slot bookkeeping agrees with every live sequence, and the runner's persistent block
+        tables with the block manager's (AssertionError otherwise)."""
+        running = self.scheduler.running
+        self.kv.check_integrity(running, self.scheduler.swapped)
+        self.runner.block_tables.check({s.seq_id: self.kv.block_tables(s) for s in running})

@@ -150,7 +150,9 @@ def recount(
         num_swapped,
         pages_used=len(holders),
         # slot by slot: the ones the running sequences hold, their own and those reserved for forks
-        state_slots_used=len({s for seq in running for s in states.held_by(seq)}),
+        state_slots_used=len({s for seq in running for s in states.held_by(seq)})
+        if states is not None
+        else 0,
         pages_allocatable=sum(1 for c in bm.pool.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
@@ -164,9 +166,10 @@ def _snapshot(
     bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, **counted: int
 ) -> MemorySnapshot:
     """A snapshot of what was counted, with the queue sizes and the block manager's own counters (and, unless
-    recounted, the free pages and used state slots as their managers count them)."""
+    recounted, the free pages and used state slots as their managers count them). `states`: a hybrid model's
+    state slots (state_slots.StateSlots; None: no stateful layers)."""
     counted.setdefault("pages_allocatable", bm.num_free_pages)
-    counted.setdefault("state_slots_used", states.num_used)
+    counted.setdefault("state_slots_used", states.num_used if states is not None else 0)
     return MemorySnapshot(
         num_running=len(running),
         num_waiting=num_waiting,
@@ -176,6 +179,6 @@ def _snapshot(
         prefix_query_tokens=bm.prefix_cache.query_tokens,
         prefix_hit_tokens=bm.prefix_cache.hit_tokens,
         cow_copies=bm.num_cow_copies,
-        state_slots_total=states.num_slots,
+        state_slots_total=states.num_slots if states is not None else 0,
         **counted,
     )

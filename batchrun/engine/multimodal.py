@@ -14,7 +14,7 @@ Qwen 3.5), causally, and may then be split across prefill chunks, or, where one 
 its own that no family adapter writes down is refused images at load (`images_unsupported_reason`). The image tokens' K/V live in the pages like any
 other tokens', so they are swapped, shared and counted like them; for prefix sharing, each image token is keyed
 by the bytes of the prompt's images (`ImageInputs.key_tokens`), so two different images never share a page.
-A sequence's features wait for prefill within a budget the scheduler keeps (`EncoderBudget`)."""
+A sequence's features wait for prefill within a budget the scheduler asks the same manager for."""
 
 from __future__ import annotations
 
@@ -188,63 +188,28 @@ def image_feature_bytes(model) -> int:
     return text_config(model.config).hidden_size * streams * itemsize
 
 
-class EncoderBudget:
-    """The scheduler's side of the encoder's memory: how many image tokens' features may wait for prefill at
-    once. A sequence holds all its images' features (EncoderCache) from the step that computes any of its image
-    tokens until the step that computes its last one. A chunk that would make a sequence start holding them
-    beside more than `max_tokens` held already ends before its first image token (or waits a step), unless none
-    are held, so that a prompt with more image tokens than the budget still runs, alone. The engine sizes the
-    budget and takes its bytes out of the KV memory budget."""
-
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-        self.held = 0  # image tokens whose features this step holds (new_step, then take)
-        self._holders: set[int] = set()  # sequences counted in `held`
-
-    def new_step(self, running: list) -> None:
-        """A plan begins: the running sequences between their first and last image token hold features."""
-        self._holders = {
-            s.seq_id
-            for s in running
-            if s.images is not None
-            and s.images.positions[0] < s.num_computed_tokens <= s.images.positions[-1]
-        }
-        self.held = sum(len(s.images.positions) for s in running if s.seq_id in self._holders)
-
-    def _starts(self, seq, start: int, n: int) -> bool:
-        return (
-            seq.images is not None
-            and seq.seq_id not in self._holders
-            and len(seq.images.rows(start, start + n)) > 0
-        )
-
-    def fit(self, seq, start: int, n: int) -> int:
-        """Tokens of seq to compute from `start`, at most n: up to its first image token in the chunk where its
-        features do not fit beside those held."""
-        if not self.held or not self._starts(seq, start, n):
-            return n
-        if self.held + len(seq.images.positions) <= self.max_tokens:
-            return n
-        return seq.images.positions[seq.images.rows(start, start + n).start] - start
-
-    def take(self, seq, start: int, n: int) -> None:
-        """seq computes start..start+n this step: its features are held from now if it starts needing them."""
-        if self._starts(seq, start, n):
-            self._holders.add(seq.seq_id)
-            self.held += len(seq.images.positions)
-
-
 class EncoderCache:
     """The vision encoder's outputs of the sequences being prefilled: per sequence, its images' features in
     token order, from when a step first needs them until its prompt's last image token is computed. Images of a
     step are encoded together, each distinct one once; the bytes held are counted (`num_bytes`), and the
-    statistics read images encoded, encoder seconds and image tokens."""
+    statistics read images encoded, encoder seconds and image tokens.
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    It is the scheduler's manager of this resource too, with one record of who holds features (`held`): how
+    many image tokens' features may wait for prefill at once, `max_tokens`. A chunk that would make a sequence
+    start holding them beside more than `max_tokens` held already ends before its first image token (or waits a
+    step), unless none are held, so that a prompt with more image tokens than the budget still runs, alone. The
+    engine sizes the budget and takes its bytes out of the KV memory budget."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_tokens: int):
         self.model = model
         self.device = device
+        self.max_tokens = max_tokens
         self.hidden = text_config(model.config).hidden_size
-        self.held: dict[int, torch.Tensor] = {}  # seq_id -> [image tokens, hidden x streams] (_feature_rows)
+        # seq_id -> [image tokens, hidden x streams] (_feature_rows): a running sequence between the step that
+        # computes its first image token and the one that computes its last (a preempted one's are released)
+        self.held: dict[int, torch.Tensor] = {}
+        self.held_tokens = 0  # image tokens whose features this plan holds (new_step, then take)
+        self._taken: set[int] = set()  # sequences this plan starts holding, encoded when its step runs
         self.output_class: type | None = None  # what `get_image_features` returns, to hand the model the same
         self.pooled_per_image = (
             True  # its pooler_output: a tuple per image (LLaVA, Qwen), else one tensor (Gemma)
@@ -257,6 +222,37 @@ class EncoderCache:
     @property
     def num_bytes(self) -> int:
         return sum(t.nbytes for t in self.held.values())
+
+    # ---- the scheduler's side: the budget -------------------------------------------------------------------
+    def new_step(self) -> None:
+        """A plan begins: the features held are those of `held`."""
+        self._taken.clear()
+        self.held_tokens = sum(len(rows) for rows in self.held.values())
+
+    def _starts(self, seq, start: int, n: int) -> bool:
+        return (
+            seq.images is not None
+            and seq.seq_id not in self.held
+            and seq.seq_id not in self._taken
+            and len(seq.images.rows(start, start + n)) > 0
+        )
+
+    def fit(self, seq, start: int, n: int) -> int:
+        """Tokens of seq to compute from `start`, at most n: up to its first image token in the chunk where its
+        features do not fit beside those held."""
+        if not self.held_tokens or not self._starts(seq, start, n):
+            return n
+        if self.held_tokens + len(seq.images.positions) <= self.max_tokens:
+            return n
+        return seq.images.positions[seq.images.rows(start, start + n).start] - start
+
+    def take(self, seq, start: int, n: int) -> None:
+        """seq computes start..start+n this step: its features are held from now if it starts needing them."""
+        if self._starts(seq, start, n):
+            self._taken.add(seq.seq_id)
+            self.held_tokens += len(seq.images.positions)
+
+    # ---- the runner's side: the features --------------------------------------------------------------------
 
     def encode(self, sequences: list) -> None:
         """Features for each sequence's images that are not held yet: one encoder call per image shape,

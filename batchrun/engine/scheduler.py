@@ -15,12 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from .block_manager import BlockManager
 from .config import EngineConfig
-from .multimodal import EncoderBudget
+from .kv_coordinator import KVCacheCoordinator, add_copy
+from .multimodal import EncoderCache
 from .page_pool import PageCopy
 from .sequence import Sequence
-from .state_slots import NoStateSlots, StateCopy, StateSlots
+from .state_slots import StateCopy
 
 # how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
 # adapter would be one more than a step may run
@@ -123,27 +123,23 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        block_manager: BlockManager,
-        states: StateSlots | NoStateSlots | None = None,
+        kv: KVCacheCoordinator,
         rules: ChunkRules = ChunkRules(),
-        encoder_budget: EncoderBudget | None = None,
+        encoder: EncoderCache | None = None,
     ):
-        """`rules`: the model plan's chunk rules (model_plan.ChunkRules); `states`: a hybrid model's state slots (a
-        running sequence holds one beside its pages); `encoder_budget`: a vision-language model's image features
-        waiting for prefill (None: text only)."""
+        """`kv`: what sequences hold in the cache (pages, and a hybrid model's state slots), one call per action;
+        `rules`: the model plan's chunk rules (model_plan.ChunkRules); `encoder`: a vision-language model's image
+        features waiting for prefill, and their budget (None: text only)."""
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.recompute_at = rules.recompute_at
-        self.bm = block_manager
-        self.states = states if states is not None else NoStateSlots()
-        self._pending_forks: list[StateCopy] = []  # forks since the last plan: their states are copied first
+        self.kv = kv
         self.whole_prompts = rules.whole_prompts
         # the most tokens of a prompt one step computes (None: the whole prompt)
         self.max_chunk = None if rules.whole_prompts else config.max_num_batched_tokens
         self.whole_images = rules.whole_images
-        self.encoder_budget = encoder_budget
-        self.prefix_cache = block_manager.prefix_cache
+        self.encoder = encoder
         # free pages admission leaves untouched, so decodes do not preempt at once: 1% of the pool
-        self.watermark_pages = max(1, block_manager.num_pages // 100)
+        self.watermark_pages = max(1, kv.num_pages // 100)
         self.waiting: deque[Sequence] = deque()
         # in admission order: a dict as an ordered set, so that a finished or preempted sequence leaves in O(1)
         self.running: dict[Sequence, None] = {}
@@ -160,33 +156,21 @@ class Scheduler:
         return [*self.running, *self.swapped]
 
     def finish(self, seq: Sequence) -> None:
-        self.bm.finish(seq)
-        self.states.free(seq)
+        self.kv.finish(seq)
         del self.running[seq]
 
     def abort_all(self) -> None:
         """Drop every request and free its pages and state slots (the caller gave up on them)."""
-        for seq in self.running:
-            self.bm.finish(seq)
-            self.states.free(seq)
-        for seq in self.swapped:
-            self.bm.free_cpu_pages(seq)
-            self.states.free_cpu(seq)
-        for seq in self.waiting:
-            self.bm.forget(seq)
-        self.states.abort()
-        self._pending_forks.clear()
+        self.kv.abort(self.running, self.swapped, self.waiting)
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(state_forks=self._pending_forks)  # forks and snapshots of the last plan first
-        self._pending_forks = []
-        self.states.new_step()
-        if self.encoder_budget is not None:
-            self.encoder_budget.new_step(self.running)
+        out = SchedulerOutput(state_forks=self.kv.new_step())  # forks and snapshots of the last plan first
+        if self.encoder is not None:
+            self.encoder.new_step()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -203,20 +187,20 @@ class Scheduler:
         model's image tokens see each other), the encoder's budget for features waiting for prefill, and the
         prefix whose state a hybrid keeps (the step stops there)."""
         start = seq.num_computed_tokens if start is None else start
+        snapshot_ends = self.kv.snapshot_ends
+        if decodes_generated_token(seq, start, snapshot_ends):
+            return 1
         n = seq.num_tokens - start
-        snapshot_ends = self.states.snapshot_ends
-        if n == 1 and start >= seq.num_prompt_tokens and seq.seq_id not in snapshot_ends:
-            return 1  # a generated token's decode (the callers leave a budget > 0): no resource cuts it
         if self.whole_prompts:
             n = n if n <= budget or not out.scheduled else 0
         else:
             n = min(n, budget)
             if self.whole_images and seq.images is not None:
                 n = seq.images.keep_whole(start, n, first=not out.scheduled)
-            if self.encoder_budget is not None:
-                n = self.encoder_budget.fit(seq, start, n)
+            if self.encoder is not None:
+                n = self.encoder.fit(seq, start, n)
         if n and seq.seq_id in snapshot_ends:
-            n = self.states.limit(seq, start, n, self.bm.page_size)
+            n = self.kv.limit(seq, start, n)
         return n
 
     def max_chunk_of(self, images) -> int | None:
@@ -227,24 +211,28 @@ class Scheduler:
         return max([self.max_chunk] + [b - a for a, b in images.blocks])
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        bm, running, windowed = self.bm, self.running, self.bm.layout.windowed  # every step, every sequence
+        # a running sequence's growth is pages alone (a state slot never grows): this loop asks the block
+        # manager itself (kv.bm: trim, num_pages_to_grow, grow), every step, for every sequence
+        kv, running = self.kv, self.running
+        bm, windowed = kv.bm, kv.bm.layout.windowed
         # a decode whose pages all have room for its token, where no page is held twice, none is given back
         # behind a window and no encoder budget counts: planned at once (what the general path below would
-        # plan, without its calls: this loop is most of a decode step's scheduling)
-        P, records, snapshot_ends = bm.page_size, bm.sequences, self.states.snapshot_ends
-        plain = bm.num_groups and not windowed and self.encoder_budget is None and not bm.pool.num_shared
-        register = self.prefix_cache.register_full_pages if self.prefix_cache.enabled else None
-        scheduled, slot_of = out.scheduled, self.states.slot_of
+        # plan, without its calls: this loop is most of a decode step's scheduling; it registers full pages as
+        # `kv.planned` would, where no kept prefix state ends)
+        P, records, snapshot_ends = bm.page_size, bm.sequences, kv.snapshot_ends
+        plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
+        register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
+        scheduled, slot_of = out.scheduled, kv.slot_of
         for seq in list(running):  # a copy: preemption takes sequences off the end
             if budget <= 0:
                 break
             if seq not in running:
                 break  # preempted for an older one: so is every sequence after it
             if plain:
-                start, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
-                if start >= num_prompt and start + 1 == num_prompt + len(seq.output_token_ids):
+                start = seq.num_computed_tokens
+                if decodes_generated_token(seq, start, snapshot_ends):  # _chunk's 1
                     tables = records[seq.seq_id].tables
-                    if start < P * min(map(len, tables)) and seq.seq_id not in snapshot_ends:
+                    if start < P * min(map(len, tables)):
                         if register is not None:
                             register(seq, start + 1)
                         scheduled.append(ScheduledSequence.decode(seq, start, tables, slot_of(seq)))
@@ -261,7 +249,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     return budget  # it preempted itself: every sequence after it is gone already
-                need = self.bm.num_pages_to_grow(seq, n)
+                need = bm.num_pages_to_grow(seq, n)
             if need:  # most decodes write into a page they already own: nothing to grow
                 self._schedule(seq, n, out)
             else:
@@ -270,31 +258,26 @@ class Scheduler:
         return budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        out.copy_on_write.extend(self.bm.grow(seq, n))
+        out.copy_on_write.extend(self.kv.bm.grow(seq, n))
         self._planned(seq, n, out)
 
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        if self.encoder_budget is not None:
-            self.encoder_budget.take(seq, seq.num_computed_tokens, n)
-        self.prefix_cache.register_full_pages(seq, seq.num_computed_tokens + n)
+        start = seq.num_computed_tokens
+        if self.encoder is not None:
+            self.encoder.take(seq, start, n)
+        self.kv.planned(seq, start + n)
         out.scheduled.append(
-            ScheduledSequence(
-                seq, n, seq.num_computed_tokens, self.bm.block_tables(seq), self.states.slot_of(seq)
-            )
+            ScheduledSequence(seq, n, start, self.kv.block_tables(seq), self.kv.slot_of(seq))
         )
-        if (
-            seq.seq_id in self.states.snapshot_ends
-        ):  # the step ends at the prefix a hybrid keeps a state of: copy it after
-            end, hashes = seq.num_computed_tokens + n, self.prefix_cache.page_hashes(seq)
-            _add(self._pending_forks, self.states.reached(seq, end, self.bm.page_size, hashes))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         del self.running[seq]
         seq.num_preemptions += 1
         out.preempted.append(seq)
-        if self.config.preemption == "swap" and self.bm.can_swap_out(seq) and self.states.num_free_cpu:
-            out.swap_out.extend(self.bm.swap_out(seq))
-            _add(out.state_swap_out, self.states.swap_out(seq))
+        if self.config.preemption == "swap" and self.kv.can_swap_out(seq):
+            pages, state = self.kv.swap_out(seq)
+            out.swap_out.extend(pages)
+            add_copy(out.state_swap_out, state)
             self.swapped.append(seq)
         else:
             self._drop_for_recompute(seq)
@@ -307,8 +290,7 @@ class Scheduler:
         self._drop_for_recompute(seq)
 
     def _drop_for_recompute(self, seq: Sequence) -> None:
-        self.bm.free_sequence(seq)
-        self.states.free(seq)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
@@ -328,13 +310,12 @@ class Scheduler:
             n = self._chunk(seq, budget, out)
             if not n:
                 break
-            # its pages come back, plus what its next tokens need
-            need = self.bm.num_pages_to_swap_in(seq, n)
-            if need > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
+            if not self.kv.can_swap_in(seq, n):  # its pages come back, plus what its next tokens need
                 break
             self.swapped.popleft()
-            out.swap_in.extend(self.bm.swap_in(seq))
-            _add(out.state_swap_in, self.states.swap_in(seq))
+            pages, state = self.kv.swap_in(seq)
+            out.swap_in.extend(pages)
+            add_copy(out.state_swap_in, state)
             self.running[seq] = None
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
@@ -352,14 +333,13 @@ class Scheduler:
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
             # a hybrid matches only prefixes whose state is kept (a snapshot); the page hashes are kept on seq
-            match = self.prefix_cache.match(seq, self.states.usable)
-            if not self._chunk(seq, budget, out, match.num_blocks * self.bm.page_size):
+            match = self.kv.match(seq)
+            start = match.num_blocks * self.kv.page_size
+            if not self._chunk(seq, budget, out, start):
                 break  # a prompt or image to compute whole that does not fit this step, images' features held
-            if self.states.snapshot_coming(match.prompt_hashes, match.num_blocks):
-                break  # the state of a longer prefix of it is being kept this step: computed once, not twice
-            need = self.bm.num_new_pages_for_admission(seq, match, self.max_chunk_of(seq.images))
+            # pages and state slots; a longer prefix of it whose state is kept this step: computed once, not twice
             reserve = self.watermark_pages if self.running else 0
-            if need + reserve > self.bm.num_free_pages or self.states.seats(seq) > self.states.num_free:
+            if not self.kv.can_admit(seq, match, self.max_chunk_of(seq.images), reserve):
                 break
             if seq is self.waiting[0]:
                 self.waiting.popleft()
@@ -367,16 +347,10 @@ class Scheduler:
                 self.waiting.remove(seq)
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
-            self.states.allocate(seq)
-            if self.states.num_snapshots:
-                theirs = [
-                    self.prefix_cache.page_hashes(o) for o in islice(self.waiting, self.states.LOOKAHEAD)
-                ]
-                self.states.choose_snapshot(seq, match.prompt_hashes, match.num_blocks, theirs)
+            self.kv.keep_prefix_state(seq, match, self.waiting)
             # again: the snapshot it may have been given ends its first chunk
-            limit = self._chunk(seq, budget, out, match.num_blocks * self.bm.page_size)
-            n = self.bm.allocate_sequence(seq, limit, match)
-            _add(out.state_forks, self.states.restore(seq, match.hashes, match.num_blocks))
+            n, restore = self.kv.admit(seq, self._chunk(seq, budget, out, start), match)
+            add_copy(out.state_forks, restore)
             self.running[seq] = None
             self._planned(seq, n, out)
             budget -= n
@@ -402,12 +376,16 @@ class Scheduler:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add a parallel sample that shares every page of its parent (and takes a copy of its state, made
         before the next step)."""
-        self.bm.fork(parent, child)
-        _add(self._pending_forks, self.states.fork(parent, child))
+        self.kv.fork(parent, child)
         self.running[child] = None
 
 
-def _add(copies: list[StateCopy], copy: StateCopy | None) -> None:
-    """A state copy to the plan's list (None: a model without state slots)."""
-    if copy is not None:
-        copies.append(copy)
+def decodes_generated_token(seq: Sequence, start: int, snapshot_ends) -> bool:
+    """Whether `seq` computes one token from `start`, its last, a generated one, that no resource cuts: the rule
+    `_chunk` asks first and the decode fast path asks alone (the callers leave a budget > 0; whole prompts,
+    whole images and the encoder's budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may
+    end a step anywhere)."""
+    num_prompt = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
+    return (
+        num_prompt <= start == num_prompt + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends
+    )

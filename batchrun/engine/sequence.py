@@ -1,6 +1,6 @@
 """One sequence being generated: its token ids, sampling state and counters. The resources it holds are kept
 by their managers, keyed by `seq_id`: its pages and page hashes by the block manager (block_manager.py), its
-state slots by state_slots.py."""
+state slots by state_slots.py (the scheduler reaches both through kv_coordinator.py)."""
 
 from __future__ import annotations
 

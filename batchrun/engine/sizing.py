@@ -104,7 +104,7 @@ def pool_sizes(
     `engine.num_pages` is the pages alone; the slots then come on top.
 
     `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
-    waiting for prefill (multimodal.EncoderBudget)."""
+    waiting for prefill (multimodal.EncoderCache)."""
     swap = parse_size(config.swap_space)
     if not bytes_per_slot:
         return PoolSizes(

@@ -3,7 +3,8 @@
 A hybrid model's running sequence holds one accelerator slot for its stateful layers' states (and one reserved
 for each parallel sample it will fork), a swapped one a CPU slot; a few more slots keep the states at the ends of
 shared prefixes (snapshots), so that a row behind a shared prefix starts from a copy rather than recomputing it.
-A model without stateful layers has `NoStateSlots`, which holds nothing.
+A model without stateful layers has none: the KV cache coordinator (kv_coordinator.py), through which the
+scheduler reaches these slots beside the pages, then holds no state manager.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class StateSlots:
         self._taken_now.clear()
 
     def abort(self) -> None:
-        """Every request is dropped (Scheduler.abort_all): no snapshot boundary is pending any more, and the
-        snapshots planned but not copied yet (their copies are dropped with the plan's pending forks) give their
-        slots back: indexed, they would be restored from a slot never filled."""
+        """Every request is dropped (KVCacheCoordinator.abort): no snapshot boundary is pending any more, and the
+        snapshots planned but not copied yet (their copies are dropped with the coordinator's pending ones) give
+        their slots back: indexed, they would be restored from a slot never filled."""
         self.snapshot_ends.clear()
         for h in self._taken_now:
             self._free_snapshots.append(self.snapshots.pop(h))
@@ -225,58 +226,3 @@ class StateSlots:
         assert len(set(kept)) == len(kept), "two prefixes share a snapshot slot"
         assert len(kept) + len(self._free_snapshots) == self.num_snapshots, "snapshot slots lost"
         assert not set(kept) & (set(held) | set(self._free)), "a snapshot slot is also a sequence's"
-
-
-class NoStateSlots:
-    """A model without stateful layers: no slot to take, none to check, every cached prefix usable. (`limit` and
-    `reached` are asked only for a sequence that keeps a snapshot, which only StateSlots chooses.)"""
-
-    num_slots = num_used = num_cpu_slots = num_snapshots = snapshots_taken = snapshots_restored = 0
-    num_free = num_free_cpu = 1 << 62
-    usable = None  # PrefixCache.match: any prefix
-    snapshot_ends: dict[int, int] = {}  # never written
-
-    def slot_of(self, seq) -> int:
-        return -1
-
-    def abort(self) -> None:
-        return None
-
-    def held_by(self, seq) -> list[int]:
-        return []
-
-    def new_step(self) -> None:
-        return None
-
-    def snapshot_coming(self, hashes, matched: int) -> bool:
-        return False
-
-    def restore(self, seq, hashes, k: int) -> None:
-        return None
-
-    def choose_snapshot(self, seq, hashes, computed_blocks: int, waiting) -> None:
-        return None
-
-    def seats(self, seq) -> int:
-        return 0
-
-    def allocate(self, seq) -> None:
-        return None
-
-    def free(self, seq) -> None:
-        return None
-
-    def fork(self, parent, child) -> None:
-        return None
-
-    def swap_out(self, seq) -> None:
-        return None
-
-    def swap_in(self, seq) -> None:
-        return None
-
-    def free_cpu(self, seq) -> None:
-        return None
-
-    def check(self, running, swapped) -> None:
-        return None

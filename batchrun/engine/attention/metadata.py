@@ -221,7 +221,7 @@ class AttentionMetadata:
 
     @contextlib.contextmanager
     def running(self):
-        """This step's metadata for the stateful modules called inside (architecture._stateful_forward): they
+        """This step's metadata for the stateful modules called inside (stateful_layers._stateful_forward): they
         read it here, since some models do not pass their keyword arguments on to them (Jamba's decoder layer
         calls its Mamba mixer with its hidden states and cache alone). The attention layers get it from the
         keyword arguments transformers passes them."""

@@ -3,7 +3,7 @@
 Why: it keeps its one recurrent state through its own cache class's `get_linear_cache` / `set_linear_cache`
 rather than `get_recurrent_state` / `update_recurrent_state`. The state slots' cache answers to both names
 (state_cache), and the load recognises a module whose source calls `set_linear_cache` as one that keeps its state
-through the cache (architecture.uses_cache_interface), so it gets a state slot.
+through the cache (stateful_layers.uses_cache_interface), so it gets a state slot.
 
 Checks at load: module sources calling `.set_linear_cache(`. Provides: `cache_methods`, `cache_interface_calls`.
 """

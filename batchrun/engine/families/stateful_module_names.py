@@ -2,7 +2,7 @@
 
 Why: such a module carries a state from one step to the next; batchrun keeps it in a state slot only where the
 module keeps it through transformers' cache interface (or an adapter moves it, as RecurrentGemma's). One that
-keeps it any other way would silently start afresh at every step, so the load refuses it (architecture.
+keeps it any other way would silently start afresh at every step, so the load refuses it (stateful_layers.
 stateful_modules). The class name is read after the model's own prefix: Kimi Linear's `KimiLinearAttention` is
 that family's attention, not linear attention.
 

@@ -1,6 +1,8 @@
-"""The attention backends, behind one registry. Each is an `AttentionBackend` (base.py) declaring its name and
-what it computes beyond paged causal attention (`Capabilities`): the engine asks a capability, never a backend's
-name. Adding a backend is its module and its place in `BACKENDS`.
+"""The attention backends, behind one registry. Each is an `AttentionBackend` (base.py) declaring what it computes
+beyond paged causal attention (`Capabilities`): the engine asks a capability, never a backend's name. The
+registry itself, each backend's name and class in the order `auto` tries them, is engine/backend_registry.py
+(torch-free, so the job file's check of `engine.attention` reads the same names); `BACKENDS` is its classes.
+Adding a backend is its module and its line there.
 
 - `triton` (CUDA): the paged Triton kernels (triton_paged.py; batchrun_kernels imported only once it is asked);
 - `torch` (CPU): decodes through batchrun's C++ kernel, prompts through SDPA (cpu_paged.py);
@@ -9,19 +11,31 @@ name. Adding a backend is its module and its place in `BACKENDS`.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ....errors import BadInput
+from ...backend_registry import REGISTRY
 from .base import AttentionBackend, AttentionLayers
 from .capabilities import Capabilities
-from .cpu_paged import TorchAttention
-from .gather import GatherAttention
-from .triton_paged import TritonAttention
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionLayers", "Capabilities", "make_backend"]
 
+
+def _registered() -> tuple[type[AttentionBackend], ...]:
+    """The registry's classes, in its order, each given its registered name (its value of `engine.attention`)."""
+    found = []
+    for name, where in REGISTRY.items():
+        module, _, cls_name = where.rpartition(".")
+        backend = getattr(importlib.import_module(f".{module}", __name__), cls_name)
+        backend.name = name
+        found.append(backend)
+    return tuple(found)
+
+
 # in the order `auto` tries them: the first that runs on the device and supports the model is chosen
-BACKENDS: tuple[type[AttentionBackend], ...] = (TritonAttention, TorchAttention, GatherAttention)
+BACKENDS: tuple[type[AttentionBackend], ...] = _registered()
 
 
 def make_backend(name: str, layers: AttentionLayers, device: torch.device) -> AttentionBackend:

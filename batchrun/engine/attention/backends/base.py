@@ -33,7 +33,7 @@ class AttentionBackend:
     step is prepared (engine/model_runner.py); `forward(meta, spec, call, q, k, v, scale) -> out [T, Hq, Dv]`
     by every attention layer, with the plan of its group (`meta.plans[spec.group]`)."""
 
-    name: ClassVar[str]  # its value of `engine.attention`
+    name: ClassVar[str]  # its value of `engine.attention`, given by the registry (engine/backend_registry.py)
     capabilities: ClassVar[Capabilities]
 
     @classmethod

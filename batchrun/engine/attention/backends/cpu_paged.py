@@ -43,7 +43,6 @@ class TorchAttention(AttentionBackend):
     """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
     through SDPA, as in GatherAttention."""
 
-    name = "torch"
     # the dtypes cpu_kernels.cpp's paged decode dispatches on
     capabilities = Capabilities(
         devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16), image_blocks=True

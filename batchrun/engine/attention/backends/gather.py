@@ -140,7 +140,6 @@ def gathered_decode_attention(
 class GatherAttention(AttentionBackend):
     """Pages gathered into a reused workspace per decode batch, then SDPA; prompts attend on their own K/V."""
 
-    name = "gather"
     capabilities = Capabilities(devices=None, image_blocks=True)
 
     def __init__(self, page_size: int, device: torch.device):

@@ -28,7 +28,6 @@ class TritonAttention(AttentionBackend):
     """The paged Triton kernels: K/V written and read in place (a group's query heads per KV head, of its
     layers' shape, set the grid)."""
 
-    name = "triton"
     # one image's tokens seeing each other (Gemma's image blocks) is a mask the kernels do not compute; they take
     # one head dim for keys and values. Their dtypes, page sizes and head dims: batchrun_kernels says
     # (`unsupported_shape`).
