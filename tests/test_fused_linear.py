@@ -107,7 +107,8 @@ def test_a_group_with_a_member_batchrun_would_not_pack_is_left_alone():
     assert isinstance(first.mlp.gate_proj, FusedMember) and first.mlp.gate_proj.group is group
     assert type(first.self_attn.k_proj) is Adapter and type(first.self_attn.q_proj) is PackedLinear
     assert type(second.self_attn.q_proj) is PackedLinear
-    assert type(second.self_attn.v_proj) is torch.nn.Linear  # hooked: not packed either (its hook would be lost)
+    # hooked: not packed either (a PackedLinear in its place would never call the hook)
+    assert type(second.self_attn.v_proj) is torch.nn.Linear
     assert type(second.mlp.gate_proj) is ScaledLinear and type(second.mlp.up_proj) is PackedLinear
     got = logits(model, IDS)
     assert seen == [1]  # the hook still sees v_proj's own call
