@@ -162,6 +162,7 @@ class LLM:
         self.device, self.dtype = placement.device, placement.dtype
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
+        self.fused_products = 0  # q/k/v, gate/up made one packed product each (engine/fused_linear.py)
         config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, config, self.dtype, self.device)
@@ -187,9 +188,10 @@ class LLM:
             folders = read_adapters(model.adapters, engine.max_lora_rank, source)
             lora.attach(hf_model, folders, engine.max_loras, self.device)
         if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
-            from .engine import cpu_linear
+            from .engine import cpu_linear, fused_linear
 
             self.packed_weights = cpu_linear.prepare(hf_model, self.dtype, engine.pack_weights)
+            self.fused_products = len(fused_linear.fused_groups(hf_model))
         self._token_texts: dict[int, str] = {}
         try:
             self.engine = Engine(

@@ -240,6 +240,7 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
         "model": str(llm.model_dir),
         "max_num_seqs": spec.engine.max_num_seqs,
         "packed_weights": llm.packed_weights,
+        "fused_products": llm.fused_products,
         "weights_format": llm.weights.format,
         "weights_bytes": llm.weights.bytes,
     }
@@ -261,6 +262,7 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "dtype": str(runner.dtype).replace("torch.", ""),
         "model": spec.model.path,
         "packed_weights": runner.packed_weights,
+        "fused_products": runner.fused_products,
     }
     stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
     inp = spec.input

@@ -128,7 +128,17 @@ def family_engine(model, attention: str, full_pages: int = 256, **engine):
 @pytest.mark.parametrize("attention", ["torch", "gather"])
 @pytest.mark.parametrize("family", sorted(SUPPORTED))
 def test_family_equals_hf_generate(family, attention):
+    """On `torch` the model's linear layers are packed for oneDNN, q/k/v and gate/up fused where the family has
+    them (what `LLM` does on a CPU: engine/cpu_linear.py, engine/fused_linear.py); on `gather` they stay
+    `nn.Linear`: both ways equal HF `generate`."""
+    import copy
+
+    from batchrun.engine.cpu_linear import available, pack_linear_layers
+
     model, expected = model_and_reference(family)
+    if attention == "torch" and available(torch.float32):
+        model = copy.deepcopy(model)
+        pack_linear_layers(model)
     got, _, engine = run(model, family, attention)
     assert engine.attention.name == attention
     for i, (g, e) in enumerate(zip(got, expected)):

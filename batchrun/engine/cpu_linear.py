@@ -4,7 +4,8 @@ A stock `nn.Linear` multiplies by its weight in PyTorch's plain row-major layout
 re-blocks it on every call; at a decode step's few dozen rows that costs more than the product. Reordered once
 into oneDNN's blocked layout (what torch.compile's CPU freezing does to weights), a whole fp32 job ran
 faster on the development machine (bench/RESULTS.md, with the command). bf16 results are bit for bit
-those of `nn.Linear`; fp32 ones differ in the order of the sums (~1e-6 relative).
+those of `nn.Linear`; fp32 ones differ in the order of the sums (~1e-6 relative). Sibling layers called on one
+input (q/k/v, gate/up) are packed as one product of their joined weights first (fused_linear.py).
 
 Only a plain float weight is packed. A quantized checkpoint's linear layers (compressed-tensors, torchao,
 bitsandbytes, GPTQ, FP8...) compute with their format's own arithmetic, through their own classes, tensor
@@ -20,6 +21,7 @@ import re
 import torch
 
 from .. import host
+from . import fused_linear
 from .quantization import quantized
 
 BATCH_HINT = 64  # rows the blocked layout is chosen for: a decode step's order of magnitude
@@ -86,25 +88,46 @@ def plain_float_linear(module: torch.nn.Module) -> bool:
     )
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether anything is attached to the module's calls (forward hooks or pre-hooks, accelerate's `_hf_hook`):
+    replaced by a PackedLinear or a fused product's member, the module would no longer be called, and what is
+    attached would silently stop seeing its calls."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or getattr(module, "_hf_hook", None) is not None
+    )
+
+
+def pack_linear_layers(model: torch.nn.Module, fuse: bool = True) -> int:
     """Replace every plain float `nn.Linear` of a CPU model by a PackedLinear (but those whose weight the
-    model's code reads itself); a quantized model's layers are never packed. Returns how many."""
+    model's code reads itself, and those with hooks); a quantized model's layers are never packed. With `fuse`,
+    sibling layers the model calls on one input (q/k/v, gate/up: fused_linear.SIBLINGS), every one of them
+    packable, become one packed product first. Returns how many products there are now in the place of linear
+    layers (a fused group counts once)."""
     if quantized(model):
         return 0
     keep = read_directly(model)
+
+    def packable(name: str, child: torch.nn.Module) -> bool:
+        return plain_float_linear(child) and name not in keep and not hooked(child)
+
+    # each group's concatenated weight made and packed, then its members' weights let go, one group at a time
+    groups = fused_linear.fuse_siblings(model, packable, PackedLinear) if fuse else 0
     targets = [
         (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if plain_float_linear(child) and name not in keep
+        if packable(name, child)
     ]
     # one layer at a time, each float weight let go as soon as its packed copy is made (a model in memory of its
     # own is then held twice for one layer at most; a mapped checkpoint stays mapped until copy_out_of_the_load)
     for parent, name in targets:
         setattr(parent, name, PackedLinear(getattr(parent, name)))
-    if targets:
+    if targets or groups:
         copy_out_of_the_load(model)
-    return len(targets)
+    return len(targets) + groups
 
 
 def copy_out_of_the_load(model: torch.nn.Module) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadInput
-from . import cpu_linear
+from . import cpu_linear, fused_linear
 from .architecture import rope_types
 from .attention import UnsupportedModel, int_tensor
 from .packed_attention import PACKED_ATTENTION, PackedLayout, register
@@ -99,6 +99,7 @@ class PoolingRunner:
         self.tokenizer, model = load_pooling_model(self.model_dir, dtype, device, self.auto_class)
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
+        self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
         config = self.model.config
         self.position_offset = position_offset(self.model)
         max_positions = getattr(config, "max_position_embeddings", None)
