@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -183,6 +183,9 @@ class LoRALinear(torch.nn.Module):
         self.slots: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * num_slots
         self.stacked = None  # (A [S, R, in], B [S, out, R], scaling [S] float32) for the kernels
         if stacked_rank is not None:
+            from batchrun_kernels.lora import lora_apply  # imported once, at load: not in the forward
+
+            self.apply_kernels = lora_apply
             weight = next(base_layer.parameters(), None)
             device = weight.device if weight is not None else None
             dtype = torch.float32 if weight is None or weight.dtype != torch.float64 else weight.dtype
@@ -220,9 +223,7 @@ class LoRALinear(torch.nn.Module):
                 "tokens: batchrun cannot tell which adapter each row is for"
             )
         if self.stacked is not None:
-            from batchrun_kernels.lora import lora_apply
-
-            lora_apply(flat_x, *self.stacked, batch.token_slots, flat)
+            self.apply_kernels(flat_x, *self.stacked, batch.token_slots, flat)
             return out
         for slot, rows in batch.groups:
             weights = self.slots[slot]
@@ -255,7 +256,6 @@ class LoRAStats:
 
     loads: int = 0
     evictions: int = 0
-    per_adapter_loads: dict[str, int] = field(default_factory=dict)
 
 
 class LoRAManager:
@@ -369,7 +369,6 @@ class LoRAManager:
             w = adapter.weights.get(name)
             layer.load(slot, None if w is None else (w[0].to(self.device), w[1].to(self.device), w[2]))
         self.stats.loads += 1
-        self.stats.per_adapter_loads[adapter.name] = self.stats.per_adapter_loads.get(adapter.name, 0) + 1
 
 
 def attach(
