@@ -310,6 +310,7 @@ def test_a_run_cut_off_from_the_store_stops_writing_and_gives_back_nothing_it_lo
     alone (a plain delete used to remove it)."""
     from upath import UPath
 
+    from batchrun import storage
     from batchrun.errors import JobStopped
     from batchrun.lock import LeaseLock
 
@@ -335,7 +336,10 @@ def test_a_run_cut_off_from_the_store_stops_writing_and_gives_back_nothing_it_lo
         assert time.monotonic() - t0 >= 1.0, "taken over before the lease could be stale on b's clock"
         proxy.restore()
         a.release()  # a never learnt it lost the lease: its give-back must not remove b's
-        lease = json.loads(UPath("s3://bkt/cut/.batchrun/locks/shard-00000of00001.lease").read_bytes())
+        # b's renewals rewrite the lease every half second: a plain open-and-read can meet a new version
+        # between its two requests (s3fs's FileExpired), so read it as the lock does.
+        data, _ = storage.read_versioned(UPath("s3://bkt/cut/.batchrun/locks/shard-00000of00001.lease"))
+        lease = json.loads(data)
         assert lease["owner"] == b.record["owner"] and lease["released"] is False
         b.check()
         b.release()
