@@ -31,7 +31,7 @@ def adapter_folder(name: str, path: str, source: str) -> Path:
     if p.is_dir():
         return p
     if not p.exists() and is_hub_id(path):
-        return from_hub(path, source, key)
+        return from_hub(path, source, key, files=[CONFIG_FILE, *WEIGHT_FILES])
     raise BadInput(
         f"{source}: key `{key}`: {path} is not a folder; expected a PEFT adapter folder, a URL or a hub id"
     )

@@ -78,9 +78,9 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def from_hub(repo_id: str, source: str, key: str = "model.path") -> Path:
-    """A hub id: the local Hugging Face cache, else a download (huggingface_hub) unless HF_HUB_OFFLINE=1; errors
-    name `key` (the model's path, or an adapter's)."""
+def from_hub(repo_id: str, source: str, key: str = "model.path", files: list[str] | None = None) -> Path:
+    """A hub id: the local Hugging Face cache, else a download (huggingface_hub) of `files` (patterns; default a
+    model's, MODEL_FILES) unless HF_HUB_OFFLINE=1; errors name `key` (the model's path, or an adapter's)."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -93,7 +93,7 @@ def from_hub(repo_id: str, source: str, key: str = "model.path") -> Path:
             f"is set, so it is not downloaded; unset HF_HUB_OFFLINE to download it, or give a local path."
         )
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
+        return Path(snapshot_download(repo_id, allow_patterns=files or MODEL_FILES))
     except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BadInput(f"{source}: key `{key}`: cannot download {repo_id!r} from the hub: {reason}") from None

@@ -15,6 +15,7 @@ import torch
 from helpers import paged_model_from_config
 from model_families import SUPPORTED, perturb, tiny_config
 from test_families import family_engine
+from test_ray import cluster as ray_cluster  # noqa: F401 - the Ray test's one-node cluster, as a fixture here
 
 from batchrun.adapters import read_adapters
 from batchrun.engine import SamplingParams
@@ -137,9 +138,16 @@ def test_rows_of_two_adapters_and_the_base_each_equal_peft_alone(family, attenti
         sum(isinstance(m, LoRALinear) for m in model.modules())
         == len(targets) * model.config.num_hidden_layers
     )
-    got, _ = run_rows(family_engine(model, attention), model.config.vocab_size)
+    runs = []
+
+    def watch(engine, step):  # each step's sequences of one adapter side by side (one run of tokens each)
+        order = [s.seq.adapter for s in step.plan.scheduled]
+        runs.append(len([a for i, a in enumerate(order) if i == 0 or a != order[i - 1]]) == len(set(order)))
+
+    got, _ = run_rows(family_engine(model, attention), model.config.vocab_size, on_step=watch)
     want = peft_tokens(family, root)
     assert got == want
+    assert all(runs) and len(runs) > NEW_TOKENS
     # the adapters change the tokens (else the test would not see one ignored), and the three rows of one prompt
     # differ (else the prefix cache could have handed one adapter's pages to another)
     assert len({tuple(want[0]), tuple(want[1]), tuple(want[2])}) == 3
@@ -262,6 +270,53 @@ def test_a_job_runs_each_rows_adapter_counts_them_and_makes_an_unknown_one_that_
     assert (
         summary["adapter_loads"] >= 2 and summary["adapter_bytes"] > 0
     )  # each replica loads what its rows need
+
+
+@pytest.mark.ray
+def test_ray_actors_and_the_ray_data_processor_carry_each_rows_adapter(
+    tmp_path,
+    job_model,
+    ray_cluster,  # noqa: F811 - the fixture imported above
+):
+    """`submit --ray` on two actors, and the Ray Data processor (jobs/ray_data_pipeline.py), run an adapter
+    column's rows as one process runs them: each row with its own adapter, the unknown one an error row."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+    from helpers import ROOT, read_outputs, run_cli
+
+    cells = [None, "a", "b", "c", "a", None, "b", "a"]
+    job = adapter_job(tmp_path, job_model, cells)
+    assert run_cli("submit", str(job), "--quiet").returncode == 0
+    want = {k[0]: (r["completion"], r["error"]) for k, r in read_outputs(tmp_path / "out").items()}
+    assert [want[i][1] is not None for i in range(len(cells))] == [c == "c" for c in cells]
+    assert len({want[1][0], want[2][0]}) == 2  # the adapters change the text
+    out = tmp_path / "ray"
+    r = run_cli(
+        "submit", str(job), "--quiet", "--ray", ray_cluster, "--replicas", "2", "--set", f"output.path={out}"
+    )
+    assert r.returncode == 0, r.stderr
+    assert {k[0]: (r["completion"], r["error"]) for k, r in read_outputs(out).items()} == want
+    pipeline = tmp_path / "pipeline"
+    args = [
+        str(job),
+        str(tmp_path / "in.parquet"),
+        str(pipeline),
+        "--address",
+        ray_cluster,
+        "--batch-size",
+        "3",
+    ]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "ray_data_pipeline.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr
+    rows = pq.read_table(pipeline).to_pylist()  # the batch's own id column comes along: r0, r1, ...
+    assert {int(r["id"][1:]): (r["completion"], r["error"]) for r in rows} == want
 
 
 def _adapter_config(folder: Path, **changes) -> None:
@@ -402,6 +457,23 @@ def test_an_openai_request_names_its_adapter_in_its_model_field(tmp_path, job_mo
         assert texts[custom_id] == want, custom_id
 
 
+@pytest.mark.parametrize("rows", [1, 15, 60, 333])
+def test_the_expand_and_add_as_one_product_equal_the_two_steps(rows):
+    """LoRALinear adds a slice's `h B^T` to the base output with one addmm_ where the scaling rode on B, for PEFT's
+    `result + B h` (the product, then the add). With a rank far below the library's blocking of the sum, it sums
+    the product and then adds C once: bit for bit on the development machine; held here within one rounding of
+    fp32 on whatever library the machine has, at the shapes of a decode and a prompt chunk."""
+    gen = torch.Generator().manual_seed(rows)
+    for n_out, rank in ((576, 16), (1536, 8), (192, 64)):
+        h = torch.randn(rows, rank, generator=gen)
+        b = torch.randn(n_out, rank, generator=gen)
+        out = torch.randn(rows, n_out, generator=gen)
+        want = out + torch.nn.functional.linear(h, b)
+        got = out.clone().addmm_(h, b.t())
+        assert torch.allclose(got, want, rtol=2e-7, atol=2e-6 * want.abs().max().item())
+        assert not torch.allclose(got, out, rtol=1e-3)  # the product was added
+
+
 # ---- the GPU path: Triton kernels over stacked weights (interpreted on the CPU here) ----------------------------
 
 
@@ -469,3 +541,34 @@ def test_an_adapter_at_a_url_is_copied_into_the_cache_and_read(root, tmp_path, m
     ).read_bytes()
     with pytest.raises(BadInput, match="memory://lora-test/none has no adapter_config.json"):
         read_adapters({"b": "memory://lora-test/none"}, 64, "test")
+
+
+def test_an_adapter_named_by_hub_id_is_read_from_the_local_cache_and_offline_an_absent_one_is_exit_2(
+    root, tmp_path, monkeypatch
+):
+    """A hub id resolves in the Hugging Face cache (the layout huggingface_hub writes: refs/main names the
+    snapshot), with no network; HF_HUB_OFFLINE=1 and a repo not in the cache is a bad job naming the key."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--some-org--tiny-lora"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    local = adapter_folders("llama", root)["a"]
+    for f in local.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder, config = read_adapters({"a": "some-org/tiny-lora"}, 64, "job.yaml")["a"]
+    assert folder == snapshot and config.rank == ADAPTERS["a"]["r"]
+    model = copy.deepcopy(base("llama")[0])
+    attach(model, {"a": (folder, config)}, 4, "cpu")
+    want = peft_tokens("llama", root)
+    got, _ = run_rows(family_engine(model, "torch"), 256, adapters=[None, "a"], rows=[0, 1])
+    assert got == [want[0], want[1]]  # ROW_ADAPTERS: row 0 the base's, row 1 adapter a's
+    with pytest.raises(
+        BadInput, match=r"key `model.adapters.b`: 'some-org/absent' is not in the local Hugging"
+    ):
+        read_adapters({"b": "some-org/absent"}, 64, "job.yaml")

@@ -1,11 +1,11 @@
 """LoRA adapters: many fine-tunes of one base model in one packed step.
 
-Each adapter is read once at load (its `adapter_config.json` by lora_config.py, its weights here) and checked
-against the model: every module it names must be a plain float linear layer of the decoder whose input is the
-step's tokens, with the shapes the adapter's weights have. Each such layer becomes a `LoRALinear` around the
-layer as it was (later packed for oneDNN like any other). A sequence carries its adapter's id
+Each adapter is read once at load (its `adapter_config.json` by lora_config.py, its weights by lora_weights.py,
+which checks them against the model). Each layer an adapter targets becomes a `LoRALinear` around the layer as
+it was (later packed for oneDNN like any other). A sequence carries its adapter's id
 (`Sequence.adapter`; None: the base model), and each step the model runner groups the step's packed tokens by
-adapter (`LoRABatch`, on the step's metadata): every adapted layer makes its base product once for all tokens,
+adapter (`LoRABatch`, on the step's metadata; the scheduler puts each adapter's sequences side by side, so its
+tokens are one slice): every adapted layer makes its base product once for all tokens,
 then for each adapter of the step adds `lora_B(lora_A(x)) * scaling` on that adapter's tokens, the computation
 PEFT's unmerged LoRA layer makes (in the adapter's dtype, then back to the layer's, as PEFT casts). Rows of the
 base model pay nothing: a step without adapter tokens makes no extra product, a layer no extra call.
@@ -23,8 +23,6 @@ needs them; the scheduler never runs a step with more adapters than slots (`Sche
 
 from __future__ import annotations
 
-import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,127 +31,8 @@ import torch
 
 from ..errors import BadInput
 from .attention import AttentionMetadata
-from .lora_config import WEIGHT_FILES, AdapterConfig
-
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
-
-
-@dataclass
-class LoRAAdapter:
-    """One adapter's weights: per target module (its name in the model), lora_A [r, in], lora_B [out, r] and the
-    scaling PEFT applies."""
-
-    name: str
-    index: int  # its id: Sequence.adapter, the statistics' key
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b, _ in self.weights.values())
-
-    @property
-    def rank(self) -> int:
-        return max(a.shape[0] for a, _, _ in self.weights.values())
-
-
-def read_weights(folder: Path, where: str) -> dict[str, dict[str, torch.Tensor]]:
-    """{module: {"A": lora_A, "B": lora_B}} of an adapter folder's weights file; BadInput naming the key of any
-    tensor that is not a LoRA A or B matrix (an embedding's, a DoRA magnitude, a bias)."""
-    path = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
-    if path is None:
-        raise BadInput(f"{where}: {folder} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(path))
-        else:
-            tensors = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise BadInput(f"{where}: cannot read {path}: {e}") from None
-    modules: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = _KEY.match(key)
-        if m is None:
-            raise BadInput(
-                f"{where}: {path}: tensor {key!r} is not a LoRA A or B matrix; batchrun applies plain LoRA"
-            )
-        modules.setdefault(m["module"], {})[m["which"]] = tensor
-    for module, pair in modules.items():
-        if set(pair) != {"A", "B"}:
-            raise BadInput(f"{where}: {path}: module {module!r} has lora_{next(iter(pair))} without its pair")
-    if not modules:
-        raise BadInput(f"{where}: {path} holds no LoRA weights")
-    return modules
-
-
-def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """The layers an adapter may target, by name: plain float `nn.Linear` layers inside the decoder, whose input
-    is the step's packed tokens (the LM head sees only the tokens whose logits are kept, an image encoder its
-    patches: LoRA there is refused), and whose weight the model's own code does not read."""
-    from .cpu_linear import plain_float_linear, read_directly
-
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    inside = {id(m) for m in decoder.modules()}
-    read = read_directly(model)
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if id(module) in inside
-        and type(module) is torch.nn.Linear
-        and plain_float_linear(module)
-        and name.rsplit(".", 1)[-1] not in read
-    }
-
-
-def load_adapter(
-    name: str, index: int, folder: Path, config: AdapterConfig, model: torch.nn.Module, where: str
-) -> LoRAAdapter:
-    """Adapter `name` read from `folder` and checked against `model` (BadInput naming the module otherwise). Its
-    weights are kept in the model's dtype, but in float32 for a half-precision model, as PEFT keeps them
-    (`autocast_adapter_dtype`)."""
-    targets = adaptable_linears(model)
-    base_dtype = next(model.parameters()).dtype
-    dtype = torch.float32 if base_dtype in (torch.float16, torch.bfloat16) else base_dtype
-    weights = {}
-    for module, pair in read_weights(folder, where).items():
-        layer = targets.get(module)
-        if layer is None:
-            found = model.get_submodule(module) if _has_module(model, module) else None
-            why = (
-                "is not in this model (an adapter for another base model?"
-                + (f" it was made for {config.base_model})" if config.base_model else ")")
-                if found is None
-                else f"is a {type(found).__name__} batchrun does not adapt (LoRA applies to the decoder's "
-                "linear layers whose input is the step's tokens)"
-            )
-            raise BadInput(f"{where}: module {module!r} {why}")
-        a, b = pair["A"], pair["B"]
-        rank = a.shape[0]
-        if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
-            raise BadInput(
-                f"{where}: module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its "
-                f"{layer.in_features} -> {layer.out_features} layer (an adapter for another base model?)"
-            )
-        b, scaling = b.to(dtype).contiguous(), config.scaling(module, rank)
-        if _power_of_two(scaling):  # folded into B: the same products bit for bit, one multiplication fewer
-            b, scaling = b * scaling, 1.0
-        weights[module] = (a.to(dtype).contiguous(), b, scaling)
-    return LoRAAdapter(name, index, weights)
-
-
-def _power_of_two(x: float) -> bool:
-    """Whether multiplying by `x` only moves the exponent (exact: (B * x) y == (B y) * x in floating point, short
-    of overflow), so a scaling of 2 (alpha = 2 r, the common choice) or 1 can ride on B."""
-    return x > 0 and math.frexp(x)[0] == 0.5
-
-
-def _has_module(model: torch.nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
+from .lora_config import AdapterConfig
+from .lora_weights import LoRAAdapter, load_adapter
 
 
 @dataclass(frozen=True)
@@ -225,19 +104,29 @@ class LoRALinear(torch.nn.Module):
         if self.stacked is not None:
             self.apply_kernels(flat_x, *self.stacked, batch.token_slots, flat)
             return out
+        linear = torch.nn.functional.linear
+        widened = None  # the input in the adapters' dtype (a half-precision model's adapters are fp32), once
         for slot, rows in batch.groups:
             weights = self.slots[slot]
             if weights is None:
                 continue
             a, b, scaling = weights
-            part = flat_x[rows]
-            if part.dtype != a.dtype:
-                part = part.to(a.dtype)
-            delta = torch.nn.functional.linear(torch.nn.functional.linear(part, a), b)
+            if a.dtype != flat_x.dtype:
+                widened = flat_x.to(a.dtype) if widened is None else widened
+                h = linear(widened[rows], a)
+            else:
+                h = linear(flat_x[rows], a)
+            # PEFT's `result + delta`, rounded once to the layer's dtype
+            if isinstance(rows, slice) and scaling == 1.0 and h.dtype == flat.dtype:
+                # the expand and the add as one product, out + h B^T: with a rank far below the library's
+                # blocking of the sum, it sums the product, then adds it to out once (bit for bit the two
+                # steps on the development machine; tests/test_lora.py holds them within a rounding)
+                flat[rows].addmm_(h, b.t())
+                continue
+            delta = linear(h, b)
             if scaling != 1.0:
                 delta = delta * scaling
-            # PEFT's `result + delta`, rounded once to the layer's dtype: in place, an add computes in the
-            # wider of the two dtypes and rounds into the output
+            # in place, an add computes in the wider of the two dtypes and rounds into the output
             if isinstance(rows, slice):
                 flat[rows].add_(delta)
             elif delta.dtype == flat.dtype:

@@ -119,6 +119,10 @@ class ChunkRules:
     recompute_at: int | None = None
 
 
+def _adapter_order(s: ScheduledSequence) -> int:
+    return -1 if s.seq.adapter is None else s.seq.adapter
+
+
 class Scheduler:
     def __init__(
         self,
@@ -177,6 +181,11 @@ class Scheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
+        if any([s.seq.adapter is not None for s in out.scheduled]):
+            # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which
+            # every adapted layer reads as a slice (no gather, no scatter); the order of a step's sequences
+            # changes nothing else (each row is computed apart, its outputs are matched by place)
+            out.scheduled.sort(key=_adapter_order)
         return out
 
     def _chunk(self, seq: Sequence, budget: int, out: SchedulerOutput, start: int | None = None) -> int:
