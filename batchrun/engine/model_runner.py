@@ -36,12 +36,10 @@ class ModelRunner:
         plan: ModelPlan,
         services: AttentionServices,
         max_num_seqs: int,
-        state_cache: StateCache | None = None,
-        encoder: EncoderCache | None = None,
     ):
-        """`plan`: the model plan (its rope, image rules); `services`: the backend, the KV cache, the clock and
-        the layers' specs; `state_cache`: a hybrid model's state slots (None: no stateful layers); `encoder`: a
-        vision-language model's image features (multimodal.py; None: text only)."""
+        """`plan`: the model plan (its rope, image rules); `services`: the backend, the caches a step reads and
+        writes (KV pages, a hybrid model's state slots, a vision-language model's image features), the clock and
+        the layers' specs; `max_num_seqs`: the most sequences a step runs (the block tables' rows)."""
         self.model = model
         self.rope = plan.rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
         self.generate_products = plan.generate_products  # quantized layers that compute each sequence apart
@@ -49,8 +47,8 @@ class ModelRunner:
         images = plan.images
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
-        self.encoder = encoder
-        self.state_cache = state_cache
+        self.encoder: EncoderCache | None = services.encoder
+        self.state_cache: StateCache | None = services.state_cache
         self.times = services.times
         self.services = services  # the backend (make_backend), the KV cache, the layers' specs
         spec = services.kv_cache.spec

@@ -51,15 +51,20 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch
 
 @dataclass
 class AttentionServices:
-    """The engine's parts every layer's call reaches, made once per engine: the backend, the pages, the clock,
-    each attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
-    what the config says of the layers (architecture.ModelLayers: chunks, shared modules)."""
+    """The engine's parts a step reaches, made once per engine: the backend, the caches a step reads and writes
+    (the KV pages; a hybrid model's state slots; a vision-language model's image features), the clock, each
+    attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
+    what the config says of the layers (architecture.ModelLayers: chunks, shared modules). The state slots and
+    the image features ride here beside the KV cache because they are caches of the same kind: made once by the
+    engine, sized from the same budget, read by the runner every step."""
 
     backend: Any  # the engine's backends.AttentionBackend (backends/base.py), or architecture.ProbeAttention
     kv_cache: Any  # kv_cache.KVCache (None for the load probe)
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
+    state_cache: Any = None  # state_cache.StateCache: a hybrid model's state slots (None: no stateful layers)
+    encoder: Any = None  # multimodal.EncoderCache: image features (None: a text model)
 
     def __post_init__(self) -> None:
         # the distinct query-scale fixes of the layers (families.QueryScaleFix): each step computes each once
