@@ -133,9 +133,10 @@ class ModelRunner:
         if self.state_cache is not None:
             slots = [s.state_slot for s in scheduled]
             states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
-        meta = AttentionMetadata(self.services, step, groups, states, self.dtype)
+        rotary = None
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors
-            meta.rotary_embeddings = self.rope.step_embeddings(scheduled, step.positions)
+            rotary = self.rope.step_embeddings(scheduled, step.positions)
+        meta = AttentionMetadata(self.services, step, groups, states, self.dtype, rotary)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = step.positions[None]
         if self.mrope is not None:  # [3, 1, T]
