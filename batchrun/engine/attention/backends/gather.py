@@ -93,9 +93,8 @@ def decode_buckets(
         num_blocks = max(cdiv(step.context_lens[i], P) for i in bucket)
         ctx = int_tensor([step.context_lens[i] for i in bucket], device=step.device)
         key_pos = torch.arange(num_blocks * P, device=step.device)
-        mask = key_pos[None, :] < ctx[:, None]
-        if not kind.is_full:
-            mask &= key_pos[None, :] >= kind.first_keys(ctx - 1)[:, None]
+        # [G, keys]: each decode's query (at ctx - 1) under the one mask rule of masks.py
+        mask = kind.visible(ctx - 1, key_pos)
         tokens = int_tensor([step.starts[i] for i in bucket], device=step.device)
         out.append(DecodeBucket(int_tensor(bucket), tokens, ctx - 1, mask[:, None, None, :], num_blocks))
     return out
