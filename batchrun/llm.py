@@ -194,14 +194,8 @@ class LLM:
             self.fused_products = len(fused_linear.fused_groups(hf_model))
         self._token_texts: dict[int, str] = {}
         try:
-            self.engine = Engine(
-                hf_model,
-                self.tokenizer,
-                engine,
-                self.device,
-                loading.eos_token_ids(self.tokenizer, hf_model),
-                model.max_model_len,
-            )
+            loaded = loading.LoadedModel.with_tokenizer(hf_model, self.tokenizer, model.max_model_len)
+            self.engine = Engine(loaded, engine, self.device)
         except BadInput as e:
             raise BadInput(f"{source}: {e}") from None
 

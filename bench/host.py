@@ -77,7 +77,7 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def make_engine(model_dir: Path, max_num_seqs: int):
     import torch
 
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
     from batchrun.engine.loading import load_model
 
     tok, model = load_model(model_dir, torch.float32, torch.device("cpu"))
@@ -88,7 +88,7 @@ def make_engine(model_dir: Path, max_num_seqs: int):
         max_num_batched_tokens=max(4096, max_num_seqs * PROMPT_TOKENS),
         prefix_sharing=False,
     )
-    return Engine(model, tok, config, torch.device("cpu"), set(), 4096)
+    return Engine(LoadedModel(model, tok, max_model_len=4096), config, torch.device("cpu"))
 
 
 def batchrun_steps(model_dir: Path, n: int) -> dict:

@@ -62,3 +62,17 @@ def test_a_character_cut_by_the_length_limit_is_dropped(tok_model):
     assert engine.completion_text(seq) == "日本"
     seq.output_token_ids = ids
     assert engine.completion_text(seq) == "日本語"
+
+
+def test_the_engine_constructors_take_at_most_four_arguments():
+    """A load-time fact is a field of the value it belongs to (loading.LoadedModel, the model plan, the services
+    the runner reaches), not one more parameter threaded through every constructor (issue 51)."""
+    import inspect
+
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.model_runner import ModelRunner
+    from batchrun.engine.scheduler import Scheduler
+
+    for cls in (Engine, ModelRunner, Scheduler):
+        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        assert len(params) <= 4, f"{cls.__name__}{params}"

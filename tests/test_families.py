@@ -101,7 +101,7 @@ def run(model, family: str, attention: str, full_pages: int = 256, on_step=None,
 def family_engine(model, attention: str, full_pages: int = 256, **engine):
     """batchrun's engine on `model`; `full_pages`: the KV memory of that many pages of all the model's layers
     (a model with KV cache groups has more, smaller pages), plus a hybrid's state slots."""
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
     from batchrun.engine.architecture import inspect_model
 
     found = inspect_model(model)
@@ -122,7 +122,7 @@ def family_engine(model, attention: str, full_pages: int = 256, **engine):
         found.states
     ):  # a hybrid: the pages alone, the state slots on top (one per sequence, not from the budget)
         cfg["num_pages"] = full_pages * found.groups.num_groups
-    return Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
+    return Engine(LoadedModel(model, max_model_len=512), EngineConfig(**cfg), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("attention", ["torch", "gather"])
@@ -210,11 +210,15 @@ def test_inkling_without_its_adapters_is_refused(adapter, monkeypatch):
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_unsupported_family_is_refused_at_load(family):
     reason, overrides = REFUSED[family]
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
 
     with pytest.raises(UnsupportedModel) as err:
         model = build(family, overrides, "paged")
-        Engine(model, None, EngineConfig(device="cpu", num_pages=16), torch.device("cpu"), set(), 512)
+        Engine(
+            LoadedModel(model, max_model_len=512),
+            EngineConfig(device="cpu", num_pages=16),
+            torch.device("cpu"),
+        )
     message = str(err.value)
     assert family in message and reason in message, message
 
@@ -279,16 +283,13 @@ def test_window_freed_pages_are_counted_and_recounted():
     """Gemma 3's shape (5 sliding : 1 full): the sliding groups give pages back as the sequences outgrow the
     window; every step's statistics from the block tables equal a slot-by-slot recount, and the page
     bookkeeping stays exact."""
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
 
     model, expected = model_and_reference("gemma3_text")
     engine = Engine(
-        model,
-        None,
+        LoadedModel(model, max_model_len=512),
         EngineConfig(device="cpu", num_pages=512, max_num_batched_tokens=64),
         torch.device("cpu"),
-        set(),
-        512,
     )
     assert engine.kv_groups.sizes == (1,) * 6
     freed = []
@@ -307,7 +308,7 @@ def test_window_freed_pages_are_counted_and_recounted():
 
 def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
     """The same model with its pages kept for every layer (one group, as before KV cache groups) holds more."""
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
     from batchrun.engine.architecture import KVGroups, ModelAttention
 
     model, expected = model_and_reference("mistral")
@@ -317,7 +318,9 @@ def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
             kept = lambda self: KVGroups.of_layers([(FULL, kv[1]) if kv else None for kv in self.layer_kv])
             monkeypatch.setattr(ModelAttention, "groups", property(kept))
         engine = Engine(
-            model, None, EngineConfig(device="cpu", num_pages=512), torch.device("cpu"), set(), 512
+            LoadedModel(model, max_model_len=512),
+            EngineConfig(device="cpu", num_pages=512),
+            torch.device("cpu"),
         )
         used = []
         seqs, _ = run_engine(
@@ -335,7 +338,7 @@ def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
 def test_prefix_sharing_and_copy_on_write_per_group(family):
     """Prompts sharing a prefix longer than the window, two greedy samples each (they share every page until
     they write): prefix hits and copy-on-write happen in every group, and each sample equals HF `generate`."""
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
 
     ours, ref = models(family)
     gen = torch.Generator().manual_seed(3)
@@ -343,7 +346,9 @@ def test_prefix_sharing_and_copy_on_write_per_group(family):
     shared = [common + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 7, 20, 40)]
     expected = hf_tokens(ref, shared)
     engine = Engine(
-        ours, None, EngineConfig(device="cpu", num_pages=512, max_num_seqs=4), torch.device("cpu"), set(), 512
+        LoadedModel(ours, max_model_len=512),
+        EngineConfig(device="cpu", num_pages=512, max_num_seqs=4),
+        torch.device("cpu"),
     )
     seqs, _ = run_engine(engine, shared, SamplingParams(max_new_tokens=NEW_TOKENS, n=2))
     for i, samples in enumerate(seqs):

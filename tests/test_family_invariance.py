@@ -18,14 +18,14 @@ from batchrun.engine import SamplingParams
 def test_a_row_alone_equals_the_row_beside_a_long_batch_mate(family, attention):
     """Batch invariance: the shortest prompt run alone gives the tokens it gives beside the longest one (a
     feature computed from the batch, such as LongRoPE's factors, would break it)."""
-    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
 
     model, _ = models(family)
     short, long = prompts(model.config.vocab_size)[0], prompts(model.config.vocab_size)[-1]
     got = []
     for batch in ([short], [long, short]):
         config = EngineConfig(device="cpu", num_pages=256, attention=attention)
-        engine = Engine(model, None, config, torch.device("cpu"), set(), 512)
+        engine = Engine(LoadedModel(model, max_model_len=512), config, torch.device("cpu"))
         seqs, _ = run_engine(engine, batch, SamplingParams(max_new_tokens=NEW_TOKENS))
         got.append(seqs[-1][0].output_token_ids)
     assert got[0] == got[1]

@@ -14,7 +14,7 @@ from helpers import paged_model_from_config, run_engine
 from model_families import perturb, tiny_config
 from test_families import NEW_TOKENS, hf_tokens, prompts
 
-from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
 from batchrun.engine.attention import UnsupportedModel
 
 ROPE = {
@@ -51,10 +51,10 @@ def test_static_rope_scaling_is_exact_and_batch_invariant(rope):
     ours, ref = rope_models("llama", rope)
     token_lists = prompts(256)
     expected = hf_tokens(ref, token_lists)
-    engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=128), torch.device("cpu"))
+    engine = Engine(LoadedModel(ours), EngineConfig(device="cpu", num_pages=128), torch.device("cpu"))
     seqs, _ = run_engine(engine, token_lists, SamplingParams(max_new_tokens=NEW_TOKENS))
     assert [s[0].output_token_ids for s in seqs] == expected
-    alone = Engine(ours, None, EngineConfig(device="cpu", num_pages=128), torch.device("cpu"))
+    alone = Engine(LoadedModel(ours), EngineConfig(device="cpu", num_pages=128), torch.device("cpu"))
     seqs, _ = run_engine(alone, token_lists[:1], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert seqs[0][0].output_token_ids == expected[0]
 

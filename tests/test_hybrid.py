@@ -10,7 +10,7 @@ from helpers import run_engine
 from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
-from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.state_cache import LayerStates, StateCache, StateShape, StateSpec
 from batchrun.engine.state_slots import SequenceSlots, StateCopy, StateSlots
@@ -67,7 +67,7 @@ def test_parallel_samples_copy_the_state(family):
     token_lists = prompts(256)
     expected = hf_tokens(ref, token_lists)
     engine = Engine(
-        ours, None, EngineConfig(device="cpu", num_pages=256, max_num_seqs=8), torch.device("cpu")
+        LoadedModel(ours), EngineConfig(device="cpu", num_pages=256, max_num_seqs=8), torch.device("cpu")
     )
     forks = []
     seqs, _ = run_engine(
@@ -85,7 +85,9 @@ def test_more_samples_than_state_slots_is_the_rows_error():
     """n samples hold n state slots at once: with fewer slots than that (max_num_seqs), the row cannot ever be
     admitted and is refused at once, rather than left waiting with the engine stalled."""
     ours, _ = models(FAMILY)
-    engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=64, max_num_seqs=2), torch.device("cpu"))
+    engine = Engine(
+        LoadedModel(ours), EngineConfig(device="cpu", num_pages=64, max_num_seqs=2), torch.device("cpu")
+    )
     assert engine.admission_error(8, SamplingParams(max_new_tokens=4, n=2)) is None
     reason = engine.admission_error(8, SamplingParams(max_new_tokens=4, n=3))
     assert reason and "3 state slots" in reason and "has 2" in reason, reason
@@ -108,7 +110,7 @@ def test_statistics_count_state_slots():
     slot is held per running sequence (plus those reserved for samples still to fork)."""
     model, _ = model_and_reference(FAMILY)
     engine = Engine(
-        model, None, EngineConfig(device="cpu", num_pages=64, max_num_seqs=4), torch.device("cpu")
+        LoadedModel(model), EngineConfig(device="cpu", num_pages=64, max_num_seqs=4), torch.device("cpu")
     )
     used = []
 
@@ -166,8 +168,7 @@ def test_prefix_sharing_restores_the_state_at_the_prefix_end(family):
     rows = [system + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 9, 20, 1, 30, 14)]
     expected = hf_tokens(ref, rows)
     engine = Engine(
-        ours,
-        None,
+        LoadedModel(ours),
         EngineConfig(device="cpu", num_pages=64, max_num_seqs=4, max_num_batched_tokens=256),
         torch.device("cpu"),
     )
@@ -190,7 +191,7 @@ def test_a_prefix_without_a_kept_state_is_computed():
     ours, ref = models(FAMILY)
     system = list(range(3, 60))
     rows = [system + [100], system + [101]]
-    engine = Engine(ours, None, EngineConfig(device="cpu", num_pages=64), torch.device("cpu"))
+    engine = Engine(LoadedModel(ours), EngineConfig(device="cpu", num_pages=64), torch.device("cpu"))
     first, _ = run_engine(engine, rows[:1], SamplingParams(max_new_tokens=4))
     second, _ = run_engine(engine, rows[1:], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert second[0][0].output_token_ids == hf_tokens(ref, rows[1:])[0]

@@ -193,7 +193,7 @@ def engine_equals_hf_generate(sizes, device: str, rows: int = 8, new_tokens: int
     from helpers import paged_model_from_config, run_engine
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
 
     names = "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim"
     config = lambda: LlamaConfig(
@@ -215,7 +215,7 @@ def engine_equals_hf_generate(sizes, device: str, rows: int = 8, new_tokens: int
             ids = ref.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens, do_sample=False)
             expected.append(ids[0, len(p) :].tolist())
     cfg = EngineConfig(device=device, num_pages=1024, attention="triton", max_num_batched_tokens=512)
-    engine = Engine(ours, None, cfg, torch.device(device), set(), 1024)
+    engine = Engine(LoadedModel(ours, max_model_len=1024), cfg, torch.device(device))
     seqs, _ = run_engine(engine, prompts, SamplingParams(max_new_tokens=new_tokens))
     got = [s[0].output_token_ids for s in seqs]
     diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, expected)]

@@ -13,7 +13,7 @@ from helpers import run_engine
 from model_families import ORIGINAL_CONTEXT, SUPPORTED
 from test_families import NEW_TOKENS, build, hf_tokens, model_and_reference, models, prompts
 
-from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
 from batchrun.engine.attention import UnsupportedModel
 from batchrun.engine.per_sequence_rope import PerSequenceRope
 
@@ -23,7 +23,7 @@ FAMILIES = ["phi3:longrope", "llama:dynamic_ntk"]
 def engine(model, **config) -> Engine:
     cfg = dict(device="cpu", num_pages=128, page_size=16, max_num_batched_tokens=64)
     cfg.update(config)
-    return Engine(model, None, EngineConfig(**cfg), torch.device("cpu"), set(), 512)
+    return Engine(LoadedModel(model, max_model_len=512), EngineConfig(**cfg), torch.device("cpu"))
 
 
 def generate(eng: Engine, token_lists: list[list[int]]) -> list[list[int]]:

@@ -1,7 +1,9 @@
 """Nothing inside the model forward reads a tensor back to the host (on a GPU each such read waits for the
 device), nor makes a tensor from Python data: every shape, table, mask and grid mapping the attention needs is
-built before the forward, once per step (what a CUDA graph of the step needs). Watched on the plain model and on
-every attention path of the family matrix (tests/model_families.py)."""
+built before the forward, once per step (what a CUDA graph of the step needs). Watched on the plain model, on
+every attention path of the family matrix (tests/model_families.py: windows, soft-capping, sinks, chunks,
+per-token terms, hybrids' state slots, KV-shared layers) and on images (image blocks, 3-D rotary positions);
+`arange`, `full`, `zeros`, `ones` and `empty` made by batchrun, and its copies to the device, are caught too."""
 
 import os
 import sys
@@ -122,6 +124,11 @@ def run_watched(tok_model, prompts, attention: str, extra_hook=None) -> HostRead
 
 def watch_engine(engine, prompts, extra_hook=None) -> HostReadsInForward:
     """Run the prompts on `engine`, recording the host reads and tensors from Python data of its forwards."""
+    return watch(engine, lambda: run_engine(engine, prompts, SamplingParams(max_new_tokens=6)), extra_hook)
+
+
+def watch(engine, run, extra_hook=None) -> HostReadsInForward:
+    """`run()`, which steps `engine`, recording the host reads and tensors from Python data of its forwards."""
     decoder = engine.runner.model.get_decoder()  # also what runs when no sequence samples
     mode = HostReadsInForward()
     hooks = watch_forward(decoder, mode)
@@ -137,7 +144,7 @@ def watch_engine(engine, prompts, extra_hook=None) -> HostReadsInForward:
     torch.frombuffer = watched_frombuffer
     try:
         with mode:
-            run_engine(engine, prompts, SamplingParams(max_new_tokens=6))
+            run()
     finally:
         torch.frombuffer = frombuffer
         for h in hooks:
@@ -182,8 +189,18 @@ def test_the_watch_catches_a_tensor_made_from_python_data(tok_model, chat_prompt
 # every attention path of the family matrix: a sliding window and soft-capping (Gemma 2), sinks beside a window
 # (gpt-oss), chunks and a query-scale fix (Llama 4), per-token sinks and relative bias beside short
 # convolutions' state slots (Inkling 2), a hybrid's Gated DeltaNet state slots (Qwen 3.5), KV-shared layers of
-# other head dims (Gemma 4)
-FAMILIES = ["gemma2", "gpt_oss", "llama4_text", "inkling2_text", "qwen3_5_text", "gemma4_text"]
+# other head dims (Gemma 4), MLA's unequal key and value head dims (DeepSeek V3), each sequence's own rotary
+# factors (Phi-3's LongRoPE: the step's cos/sin made in `prepare`)
+FAMILIES = [
+    "gemma2",
+    "gpt_oss",
+    "llama4_text",
+    "inkling2_text",
+    "qwen3_5_text",
+    "gemma4_text",
+    "deepseek_v3",
+    "phi3:longrope",
+]
 
 
 @pytest.mark.parametrize("attention", ["torch", "gather"])
@@ -195,6 +212,32 @@ def test_no_attention_path_of_the_matrix_reads_back_or_makes_tensors(family, att
     # 11, 33 and 75 tokens: whole prompts, one past the window of 32, one prefilled in chunks beside decodes
     token_lists = [prompts(model.config.vocab_size)[i] for i in (1, 3, 5)]
     watched = watch_engine(family_engine(model, attention), token_lists)
+    assert not watched.reads, (
+        f"{len(watched.reads)} host reads inside the forward; the first:\n{watched.reads[0]}"
+    )
+    made = besides_the_gather_workspace(watched.made)
+    assert not made, f"{len(made)} tensors made inside the forward; the first:\n{made[0]}"
+
+
+# images: Gemma 3's image blocks (an image's tokens see each other, beside sliding layers of a window narrower than
+# an image) and Qwen2.5-VL's 3-D rotary positions, with prompts in chunks of 8 tokens beside decodes (cutting
+# through Qwen's images; each of Gemma's taken whole)
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_no_image_path_reads_back_or_makes_tensors(family, tmp_path, model_dir):
+    from test_image_families import cases, conversations, make_gemma3, make_qwen_vl
+
+    from batchrun import LLM
+
+    if family == "gemma3":
+        make_gemma3(tmp_path, model_dir)
+    else:
+        make_qwen_vl(family, tmp_path, model_dir)
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_pages=256, max_num_batched_tokens=8)
+    assert (llm.engine.runner.mrope is not None) == (family == "qwen2_5_vl")
+    assert (llm.engine.runner.image_blocks is not None) == (family == "gemma3")
+    params = SamplingParams(max_new_tokens=6)
+    watched = watch(llm.engine, lambda: llm.chat(conversations(cases()), params, use_tqdm=False))
+    assert llm.engine.image_counts()["images_encoded"] > 0
     assert not watched.reads, (
         f"{len(watched.reads)} host reads inside the forward; the first:\n{watched.reads[0]}"
     )

@@ -8,6 +8,7 @@ from ..lazy import lazy_exports
 _EXPORTS = {
     "Engine": ".engine",
     "StepResult": ".engine",
+    "LoadedModel": ".loading",
     "EngineConfig": ".config",
     "SamplingParams": ".config",
     "MemorySnapshot": ".memory",

@@ -132,8 +132,8 @@ class ProbeAttention:
         # each layer's K/V, held so that no address is reused within the probe (kv_reads)
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def build(self, step, group) -> None:
-        return None
+    def build(self, step, groups) -> list:
+        return [None for _ in groups]
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
         layer = spec.layer

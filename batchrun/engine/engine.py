@@ -20,6 +20,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .kv_coordinator import KVCacheCoordinator
+from .loading import LoadedModel
 from .memory import MemorySnapshot
 from .model_plan import ModelPlan
 from .model_runner import ModelRunner
@@ -89,21 +90,15 @@ class Engine:
     `BadInput` naming the `engine.*` key; a model whose attention batchrun cannot compute exactly raises
     `UnsupportedModel` (a BadInput) naming the architecture and the reason (architecture.py)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        config: EngineConfig,
-        device: torch.device,
-        eos_token_ids: set[int] | None = None,
-        max_model_len: int | None = None,
-    ):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device):
+        """`loaded`: the model with its tokenizer, end-of-sequence ids and context limit (loading.py)."""
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizer = loaded.tokenizer
         self.device = device
-        self.eos_token_ids = eos_token_ids or set()
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        model = loaded.model
         # everything known of the model, found once (refusing what cannot run exactly, before any page is made)
-        plan = ModelPlan.of(model, config.page_size, max_model_len)
+        plan = ModelPlan.of(model, config.page_size, loaded.max_model_len)
         specs = plan.attention.layer_specs()  # each attention layer, fixed from now on
         attention_layers = AttentionLayers(plan.attention.num_heads, plan.kv_spec, specs)
         self.attention = make_backend(config.attention, attention_layers, device)
@@ -160,10 +155,12 @@ class Engine:
             self.times,
             specs=specs,
             layers=plan.attention.layers,
+            state_cache=self.state_cache,
+            encoder=self.encoder,
         )
-        self.runner = ModelRunner(model, plan, services, config.max_num_seqs, self.state_cache, self.encoder)
+        self.runner = ModelRunner(model, plan, services, config.max_num_seqs)
         self.outputs = OutputProcessor(
-            tokenizer,
+            self.tokenizer,
             plan.vocab_size,
             self.eos_token_ids,
             plan.max_model_len,

@@ -5,7 +5,9 @@ architecture (`refused_attention`; architecture.py refuses the rest)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,6 +17,26 @@ from .architecture import not_the_models_fault
 from .attention import ATTENTION_NAME, refusal, register
 from .multimodal import is_vision_language
 from .quantization import call_per_sequence, finish_loading, missing_package
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded model and what the engine reads beside its weights, as one value: the tokenizer (decoding,
+    stop strings, grammars), the ids that end a sequence, and the context limit the job set. The engine takes
+    this instead of four loose arguments, so that a new load-time fact is a field here, not a parameter more on
+    every constructor between the loader and the output processor."""
+
+    model: torch.nn.Module
+    tokenizer: Any = None  # None: the tests' random-weight models, whose ids are never decoded to text
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # none: only max_new_tokens ends a row
+    max_model_len: int | None = None  # None: the model config's own limit (model_plan.ModelPlan.of)
+
+    @classmethod
+    def with_tokenizer(
+        cls, model: torch.nn.Module, tokenizer, max_model_len: int | None = None
+    ) -> LoadedModel:
+        """`model` with `tokenizer` and the end-of-sequence ids its generation config and tokenizer name."""
+        return cls(model, tokenizer, frozenset(eos_token_ids(tokenizer, model)), max_model_len)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):

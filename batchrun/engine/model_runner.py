@@ -36,12 +36,10 @@ class ModelRunner:
         plan: ModelPlan,
         services: AttentionServices,
         max_num_seqs: int,
-        state_cache: StateCache | None = None,
-        encoder: EncoderCache | None = None,
     ):
-        """`plan`: the model plan (its rope, image rules); `services`: the backend, the KV cache, the clock and
-        the layers' specs; `state_cache`: a hybrid model's state slots (None: no stateful layers); `encoder`: a
-        vision-language model's image features (multimodal.py; None: text only)."""
+        """`plan`: the model plan (its rope, image rules); `services`: the backend, the caches a step reads and
+        writes (KV pages, a hybrid model's state slots, a vision-language model's image features), the clock and
+        the layers' specs; `max_num_seqs`: the most sequences a step runs (the block tables' rows)."""
         self.model = model
         self.rope = plan.rope  # RoPE factors per sequence (LongRoPE, dynamic NTK); None: the model's own
         self.generate_products = plan.generate_products  # quantized layers that compute each sequence apart
@@ -49,8 +47,8 @@ class ModelRunner:
         images = plan.images
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
-        self.encoder = encoder
-        self.state_cache = state_cache
+        self.encoder: EncoderCache | None = services.encoder
+        self.state_cache: StateCache | None = services.state_cache
         self.times = services.times
         self.services = services  # the backend (make_backend), the KV cache, the layers' specs
         spec = services.kv_cache.spec
@@ -135,9 +133,10 @@ class ModelRunner:
         if self.state_cache is not None:
             slots = [s.state_slot for s in scheduled]
             states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
-        meta = AttentionMetadata(self.services, step, groups, states, self.dtype)
+        rotary = None
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors
-            meta.rotary_embeddings = self.rope.step_embeddings(scheduled, step.positions)
+            rotary = self.rope.step_embeddings(scheduled, step.positions)
+        meta = AttentionMetadata(self.services, step, groups, states, self.dtype, rotary)
         ids = int_tensor(input_ids, device=dev)[None]
         pos = step.positions[None]
         if self.mrope is not None:  # [3, 1, T]

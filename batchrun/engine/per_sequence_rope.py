@@ -280,7 +280,7 @@ def _step_rotary_forward(self, x, position_ids, *args, **kwargs):
     """The rotary module's forward under batchrun: the step's per-sequence cos/sin, cast as the module casts.
     Outside a step (the load probe, the model run by transformers) its own forward."""
     meta = AttentionMetadata.current()
-    embeddings = getattr(meta, "rotary_embeddings", None)
+    embeddings = meta.rotary_embeddings if meta is not None else None
     if embeddings is None:
         return self._batchrun_rope_forward(x, position_ids, *args, **kwargs)
     cos, sin = embeddings

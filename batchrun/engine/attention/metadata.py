@@ -2,8 +2,12 @@
 
 `ModelRunner.prepare` builds it: what every KV cache group shares once (`StepMetadata`: each sequence's query
 and context length, the tokens' positions, the decode/prompt split), what each group adds (`GroupMetadata`: its
-block tables and slot mapping), then each group's backend plan (`backend.build`) and each query-scale fix's
-factors. The forward only indexes into what was built: it makes no tensor from Python data and reads nothing
+block tables and slot mapping), then each group's backend plan (`backend.build`: the backend's metadata
+builder, backends/base.py, which builds what groups share once, as named fields) and each query-scale fix's
+factors. What stays lazy is only what some backends never read: `StepMetadata`'s `step_product`s (the C++
+decode reads `decode_tokens`, Triton `query_start_loc` and `seq_lens`, the gather backend neither) and
+`GroupMetadata.slot_mapping` (Triton's alone); each is made by the builder that reads it, still before the
+forward. The forward only indexes into what was built: it makes no tensor from Python data and reads nothing
 back to the host (tests/test_no_sync.py), so on a GPU a decode step could be captured as a graph.
 """
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 import array
 import contextlib
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,15 +55,20 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch
 
 @dataclass
 class AttentionServices:
-    """The engine's parts every layer's call reaches, made once per engine: the backend, the pages, the clock,
-    each attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
-    what the config says of the layers (architecture.ModelLayers: chunks, shared modules)."""
+    """The engine's parts a step reaches, made once per engine: the backend, the caches a step reads and writes
+    (the KV pages; a hybrid model's state slots; a vision-language model's image features), the clock, each
+    attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
+    what the config says of the layers (architecture.ModelLayers: chunks, shared modules). The state slots and
+    the image features ride here beside the KV cache because they are caches of the same kind: made once by the
+    engine, sized from the same budget, read by the runner every step."""
 
     backend: Any  # the engine's backends.AttentionBackend (backends/base.py), or architecture.ProbeAttention
     kv_cache: Any  # kv_cache.KVCache (None for the load probe)
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
+    state_cache: Any = None  # state_cache.StateCache: a hybrid model's state slots (None: no stateful layers)
+    encoder: Any = None  # multimodal.EncoderCache: image features (None: a text model)
 
     def __post_init__(self) -> None:
         # the distinct query-scale fixes of the layers (families.QueryScaleFix): each step computes each once
@@ -71,13 +80,13 @@ class AttentionServices:
 @dataclass
 class StepMetadata:
     """What every KV cache group's metadata shares: one entry per scheduled sequence, in packed order. The
-    cached properties are made by the first backend build that asks (in `prepare`, never in the forward)."""
+    `step_product`s are made by the first backend builder that asks (in `prepare`, never in the forward): each
+    is read by some backends only, and a step whose backend does not read one does not pay for it."""
 
     query_lens: list[int]  # tokens computed for it this step
     context_lens: list[int]  # its context after this step (new tokens included)
     positions: torch.Tensor  # [T] int64: each packed token's position in its sequence (on the device)
     device: torch.device
-    shared: dict = field(default_factory=dict)  # products every group of one mask kind shares (masks)
     # the packed tokens as HF generate multiplies them, run by run: a prompt's tokens (the part this step computes)
     # as one product, each generated token alone, a recomputed sequence's too (`products_as_generate`); None:
     # one run per sequence (query_lens). Read by the quantized layers that compute each product apart.
@@ -142,13 +151,6 @@ class StepMetadata:
         """[S] int32: each sequence's context."""
         return int_tensor(self.context_lens, torch.int32, self.device)
 
-    def shared_product(self, key: Any, make):
-        """`make()` once per step for `key` (a mask kind's masks, which every group of that kind uses)."""
-        value = self.shared.get(key)
-        if value is None:
-            value = self.shared[key] = make()
-        return value
-
 
 @dataclass
 class GroupMetadata:
@@ -182,11 +184,8 @@ class AttentionMetadata:
     """One step's inputs to the layers, shared by every layer: the step's and each group's metadata, each
     group's backend plan, the query-scale factors of the layers that need them, and a hybrid model's state
     slots (`states`: state_cache.StepStates, or the load probe's StateProbe; None for a model without
-    stateful layers). Everything is built here, before the forward."""
-
-    # the step's cos/sin per packed sequence (per_sequence_rope.PerSequenceRope, set by `ModelRunner.prepare`
-    # for LongRoPE and dynamic NTK); None: the model's rotary module computes them
-    rotary_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    stateful layers), and the step's rotary cos/sin where the engine computes them per sequence
+    (`rotary_embeddings`). Everything is built here, before the forward."""
 
     def __init__(
         self,
@@ -195,12 +194,16 @@ class AttentionMetadata:
         groups: list[GroupMetadata],
         states: Any = None,
         dtype: torch.dtype | None = None,
+        rotary_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.services = services
         self.step = step
         self.groups = groups  # per KV cache group
         self.states = states
-        self.plans = [services.backend.build(step, g) for g in groups]
+        # the step's cos/sin per packed sequence (per_sequence_rope.PerSequenceRope, for LongRoPE and dynamic
+        # NTK); None: the model's rotary module computes them
+        self.rotary_embeddings = rotary_embeddings
+        self.plans = services.backend.build(step, groups)  # per KV cache group
         self.query_scales = {
             fix: fix.factor(step.positions).to(step.device, dtype)[:, None, None]
             for fix in services.scale_fixes

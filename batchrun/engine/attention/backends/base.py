@@ -1,5 +1,6 @@
 """What every attention backend is: a class with a name and its capabilities, which says whether it runs a model
-on a device (`supports`), builds a plan per step and KV cache group, and attends a layer's call."""
+on a device (`supports`), builds a plan per step and KV cache group (its metadata builder), and attends a layer's
+call."""
 
 from __future__ import annotations
 
@@ -28,13 +29,29 @@ class AttentionLayers:
         return tuple(self.num_heads // s.num_kv_heads for s in self.kv_spec.groups.shapes)
 
 
+class AttentionMetadataBuilder:
+    """A backend's plans for one step (vLLM v1's per-backend metadata builders): made once per step while the
+    step is prepared (engine/model_runner.py), from the step and its KV cache groups; what several groups share
+    (a mask kind's masks, a grid mapping) is built in `__init__`, once, as named fields of the subclass; then
+    `build(group)` once per group makes that group's plan, which the backend's `forward` gets back as
+    `meta.plans[spec.group]`. Nothing is built in the forward, and nothing is looked up by a string key."""
+
+    def __init__(self, backend: Any, step: StepMetadata, groups: list[GroupMetadata]):
+        self.backend = backend
+        self.step = step
+
+    def build(self, group: GroupMetadata) -> Any:
+        raise NotImplementedError
+
+
 class AttentionBackend:
-    """An attention backend. `build(step, group) -> plan` is called once per step and KV cache group while the
-    step is prepared (engine/model_runner.py); `forward(meta, spec, call, q, k, v, scale) -> out [T, Hq, Dv]`
-    by every attention layer, with the plan of its group (`meta.plans[spec.group]`)."""
+    """An attention backend. `build(step, groups) -> plans` is called once per step while the step is prepared
+    (engine/model_runner.py), through the backend's `builder`; `forward(meta, spec, call, q, k, v, scale) ->
+    out [T, Hq, Dv]` by every attention layer, with the plan of its group (`meta.plans[spec.group]`)."""
 
     name: ClassVar[str]  # its value of `engine.attention`, given by the registry (engine/backend_registry.py)
     capabilities: ClassVar[Capabilities]
+    builder: ClassVar[type[AttentionMetadataBuilder]]  # what it needs for a step, per KV cache group
 
     @classmethod
     def supports(cls, layers: AttentionLayers, device: torch.device) -> str | None:
@@ -69,8 +86,10 @@ class AttentionBackend:
         next registered backend that supports the model runs instead."""
         raise NotImplementedError
 
-    def build(self, step: StepMetadata, group: GroupMetadata) -> Any:
-        raise NotImplementedError
+    def build(self, step: StepMetadata, groups: list[GroupMetadata]) -> list[Any]:
+        """Each group's plan for this step, in group order (one builder for the step)."""
+        builder = self.builder(self, step, groups)
+        return [builder.build(g) for g in groups]
 
     def forward(
         self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from ..layers import LayerCall, LayerSpec
+from ..masks import MaskKind
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from .base import AttentionBackend, AttentionLayers
+from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
 from .capabilities import Capabilities
-from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
+from .prompts import PrefillSequence, prefill_attention, prompt_plans, step_prompt_masks, write_kv
 
 
 @dataclass
@@ -39,6 +40,37 @@ def keys_read(step: StepMetadata, kind, page_size: int) -> int:
     return sum(c - kind.first_key(c - 1) // page_size * page_size for c in lens)
 
 
+class TorchMetadataBuilder(AttentionMetadataBuilder):
+    """A step's plans for the C++ decode: each mask kind's first visible key per decode once (every group of the
+    kind shares them; None for full attention), the prompts' masks once per PromptMaskKind; then each group's
+    block tables."""
+
+    def __init__(self, backend: TorchAttention, step: StepMetadata, groups: list[GroupMetadata]):
+        super().__init__(backend, step, groups)
+        self.first_keys: dict[MaskKind, torch.Tensor | None] = {}
+        if step.decodes:
+            for kind in dict.fromkeys(g.kind for g in groups):
+                self.first_keys[kind] = (
+                    None if kind.is_full else kind.first_keys(step.decode_context_lens - 1)
+                )
+        self.prompt_masks = step_prompt_masks(step, groups)
+
+    def build(self, group: GroupMetadata) -> TorchPlan:
+        step = self.step
+        prefills = prompt_plans(step, group, self.prompt_masks)
+        if not step.decodes:
+            return TorchPlan(None, prefills)
+        decode = PagedDecode(
+            token_index=step.decode_tokens,
+            block_tables=group.block_tables
+            if step.decode_only
+            else group.block_tables.index_select(0, step.decode_index),
+            seq_lens=step.decode_context_lens,
+            first_keys=self.first_keys[group.kind],
+        )
+        return TorchPlan(decode, prefills)
+
+
 class TorchAttention(AttentionBackend):
     """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
     through SDPA, as in GatherAttention."""
@@ -47,6 +79,7 @@ class TorchAttention(AttentionBackend):
     capabilities = Capabilities(
         devices=("cpu",), dtypes=(torch.float32, torch.bfloat16, torch.float16), image_blocks=True
     )
+    builder = TorchMetadataBuilder
 
     def __init__(self, page_size: int, kernel):
         self.page_size = page_size
@@ -58,26 +91,6 @@ class TorchAttention(AttentionBackend):
 
         kernel = cpu_kernels.load()  # None: it could not be built here, and warned why
         return None if kernel is None else cls(layers.kv_spec.page_size, kernel)
-
-    def build(self, step: StepMetadata, group: GroupMetadata) -> TorchPlan:
-        prefills = prompt_plans(step, group)
-        if not step.decodes:
-            return TorchPlan(None, prefills)
-        kind = group.kind
-
-        def first_keys():  # shared by every group of the kind
-            return None if kind.is_full else kind.first_keys(step.decode_context_lens - 1)
-
-        first = step.shared_product(("decode first keys", kind), first_keys)
-        decode = PagedDecode(
-            token_index=step.decode_tokens,
-            block_tables=group.block_tables
-            if step.decode_only
-            else group.block_tables.index_select(0, step.decode_index),
-            seq_lens=step.decode_context_lens,
-            first_keys=first,
-        )
-        return TorchPlan(decode, prefills)
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
         times = meta.services.times  # its parts, where `detailed` (bench/micro/profile_step.py attention)

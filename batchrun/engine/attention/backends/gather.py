@@ -13,11 +13,12 @@ import torch.nn.functional as F
 
 from ...page_pool import cdiv
 from ..layers import LayerCall, LayerSpec
+from ..masks import MaskKind
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata, int_tensor
 from ..reference import eager_attention
-from .base import AttentionBackend, AttentionLayers
+from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
 from .capabilities import Capabilities
-from .prompts import PrefillSequence, prefill_attention, prompt_plans, write_kv
+from .prompts import PrefillSequence, prefill_attention, prompt_plans, step_prompt_masks, write_kv
 
 
 @dataclass
@@ -29,6 +30,18 @@ class DecodeBatch:
         torch.Tensor | None
     )  # [G, 1, num_blocks * page_size]: query position - key position (per-token terms)
     page_index: torch.Tensor  # [G * num_blocks] block tables, flattened (padded with page 0)
+    mask: torch.Tensor  # [G, 1, 1, num_blocks * page_size] bool: key j is in the sequence's context
+    num_blocks: int
+
+
+@dataclass
+class DecodeBucket:
+    """Decodes of similar context length, as every group of one mask kind sees them (their pages are each
+    group's own)."""
+
+    index: torch.Tensor  # [G] int64, host: each one's index among the step's sequences (rows of the tables)
+    token_index: torch.Tensor  # [G] packed-token index of each one's query
+    query_pos: torch.Tensor  # [G]: each one's query position
     mask: torch.Tensor  # [G, 1, 1, num_blocks * page_size] bool: key j is in the sequence's context
     num_blocks: int
 
@@ -71,33 +84,57 @@ def buckets_by_length(step: StepMetadata, page_size: int, slack: float = 0.8) ->
     return buckets
 
 
-def decode_batches(step: StepMetadata, group: GroupMetadata) -> list[DecodeBatch]:
-    """The group's decodes in batches of similar length: the masks shared by every group of its kind, the
-    pages its own."""
-    P = group.page_size
+def decode_buckets(
+    step: StepMetadata, kind: MaskKind, buckets: list[list[int]], page_size: int
+) -> list[DecodeBucket]:
+    """The step's decode buckets (buckets_by_length) with the masks of layers of `kind`."""
+    P, out = page_size, []
+    for bucket in buckets:
+        num_blocks = max(cdiv(step.context_lens[i], P) for i in bucket)
+        ctx = int_tensor([step.context_lens[i] for i in bucket], device=step.device)
+        key_pos = torch.arange(num_blocks * P, device=step.device)
+        # [G, keys]: each decode's query (at ctx - 1) under the one mask rule of masks.py
+        mask = kind.visible(ctx - 1, key_pos)
+        tokens = int_tensor([step.starts[i] for i in bucket], device=step.device)
+        out.append(DecodeBucket(int_tensor(bucket), tokens, ctx - 1, mask[:, None, None, :], num_blocks))
+    return out
 
-    def make():
-        out = []
-        for bucket in step.shared_product(("decode buckets", P), lambda: buckets_by_length(step, P)):
-            num_blocks = max(cdiv(step.context_lens[i], P) for i in bucket)
-            ctx = int_tensor([step.context_lens[i] for i in bucket], device=step.device)
-            key_pos = torch.arange(num_blocks * P, device=step.device)
-            mask = key_pos[None, :] < ctx[:, None]
-            if not group.kind.is_full:
-                mask &= key_pos[None, :] >= group.kind.first_keys(ctx - 1)[:, None]
-            tokens = int_tensor([step.starts[i] for i in bucket], device=step.device)
-            out.append((int_tensor(bucket), tokens, ctx - 1, mask[:, None, None, :], num_blocks))
-        return out
 
+def decode_batches(
+    group: GroupMetadata, buckets: list[DecodeBucket], device: torch.device
+) -> list[DecodeBatch]:
+    """The group's decodes in batches of similar length: the buckets' masks (its kind's), the pages its own."""
     batches = []
-    for index, tokens, query_pos, mask, num_blocks in step.shared_product(("decode masks", group.kind), make):
+    for b in buckets:
         # pages behind a window (NULL = -1) are masked: page 0 stands in for them
-        pages = group.block_tables[index, :num_blocks].clamp(min=0).long().view(-1).to(step.device)
+        pages = group.block_tables[b.index, : b.num_blocks].clamp(min=0).long().view(-1).to(device)
         back = None
         if group.token_terms:
-            back = (query_pos[:, None] - torch.arange(num_blocks * P, device=step.device))[:, None, :]
-        batches.append(DecodeBatch(tokens, back, pages, mask, num_blocks))
+            keys = torch.arange(b.num_blocks * group.page_size, device=device)
+            back = (b.query_pos[:, None] - keys)[:, None, :]
+        batches.append(DecodeBatch(b.token_index, back, pages, b.mask, b.num_blocks))
     return batches
+
+
+class GatherMetadataBuilder(AttentionMetadataBuilder):
+    """A step's gather plans: the decodes bucketed by length once, each mask kind's bucket masks once (every
+    group of the kind shares them), the prompts' masks once per PromptMaskKind; then each group's pages."""
+
+    def __init__(self, backend: GatherAttention, step: StepMetadata, groups: list[GroupMetadata]):
+        super().__init__(backend, step, groups)
+        buckets = buckets_by_length(step, backend.page_size)  # none on a step without decodes
+        self.decode_buckets: dict[MaskKind, list[DecodeBucket]] = {
+            kind: decode_buckets(step, kind, buckets, backend.page_size)
+            for kind in dict.fromkeys(g.kind for g in groups)
+        }
+        self.prompt_masks = step_prompt_masks(step, groups)
+
+    def build(self, group: GroupMetadata) -> GatherPlan:
+        step = self.step
+        return GatherPlan(
+            decode_batches(group, self.decode_buckets[group.kind], step.device),
+            prompt_plans(step, group, self.prompt_masks),
+        )
 
 
 def gathered_decode_attention(
@@ -141,6 +178,7 @@ class GatherAttention(AttentionBackend):
     """Pages gathered into a reused workspace per decode batch, then SDPA; prompts attend on their own K/V."""
 
     capabilities = Capabilities(devices=None, image_blocks=True)
+    builder = GatherMetadataBuilder
 
     def __init__(self, page_size: int, device: torch.device):
         self.page_size = page_size
@@ -150,9 +188,6 @@ class GatherAttention(AttentionBackend):
     @classmethod
     def create(cls, layers: AttentionLayers, device: torch.device) -> GatherAttention:
         return cls(layers.kv_spec.page_size, device)
-
-    def build(self, step: StepMetadata, group: GroupMetadata) -> GatherPlan:
-        return GatherPlan(decode_batches(step, group), prompt_plans(step, group))
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
         k_cache, v_cache = meta.services.kv_cache.layer(spec.layer)

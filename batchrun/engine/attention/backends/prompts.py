@@ -5,11 +5,13 @@ attended one by one with SDPA or the eager reference, and the K/V writes into th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ...page_pool import cdiv
 from ..layers import LayerCall
+from ..masks import MaskKind
 from ..metadata import GroupMetadata, StepMetadata
 from ..reference import attend
 
@@ -31,37 +33,59 @@ class PrefillSequence:
     back: torch.Tensor | None  # [num_tokens, num_keys]: query position - key position (per-token terms)
 
 
+class PromptMaskKind(NamedTuple):
+    """What a group's prompt masks depend on: groups alike in these share one list of masks a step."""
+
+    kind: MaskKind
+    images: bool  # the step has image blocks in the group (GroupMetadata.image_blocks)
+    eager: bool  # some layer of the group runs the eager reference (GroupMetadata.eager)
+
+    @classmethod
+    def of(cls, group: GroupMetadata) -> PromptMaskKind:
+        return cls(group.kind, group.image_blocks is not None, group.eager)
+
+
+PromptMasks = dict[PromptMaskKind, list[torch.Tensor | None]]
+
+
+def step_prompt_masks(step: StepMetadata, groups: list[GroupMetadata]) -> PromptMasks:
+    """Each distinct PromptMaskKind's masks among the step's groups, built once a step (a model of six
+    windowed groups makes them once, not six times); empty on a decode-only step."""
+    masks: PromptMasks = {}
+    if step.prompts:
+        for g in groups:
+            key = PromptMaskKind.of(g)
+            if key not in masks:
+                masks[key] = prompt_masks(step, g)
+    return masks
+
+
 def prompt_masks(step: StepMetadata, group: GroupMetadata) -> list[torch.Tensor | None]:
     """Each prompt's mask for layers of this group's kind: None where a whole prompt attends causally to its
     own K/V (SDPA's is_causal) and no layer of the group runs the eager reference, which takes every mask as a
-    tensor (made here, not per layer in the forward); shared by every group of the same kind, images and
-    eagerness."""
-
-    def make() -> list[torch.Tensor | None]:
-        masks = []
-        for i in step.prompts:
-            q, c = step.query_lens[i], step.context_lens[i]
-            images = group.image_blocks[i] if group.image_blocks is not None else None
-            query_pos = torch.arange(c - q, c, device=step.device)
-            key_pos = None
-            if c > q:  # earlier tokens are in the cache: read through the block table
-                key_pos = torch.arange(cdiv(c, group.page_size) * group.page_size, device=step.device)
-            elif images or not group.kind.is_full or group.eager:  # a whole prompt: windowed, ..., eager
-                key_pos = query_pos
-            masks.append(
-                None if key_pos is None else group.kind.visible(query_pos, key_pos, images)[None, None]
-            )
-        return masks
-
-    key = ("prompt masks", group.kind, group.image_blocks is not None, group.eager)
-    return step.shared_product(key, make)
+    tensor (made here, before the forward, not per layer in it)."""
+    masks = []
+    for i in step.prompts:
+        q, c = step.query_lens[i], step.context_lens[i]
+        images = group.image_blocks[i] if group.image_blocks is not None else None
+        query_pos = torch.arange(c - q, c, device=step.device)
+        key_pos = None
+        if c > q:  # earlier tokens are in the cache: read through the block table
+            key_pos = torch.arange(cdiv(c, group.page_size) * group.page_size, device=step.device)
+        elif images or not group.kind.is_full or group.eager:  # a whole prompt: windowed, ..., eager
+            key_pos = query_pos
+        masks.append(None if key_pos is None else group.kind.visible(query_pos, key_pos, images)[None, None])
+    return masks
 
 
-def prompt_plans(step: StepMetadata, group: GroupMetadata) -> list[PrefillSequence]:
+def prompt_plans(step: StepMetadata, group: GroupMetadata, masks: PromptMasks) -> list[PrefillSequence]:
     """A PrefillSequence for every sequence of the step computing several tokens, in this group (with each
-    query's row and how far behind it each key is, where the group's layers add per-token terms)."""
+    query's row and how far behind it each key is, where the group's layers add per-token terms). `masks`:
+    the step's prompt masks (step_prompt_masks)."""
+    if not step.prompts:
+        return []
     out = []
-    for i, mask in zip(step.prompts, prompt_masks(step, group)):
+    for i, mask in zip(step.prompts, masks[PromptMaskKind.of(group)]):
         q, c, start = step.query_lens[i], step.context_lens[i], step.starts[i]
         images = group.image_blocks is not None and group.image_blocks[i]
         pages = None

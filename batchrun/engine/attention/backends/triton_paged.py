@@ -12,7 +12,7 @@ import torch
 
 from ..layers import LayerCall, LayerSpec
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from .base import AttentionBackend, AttentionLayers
+from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
 from .capabilities import Capabilities
 
 
@@ -24,6 +24,28 @@ class TritonPlan:
     query_blocks: Any  # batchrun_kernels.QueryBlocks: the grid mapping
 
 
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """A step's Triton plans: the grid mapping once per distinct number of query heads per KV head among the
+    step's groups; then each group's block tables on the device and slot mapping."""
+
+    def __init__(self, backend: TritonAttention, step: StepMetadata, groups: list[GroupMetadata]):
+        super().__init__(backend, step, groups)
+        self.query_blocks: dict[int, Any] = {  # gqa -> batchrun_kernels.QueryBlocks
+            gqa: backend.kernels.plan_query_blocks(step.query_lens, gqa, backend.device)
+            for gqa in dict.fromkeys(backend.gqa[g.group] for g in groups)
+        }
+
+    def build(self, group: GroupMetadata) -> TritonPlan:
+        step, backend = self.step, self.backend
+        group.slot_mapping  # noqa: B018 - made now, before the forward
+        return TritonPlan(
+            block_tables=group.block_tables.to(backend.device, non_blocking=True),
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            query_blocks=self.query_blocks[backend.gqa[group.group]],
+        )
+
+
 class TritonAttention(AttentionBackend):
     """The paged Triton kernels: K/V written and read in place (a group's query heads per KV head, of its
     layers' shape, set the grid)."""
@@ -32,6 +54,7 @@ class TritonAttention(AttentionBackend):
     # one head dim for keys and values. Their dtypes, page sizes and head dims: batchrun_kernels says
     # (`unsupported_shape`).
     capabilities = Capabilities(devices=("cuda",), image_blocks=False, unequal_head_dims=False)
+    builder = TritonMetadataBuilder
 
     @classmethod
     def runs_on(cls, device: torch.device) -> bool:
@@ -61,19 +84,6 @@ class TritonAttention(AttentionBackend):
         self.kernels = batchrun_kernels
         self.gqa = gqa  # per KV cache group
         self.device = device
-
-    def build(self, step: StepMetadata, group: GroupMetadata) -> TritonPlan:
-        gqa = self.gqa[group.group]
-        group.slot_mapping  # noqa: B018 - made now, before the forward
-        return TritonPlan(
-            block_tables=group.block_tables.to(self.device, non_blocking=True),
-            query_start_loc=step.query_start_loc,
-            seq_lens=step.seq_lens,
-            query_blocks=step.shared_product(
-                ("query blocks", gqa),
-                lambda: self.kernels.plan_query_blocks(step.query_lens, gqa, self.device),
-            ),
-        )
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
         k_cache, v_cache = meta.services.kv_cache.layer(spec.layer)
