@@ -232,6 +232,46 @@ def save(report: dict, path: Path, text: str) -> None:
 
 
 def environment() -> dict:
+    """The date, the CPU count and the CPU: its name and features, and the kernels oneDNN picks on it for the
+    packed fp32 and bf16 products (an AMX CPU shows `avx512_core_amx` there), so every figure names them."""
     from batchrun.host import cpu_name
 
-    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "cpu": cpu_name()}
+    kernels = onednn_kernels()
+    cpu = cpu_name() + (
+        "; oneDNN " + ", ".join(f"{dtype} {impl}" for dtype, impl in kernels.items()) if kernels else ""
+    )
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "cpu": cpu, "onednn": kernels}
+
+
+ONEDNN_PROBE = """
+import torch
+for dtype in (torch.float32, torch.bfloat16):
+    w, x = torch.randn(64, 64, dtype=dtype), torch.randn(8, 64, dtype=dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:
+        pass  # no packed bf16 on this CPU: nothing printed for it
+"""
+
+
+def onednn_kernels() -> dict[str, str]:
+    """{"fp32": implementation, "bf16": ...} of oneDNN's packed linear product on this CPU, as its verbose mode
+    names them (brg_matmul:avx512_core_amx, brg_matmul:avx512_core_bf16, ...); {} where it cannot tell."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "OMP_NUM_THREADS": "1"}
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", ONEDNN_PROBE], capture_output=True, text=True, timeout=120, env=env
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for (
+        line
+    ) in r.stdout.splitlines():  # onednn_verbose,v1,primitive,exec,cpu,inner_product,IMPL,...,src:f32::...
+        fields = line.split(",")
+        if "inner_product" in fields and len(fields) > 9:
+            impl = fields[fields.index("inner_product") + 1]
+            src = next((f for f in fields if f.startswith("src:")), "")
+            found["bf16" if src.startswith("src:bf16") else "fp32"] = impl
+    return found
