@@ -409,6 +409,21 @@ def test_the_pre_load_page_is_the_engines_page(family):
         assert getattr(estimated.groups, key) == getattr(probed.groups, key), key
 
 
+@pytest.mark.parametrize("family", ["gemma4_text", "llama", "gemma3_text"])
+def test_the_probe_finds_the_kv_layout_on_the_meta_device(family):
+    """The probe finds which layers read an earlier layer's K/V by where their tensors' elements are, not by
+    data pointers (0 for every meta tensor): a model made on the meta device, with no weights, probes to the
+    layout the loaded model does (the first step to sizing before the load from the probe itself)."""
+    from batchrun.engine.architecture import inspect_model
+
+    model, _ = models(family)
+    with torch.device("meta"):
+        meta = paged_model_from_config(tiny_config(family, dict(SUPPORTED[family][1]))).eval()
+    probed, on_meta = inspect_model(model), inspect_model(meta)
+    assert on_meta.groups == probed.groups and on_meta.kv_reads == probed.kv_reads
+    assert bool(probed.kv_reads) == (family == "gemma4_text")
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3", "gemma4"])
 def test_a_vision_language_config_is_sized_from_its_text_config(family):
     """The pre-load memory check read a vision-language model's page shape from the top-level config (which has
