@@ -239,7 +239,7 @@ def inspect_model(model) -> ModelAttention:
                 batchrun_attn=meta,
             )
             # calls each stateful layer again, in pieces (StateProbe.continues_state)
-            state_spec = states.spec()
+            state_spec = states.spec(judge_continuation=device.type != "meta")
     except UnsupportedModel as e:
         raise refusal(arch, str(e)) from None
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
