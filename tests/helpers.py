@@ -28,7 +28,7 @@ def chat_ids(tok, text: str, system: str | None = None) -> list[int]:
 def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192, **overrides):
     """An engine on the CPU with the torch backend; `overrides` are EngineConfig keys (the job's engine:)."""
     from batchrun.engine import Engine, EngineConfig, LoadedModel
-    from batchrun.engine.kv_cache import KVCacheSpec
+    from batchrun.engine.architecture import inspect_model
 
     tok, model = tok_model
     cfg = dict(
@@ -42,7 +42,7 @@ def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192,
         attention="torch",
     )
     cfg.update(overrides)
-    spec = KVCacheSpec.of_model(model.config, cfg["page_size"], next(model.parameters()).dtype)
+    spec = inspect_model(model).kv_spec(cfg["page_size"], next(model.parameters()).dtype)
     cfg["swap_space"] = num_cpu_pages * spec.bytes_per_page
     loaded = LoadedModel.with_tokenizer(model, tok, max_model_len)
     return Engine(loaded, EngineConfig(**cfg), torch.device("cpu"))

@@ -239,7 +239,7 @@ def inspect_model(model) -> ModelAttention:
                 batchrun_attn=meta,
             )
             # calls each stateful layer again, in pieces (StateProbe.continues_state)
-            state_spec = states.spec()
+            state_spec = states.spec(judge_continuation=device.type != "meta")
     except UnsupportedModel as e:
         raise refusal(arch, str(e)) from None
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
@@ -307,7 +307,13 @@ def kv_reads(probe: ProbeAttention, layer_kv: list) -> tuple[tuple[int, int], ..
     reads = []
     for layer in sorted(probe.kv):
         k, v = probe.kv[layer]
-        source = first.setdefault((k.data_ptr(), v.data_ptr(), k.shape, v.shape), layer)
+        source = first.setdefault((_place(k), _place(v)), layer)
         if source != layer and layer_kv[source] == layer_kv[layer]:
             reads.append((layer, source))
     return tuple(reads)
+
+
+def _place(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements are: its storage (the storage object's own address, which a meta-device tensor,
+    whose data pointer is 0, has too), offset, shape and strides."""
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride())

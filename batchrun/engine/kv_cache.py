@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import torch
 
-from . import families
 from .page_pool import PageCopy
 
 
@@ -49,7 +48,7 @@ class KVGroups:
     fills a page; a group of a smaller shape takes as many layers as fit the page (gpt-oss's alternating
     12 : 12 is 2 groups of 12; Gemma 3's 5 : 1 over 6 layers, 6 groups of 1)."""
 
-    kinds: tuple[Hashable, ...]  # per group: its mask kind (attention.MaskKind; a layer type before the load)
+    kinds: tuple[Hashable, ...]  # per group: its mask kind (attention.MaskKind)
     shapes: tuple[KVShape, ...]  # per group
     sizes: tuple[int, ...]  # per group: its layers
     layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
@@ -115,52 +114,10 @@ class KVCacheSpec:
     def bytes_per_page(self) -> int:
         return self.page_elements * self.dtype.itemsize
 
-    @classmethod
-    def of_model(cls, model_config, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """The pages a `transformers` model config suggests, before the model is loaded (for sizing checks);
-        the engine takes the groups the loaded model's layers actually form (architecture.inspect_model), and a
-        test holds the two equal over the family matrix. A vision-language model's config holds its language
-        model's in `text_config`: that one is read."""
-        cfg = text_config(model_config)
-        types = list(getattr(cfg, "layer_types", None) or [])
-        if not set(types) & set(ATTENTION_LAYER_TYPES):
-            # no type that says attention: the "hybrid" layers attend (Falcon-H1's beside their Mamba mixer in
-            # every layer, Zamba 2's through a shared block, Inkling 2's full and sliding ones beside their
-            # convolutions), else every layer does
-            types = [HYBRID_LAYER_TYPES.get(t, "none") for t in types] if "hybrid" in types else []
-        per_layer = getattr(cfg, "per_layer_config", None) or []
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            kind = types[i] if i < len(types) else "full_attention"
-            if kind not in ATTENTION_LAYER_TYPES:
-                layers.append(None)
-                continue
-            layer = per_layer[i] if i < len(per_layer) else None
-            layers.append((kind, layer_kv_shape(cfg, layer, sliding=kind == "sliding_attention")))
-        return cls(KVGroups.of_layers(layers, families.kv_sources(cfg)), page_size, dtype)
-
-
-def layer_kv_shape(cfg, layer=None, sliding: bool = False) -> KVShape:
-    """A layer's K/V shape from the config (`layer`: its entry in a per-layer config, as Gemma 4's; `sliding`:
-    a sliding-window layer). A family adapter may size it (families.kv_shape: MLA) or give a sliding layer keys
-    of its own (families.sliding_kv_keys: Inkling 2's `swa_` keys)."""
-    shape = families.kv_shape(cfg, layer, sliding)
-    if shape is not None:
-        return KVShape(*shape)
-    own = families.sliding_kv_keys(cfg) if sliding else {}
-    read = lambda key: own.get(key) or getattr(layer, key, None) or getattr(cfg, key, None)
-    head_dim = read("head_dim") or cfg.hidden_size // cfg.num_attention_heads
-    return KVShape(read("num_key_value_heads") or cfg.num_attention_heads, head_dim, head_dim)
-
 
 def text_config(cfg):
     """The language model's config (a vision-language model's `text_config`; the config itself otherwise)."""
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-# layer types of attention beside a stateful mixer, and the attention each is
-HYBRID_LAYER_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

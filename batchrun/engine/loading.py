@@ -228,3 +228,22 @@ def load_paged_model(model_dir, dtype: torch.dtype, config=None):
         return model_class(config).from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attention_implementation(config), config=config
         )
+
+
+def meta_paged_model(config) -> torch.nn.Module:
+    """The model of `config` with batchrun's attention on the meta device: every module and shape, no weights,
+    no memory (sizing.kv_page_bytes probes it before the load). In bfloat16, which the meta kernel of the
+    experts' grouped products insists on (the page bytes are reckoned in the job's dtype, not this one); the
+    padding warning, which reads token values a meta tensor has not, left out."""
+    import copy
+
+    register()
+    config = copy.deepcopy(config)  # from_config writes its attention choice into the config it is given
+    with torch.device("meta"), refused_attention(config):
+        model = model_class(config).from_config(
+            config, attn_implementation=attention_implementation(config), dtype=torch.bfloat16
+        )
+    for module in model.modules():  # the outer model's and its inner ones' (GPT-2's `transformer`)
+        if hasattr(module, "warn_if_padding_and_no_attention_mask"):
+            module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
+    return model.eval()

@@ -1,5 +1,13 @@
 """How big the engine's pools are: pages from a byte budget, the model's context limit, and the check that a
-budget fits the memory there is (made before the model loads, so a bad budget is a bad job, not a crash)."""
+budget fits the memory there is (made before the model loads, so a bad budget is a bad job, not a crash).
+
+The check needs a KV page's bytes before the load, and the KV layout is worked out in one place: the load probe
+(architecture.inspect_model). So the check runs that very probe on the model made on the meta device from its
+config (loading.meta_paged_model: shapes, no weights) rather than a second reading of the config beside it: a
+family quirk that changes the layout is one change, in the model's code or a family adapter the probe applies,
+and the check before the load sees it as the engine does. A model whose forward cannot run on the meta device
+(its own code reads token values: dynamic NTK's cache growth, a router's nonzero) is checked on its byte sizes
+alone, as when no config is at hand; the load then probes it as any other."""
 
 from __future__ import annotations
 
@@ -10,8 +18,10 @@ import torch
 from ..checks import parse_size
 from ..errors import BadInput
 from ..host import available_ram
+from .architecture import inspect_model
 from .config import EngineConfig
-from .kv_cache import KVCacheSpec, text_config
+from .kv_cache import text_config
+from .loading import meta_paged_model
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 
@@ -24,9 +34,7 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
     """A KV budget larger than the memory there is: BadInput naming the key and what is available, before the
     model loads (rather than a MemoryError, or the OOM killer, minutes later). `model_config` None (not read
     yet): the byte sizes alone, not `engine.num_pages`."""
-    bytes_per_page = (
-        KVCacheSpec.of_model(model_config, config.page_size, dtype).bytes_per_page if model_config else 0
-    )
+    bytes_per_page = kv_page_bytes(model_config, config.page_size, dtype) if model_config else 0
     ram = available_ram()
     if device.type == "cuda":
         accelerator, _ = torch.cuda.mem_get_info(device)
@@ -51,6 +59,15 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
             f"keys `{wanted[0][0]}` and `engine.swap_space`: together ask for {_gib(wanted[0][1] + wanted[1][1])} "
             f"of RAM but only {_gib(ram)} is available; lower one of them."
         )
+
+
+def kv_page_bytes(model_config, page_size: int, dtype: torch.dtype) -> int:
+    """A KV page's bytes, from the load probe run on the model made on the meta device; 0 where that model
+    cannot be made or probed there (the load reports what it refuses)."""
+    try:
+        return inspect_model(meta_paged_model(model_config)).kv_spec(page_size, dtype).bytes_per_page
+    except Exception:  # noqa: BLE001 - a model batchrun refuses, or code that reads values: the load's to report
+        return 0
 
 
 def model_max_len(model_config) -> int:

@@ -303,7 +303,9 @@ class StateProbe:
                 return False
         return True
 
-    def spec(self) -> StateSpec:
+    def spec(self, judge_continuation: bool = True) -> StateSpec:
+        """The states the layers made. `judge_continuation` False (a meta-device probe, which has shapes but no
+        numbers to compare): the layers are taken to continue their states, a fact only the load's probe settles."""
         found = []
         for idx, layer in sorted(self.layers.items()):
             n = 1 + max(
@@ -315,7 +317,7 @@ class StateProbe:
             conv = tuple(shape(layer.conv_states[i]) for i in range(n))
             recurrent = tuple(shape(layer.recurrent_states[i]) for i in range(n))
             found.append(LayerStates(idx, conv, recurrent))
-        return StateSpec(tuple(found), self.continues_state() if found else True)
+        return StateSpec(tuple(found), self.continues_state() if found and judge_continuation else True)
 
 
 def _token_slices(kwargs: dict, num_tokens: int, a: int, b: int) -> dict:

@@ -92,19 +92,6 @@ def cache_interface_calls() -> tuple[str, ...]:
     return tuple(call for a in ADAPTERS for call in a.cache_interface_calls())
 
 
-# ---- the pages from a config (kv_cache.py) ----
-def kv_shape(cfg, layer, sliding: bool) -> tuple[int, int, int] | None:
-    return _first(a.kv_shape(cfg, layer, sliding) for a in adapters_for(cfg))
-
-
-def sliding_kv_keys(cfg) -> dict[str, int]:
-    return {k: v for a in adapters_for(cfg) for k, v in a.sliding_kv_keys(cfg).items()}
-
-
-def kv_sources(cfg) -> dict[int, int]:
-    return {k: v for a in adapters_for(cfg) for k, v in a.kv_sources(cfg).items()}
-
-
 # ---- images (engine.py, multimodal.py, loading.py) ----
 def image_positions(model) -> MRope | None:
     return _first(a.image_positions(model) for a in adapters_for(model))

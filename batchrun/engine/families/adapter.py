@@ -63,19 +63,6 @@ class FamilyAdapter:
         """Attributes the stand-in for a processor's video processor answers (loading.NoVideo)."""
         return {}
 
-    # ---- the pages, from the config alone (kv_cache.KVCacheSpec.of_model, before the model loads) ----
-    def kv_shape(self, cfg, layer, sliding: bool) -> tuple[int, int, int] | None:
-        """A layer's (KV heads, key head dim, value head dim) where this rule sizes them; None: not here."""
-        return None
-
-    def sliding_kv_keys(self, cfg) -> dict[str, int]:
-        """Config values a sliding-window layer's K/V are sized by, in place of the config's own keys."""
-        return {}
-
-    def kv_sources(self, cfg) -> dict[int, int]:
-        """Layer -> the earlier layer whose K/V it attends over (KV sharing)."""
-        return {}
-
     # ---- images (multimodal.py, engine.py) ----
     # which part of its families' image tokens the adapter writes down (IMAGE_POSITIONS, IMAGE_ATTENTION): a
     # family of its `model_types` takes images; another family with that part of its own is refused images
