@@ -3,7 +3,7 @@
 The runner used to read every step's token ids, prompt lengths and adapters from the live `Sequence`s the
 scheduler handed it. Here it keeps them itself, one row per request, in persistent numpy arrays: a row is
 written once when the request is new to the runner (`NewRequest`, from the scheduler's output: its prompt and
-what it generated so far, its adapter), a forked sample's row is copied from its parent's, and the tokens the
+what it generated so far, its adapter, its images' token runs), a forked sample's row is copied from its parent's, and the tokens the
 engine samples are appended to their rows after each step, all of a step's in one indexed write (no per-token
 Python loop). A step's input ids are then one gather of these rows (a decode step) or a slice per row (a step
 that prefills).
@@ -27,10 +27,12 @@ class NewRequest:
     token_ids: list[int]  # its prompt, then what it generated so far (a recompute's)
     num_prompt_tokens: int
     adapter: int | None  # its LoRA adapter's id; None: the base model
+    image_blocks: list[tuple[int, int]] = ()  # its images' token runs (multimodal.ImageInputs.blocks)
 
     @classmethod
     def of(cls, seq) -> NewRequest:
-        return cls(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter)
+        blocks = () if seq.images is None else seq.images.blocks
+        return cls(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter, blocks)
 
 
 class InputBatch:
@@ -39,6 +41,7 @@ class InputBatch:
         self.num_tokens = np.zeros(capacity, dtype=np.int64)  # each row's tokens so far
         self.num_prompt_tokens = [0] * capacity
         self.adapters: list[int | None] = [None] * capacity
+        self.image_blocks: list = [()] * capacity
         self.row_of: dict[int, int] = {}  # req_id -> its row
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -55,6 +58,7 @@ class InputBatch:
             self.num_tokens[row] = n
             self.num_prompt_tokens[row] = r.num_prompt_tokens
             self.adapters[row] = r.adapter
+            self.image_blocks[row] = r.image_blocks
 
     def fork(self, parent: int, child: int) -> None:
         """A parallel sample's row: a copy of its parent's (taken before the parent's next token)."""
@@ -64,6 +68,7 @@ class InputBatch:
         self.num_tokens[row] = self.num_tokens[src]
         self.num_prompt_tokens[row] = self.num_prompt_tokens[src]
         self.adapters[row] = self.adapters[src]
+        self.image_blocks[row] = self.image_blocks[src]
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
@@ -105,6 +110,7 @@ class InputBatch:
             n = int(self.num_tokens[row])
             assert self.token_ids[row, :n].tolist() == seq.token_ids, seq.seq_id
             assert self.adapters[row] == seq.adapter and self.num_prompt_tokens[row] == seq.num_prompt_tokens
+            assert list(self.image_blocks[row]) == ([] if seq.images is None else seq.images.blocks)
 
     # ---- growth -----------------------------------------------------------------------------------------------
     def _take_row(self) -> int:
@@ -114,6 +120,7 @@ class InputBatch:
             self.num_tokens = np.concatenate([self.num_tokens, np.zeros_like(self.num_tokens)])
             self.num_prompt_tokens += [0] * old
             self.adapters += [None] * old
+            self.image_blocks += [()] * old
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
 

@@ -123,7 +123,7 @@ class ModelRunner:
             token_seq = step.decode_index  # 0..S-1
         else:
             token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
-        images = self._image_blocks(scheduled)
+        images = self._image_blocks(scheduled, rows)
         groups = [
             GroupMetadata(
                 g,
@@ -154,15 +154,15 @@ class ModelRunner:
             return ids, pos, meta, 0
         return ids, pos, meta, int_tensor(logits_index, device=dev)
 
-    def _image_blocks(self, scheduled: list[ScheduledSequence]) -> list[list[tuple[int, int]]] | None:
+    def _image_blocks(self, scheduled: list[ScheduledSequence], rows: list[int]) -> list | None:
         """Per sequence, the images among the tokens it prefills this step whose tokens see each other; None
         when the model has no such images or this step computes none."""
         if self.image_blocks is None:
             return None
-        per_seq = []
-        for s in scheduled:
-            images, start, end = s.seq.images, s.start, s.start + s.num_new_tokens
-            inside = [] if images is None or s.num_new_tokens == 1 else images.blocks
+        per_seq, blocks = [], self.batch.image_blocks
+        for s, row in zip(scheduled, rows):
+            start, end = s.start, s.start + s.num_new_tokens
+            inside = () if s.num_new_tokens == 1 else blocks[row]
             per_seq.append([(a, b) for a, b in inside if a < end and b > start])
         return per_seq if any(per_seq) else None
 
