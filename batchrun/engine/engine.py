@@ -44,6 +44,9 @@ class StepResult:
     finished: list[Sequence] = field(default_factory=list)
     num_generated: int = 0  # tokens sampled this step
     num_prompt_tokens: int = 0  # prompt tokens computed this step (recomputed ones included)
+    # for the model runner's input batch: the samples forked (parent id, child id), the tokens sampled (ids, tokens)
+    forks: list[tuple[int, int]] = field(default_factory=list)
+    sampled: tuple[list[int], list[int]] = ([], [])
 
     # what the statistics count, so they need not read the plan's lists or the sequences' grammars
     @property
@@ -271,6 +274,7 @@ class Engine:
     def abort_all(self) -> None:
         """Drop every queued, running and swapped request and free its pages (and image features)."""
         self.scheduler.abort_all()
+        self.runner.batch.clear()
         if self.encoder is not None:
             self.encoder.clear()
 
@@ -290,9 +294,10 @@ class Engine:
                     "scheduler made no progress: nothing is running and nothing can be admitted"
                 )
             return result
-        logits = self.runner.execute(plan.scheduled)
+        logits = self.runner.execute(plan)
         self.scheduler.computed(plan)
         self.outputs.process(plan, logits, result)
+        self.runner.sampled(result.forks, *result.sampled, result.finished)
         return result
 
     # ---- text and grammars ---------------------------------------------------------------------------------
@@ -385,8 +390,9 @@ class Engine:
         )
 
     def check_integrity(self) -> None:
-        """Page and state-slot bookkeeping agrees with every live sequence, and the runner's persistent block
-        tables with the block manager's (AssertionError otherwise)."""
+        """Page and state-slot bookkeeping agrees with every live sequence, the runner's persistent block
+        tables with the block manager's and its input batch's rows with the sequences (AssertionError otherwise)."""
         running = self.scheduler.running
         self.kv.check_integrity(running, self.scheduler.swapped)
         self.runner.block_tables.check({s.seq_id: self.kv.block_tables(s) for s in running})
+        self.runner.batch.check(self.scheduler.live_sequences())

@@ -11,6 +11,7 @@ sequences that asked for prompt logprobs).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .attention import (
@@ -22,10 +23,11 @@ from .attention import (
     products_as_generate,
 )
 from .block_table_buffer import BlockTableBuffer, slot_pages
+from .input_batch import InputBatch
 from .kv_cache import text_config
 from .model_plan import ModelPlan
 from .multimodal import EncoderCache
-from .scheduler import ScheduledSequence
+from .scheduler import ScheduledSequence, SchedulerOutput
 from .state_cache import StateCache, StepStates
 
 
@@ -67,6 +69,9 @@ class ModelRunner:
         self.block_tables = BlockTableBuffer(
             spec.groups.num_groups, 2 * max_num_seqs, pin=self.device.type == "cuda"
         )
+        # each request's token ids, prompt length and adapter, kept here (input_batch.py); the engine adds the
+        # admitted requests' rows (execute), forks, sampled tokens and finished requests (`sampled`)
+        self.batch = InputBatch(2 * max_num_seqs)
 
     def prepare(
         self, scheduled: list[ScheduledSequence], chunks: list | None = None
@@ -77,27 +82,30 @@ class ModelRunner:
         (sequence, start, end), for a vision-language model (execute makes them once)."""
         # every step, for every sequence: kept lean (host time per step, bench/host.py)
         starts = [s.start for s in scheduled]
+        batch = self.batch
+        rows = batch.rows([s.seq.seq_id for s in scheduled])
         if sum([s.num_new_tokens for s in scheduled]) == len(scheduled) and not any(
             [s.prompt_logprob_positions for s in scheduled]
         ):  # decode-only (the common step): one token per sequence, at its start
-            input_ids = [s.seq.token_at(p) for s, p in zip(scheduled, starts)]
+            input_ids = batch.decode_ids(rows, starts)
             positions = starts
             query_lens = [1] * len(scheduled)
             context_lens = [p + 1 for p in starts]
             logits_index = [i for i, s in enumerate(scheduled) if s.needs_sample_logits]
         else:
-            input_ids, positions, logits_index, products = [], [], [], []
+            pieces, positions, logits_index, products = [], [], [], []
             query_lens = [s.num_new_tokens for s in scheduled]
             context_lens = [p + n for p, n in zip(starts, query_lens)]
-            for s, start, end in zip(scheduled, starts, context_lens):
+            for s, row, start, end in zip(scheduled, rows, starts, context_lens):
                 if self.generate_products:
-                    products += products_as_generate(start, end, s.seq.num_prompt_tokens)
+                    products += products_as_generate(start, end, batch.num_prompt_tokens[row])
                 if s.prompt_logprob_positions:
-                    logits_index += [len(input_ids) + p - start for p in s.prompt_logprob_positions]
-                input_ids += s.seq.token_slice(start, end)
+                    logits_index += [len(positions) + p - start for p in s.prompt_logprob_positions]
+                pieces.append(batch.slice_ids(row, start, end))
                 positions += range(start, end)
                 if s.needs_sample_logits:
-                    logits_index.append(len(input_ids) - 1)
+                    logits_index.append(len(positions) - 1)
+            input_ids = np.concatenate(pieces)
         dev, P = self.device, self.page_size
         host_positions = int_tensor(positions)
         page_index = host_positions // P  # each token's page in its sequence's table
@@ -108,13 +116,14 @@ class ModelRunner:
         if (
             self.lora is not None
         ):  # the step's tokens by adapter (none: the base model's alone, nothing added)
-            step.lora = self.lora.step_batch([s.seq.adapter for s in scheduled], query_lens, len(positions))
+            adapters = batch.adapters
+            step.lora = self.lora.step_batch([adapters[r] for r in rows], query_lens, len(positions))
         tables = self.block_tables.step_tables(scheduled)
         if step.decode_only:  # token i is sequence i's
             token_seq = step.decode_index  # 0..S-1
         else:
             token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
-        images = self._image_blocks(scheduled)
+        images = self._image_blocks(scheduled, rows)
         groups = [
             GroupMetadata(
                 g,
@@ -137,7 +146,7 @@ class ModelRunner:
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors
             rotary = self.rope.step_embeddings(scheduled, step.positions)
         meta = AttentionMetadata(self.services, step, groups, states, self.dtype, rotary)
-        ids = int_tensor(input_ids, device=dev)[None]
+        ids = torch.from_numpy(input_ids).to(dev)[None]
         pos = step.positions[None]
         if self.mrope is not None:  # [3, 1, T]
             pos = self.mrope.step_positions(pos[0], chunks)
@@ -145,22 +154,34 @@ class ModelRunner:
             return ids, pos, meta, 0
         return ids, pos, meta, int_tensor(logits_index, device=dev)
 
-    def _image_blocks(self, scheduled: list[ScheduledSequence]) -> list[list[tuple[int, int]]] | None:
+    def _image_blocks(self, scheduled: list[ScheduledSequence], rows: list[int]) -> list | None:
         """Per sequence, the images among the tokens it prefills this step whose tokens see each other; None
         when the model has no such images or this step computes none."""
         if self.image_blocks is None:
             return None
-        per_seq = []
-        for s in scheduled:
-            images, start, end = s.seq.images, s.start, s.start + s.num_new_tokens
-            inside = [] if images is None or s.num_new_tokens == 1 else images.blocks
+        per_seq, blocks = [], self.batch.image_blocks
+        for s, row in zip(scheduled, rows):
+            start, end = s.start, s.start + s.num_new_tokens
+            inside = () if s.num_new_tokens == 1 else blocks[row]
             per_seq.append([(a, b) for a, b in inside if a < end and b > start])
         return per_seq if any(per_seq) else None
 
+    def sampled(self, forks: list[tuple[int, int]], req_ids: list[int], tokens: list[int], finished) -> None:
+        """After a step: its forked samples' rows (parent, child ids), its sampled tokens onto their rows, and
+        the rows of its finished requests back."""
+        batch = self.batch
+        for parent, child in forks:
+            batch.fork(parent, child)
+        batch.append(req_ids, tokens)
+        batch.remove([seq.seq_id for seq in finished])
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step; returns logits [rows, vocab] in `scheduled` order: for each sequence, its prompt-logprob
-        positions (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
+    def execute(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Run one step (the admitted requests' rows added first); returns logits [rows, vocab] in
+        `plan.scheduled` order: for each sequence, its prompt-logprob positions
+        (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
+        self.batch.add(plan.new_requests)
+        scheduled = plan.scheduled
         chunks = None
         if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
             chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]

@@ -70,6 +70,7 @@ class OutputProcessor:
                         for child in self._fork_siblings(seq):
                             sampling.append(child)
                             rows.append(row)
+                            result.forks.append((seq.seq_id, child.seq_id))
                     row += 1
                 elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
                     seq.finish_reason = "length"
@@ -77,6 +78,7 @@ class OutputProcessor:
                     result.finished.append(seq)
             result.num_prompt_tokens += prompt_tokens
             tokens = self._sample(logits, rows, sampling) if sampling else []
+            result.sampled = ([seq.seq_id for seq in sampling], tokens)
         with times("finish"):
             recompute_at = self.scheduler.recompute_at
             for seq, token in zip(sampling, tokens):  # every step, for every sequence: kept lean

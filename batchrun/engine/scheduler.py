@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .config import EngineConfig
+from .input_batch import NewRequest
 from .kv_coordinator import KVCacheCoordinator, add_copy
 from .multimodal import EncoderCache
 from .page_pool import PageCopy
@@ -37,12 +38,9 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
     start: int  # = seq.num_computed_tokens when scheduled
-    # its block table per KV cache group as the block manager holds them (the lists themselves; the model runner
-    # turns them into the step's tables)
+    # per KV cache group, its block table as the block manager holds it (the list; block_table_buffer.py's row)
     block_tables: list[list[int]]
-    state_slot: (
-        int  # a hybrid model's state slot it holds (state_slots.py); -1: a model without stateful layers
-    )
+    state_slot: int  # a hybrid's state slot (state_slots.py); -1: a model without stateful layers
     # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
     # sequence with max_new_tokens 0, the sequence is done)
     samples: bool = field(init=False)
@@ -85,6 +83,7 @@ class SchedulerOutput:
     """The plan for one step; the KV-cache owner applies the copies, the model runner the rest."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)  # admitted: the model runner's new rows
     swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page
     swap_in: list[PageCopy] = field(default_factory=list)  # CPU page -> accelerator page
     copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
@@ -361,6 +360,7 @@ class Scheduler:
             n, restore = self.kv.admit(seq, self._chunk(seq, budget, out, start), match)
             add_copy(out.state_forks, restore)
             self.running[seq] = None
+            out.new_requests.append(NewRequest.of(seq))
             self._planned(seq, n, out)
             budget -= n
 

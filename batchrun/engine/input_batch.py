@@ -1,0 +1,133 @@
+"""The model runner's own copy of what each running request's step is built from (after vLLM v1's `InputBatch`).
+
+The runner used to read every step's token ids, prompt lengths and adapters from the live `Sequence`s the
+scheduler handed it. Here it keeps them itself, one row per request, in persistent numpy arrays: a row is
+written once when the request is new to the runner (`NewRequest`, from the scheduler's output: its prompt and
+what it generated so far, its adapter, its images' token runs), a forked sample's row is copied from its parent's, and the tokens the
+engine samples are appended to their rows after each step, all of a step's in one indexed write (no per-token
+Python loop). A step's input ids are then one gather of these rows (a decode step) or a slice per row (a step
+that prefills).
+
+A preempted request keeps its row (its tokens do not change while it waits: swap-in and recompute find them
+there); a finished or aborted request's row goes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """What the runner needs once of a request it holds no row for (SchedulerOutput.new_requests)."""
+
+    req_id: int  # Sequence.seq_id
+    token_ids: list[int]  # its prompt, then what it generated so far (a recompute's)
+    num_prompt_tokens: int
+    adapter: int | None  # its LoRA adapter's id; None: the base model
+    image_blocks: list[tuple[int, int]] = ()  # its images' token runs (multimodal.ImageInputs.blocks)
+
+    @classmethod
+    def of(cls, seq) -> NewRequest:
+        blocks = () if seq.images is None else seq.images.blocks
+        return cls(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter, blocks)
+
+
+class InputBatch:
+    def __init__(self, capacity: int, width: int = 64):
+        self.token_ids = np.zeros((capacity, width), dtype=np.int64)  # [rows, width]
+        self.num_tokens = np.zeros(capacity, dtype=np.int64)  # each row's tokens so far
+        self.num_prompt_tokens = [0] * capacity
+        self.adapters: list[int | None] = [None] * capacity
+        self.image_blocks: list = [()] * capacity
+        self.row_of: dict[int, int] = {}  # req_id -> its row
+        self._free = list(range(capacity - 1, -1, -1))
+
+    # ---- rows in and out ------------------------------------------------------------------------------------
+    def add(self, requests: list[NewRequest]) -> None:
+        """Rows for `requests` (a request already holding one, a recompute readmitted, has it rewritten)."""
+        for r in requests:
+            row = self.row_of.get(r.req_id)
+            if row is None:
+                row = self.row_of[r.req_id] = self._take_row()
+            n = len(r.token_ids)
+            self._fit(n)
+            self.token_ids[row, :n] = r.token_ids
+            self.num_tokens[row] = n
+            self.num_prompt_tokens[row] = r.num_prompt_tokens
+            self.adapters[row] = r.adapter
+            self.image_blocks[row] = r.image_blocks
+
+    def fork(self, parent: int, child: int) -> None:
+        """A parallel sample's row: a copy of its parent's (taken before the parent's next token)."""
+        src = self.row_of[parent]
+        row = self.row_of[child] = self._take_row()
+        self.token_ids[row] = self.token_ids[src]
+        self.num_tokens[row] = self.num_tokens[src]
+        self.num_prompt_tokens[row] = self.num_prompt_tokens[src]
+        self.adapters[row] = self.adapters[src]
+        self.image_blocks[row] = self.image_blocks[src]
+
+    def remove(self, req_ids) -> None:
+        for req_id in req_ids:
+            row = self.row_of.pop(req_id, None)
+            if row is not None:
+                self._free.append(row)
+
+    def clear(self) -> None:
+        self.remove(list(self.row_of))
+
+    def append(self, req_ids: list[int], tokens: list[int]) -> None:
+        """The step's sampled tokens, one per request, onto the ends of their rows (one indexed write)."""
+        if not req_ids:
+            return
+        rows = np.fromiter([self.row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
+        ends = self.num_tokens[rows]
+        self._fit(int(ends.max()) + 1)
+        self.token_ids[rows, ends] = tokens
+        self.num_tokens[rows] = ends + 1
+
+    # ---- a step's inputs --------------------------------------------------------------------------------------
+    def rows(self, req_ids: list[int]) -> list[int]:
+        row_of = self.row_of
+        return [row_of[i] for i in req_ids]
+
+    def decode_ids(self, rows: list[int], positions: list[int]) -> np.ndarray:
+        """[S] int64: each row's token at its position (a decode step's input ids)."""
+        return self.token_ids[rows, positions]
+
+    def slice_ids(self, row: int, start: int, end: int) -> np.ndarray:
+        return self.token_ids[row, start:end]
+
+    def check(self, seqs) -> None:
+        """Each of `seqs` (live Sequences) that holds a row has its tokens there (AssertionError otherwise)."""
+        for seq in seqs:
+            row = self.row_of.get(seq.seq_id)
+            if row is None:
+                continue
+            n = int(self.num_tokens[row])
+            assert self.token_ids[row, :n].tolist() == seq.token_ids, seq.seq_id
+            assert self.adapters[row] == seq.adapter and self.num_prompt_tokens[row] == seq.num_prompt_tokens
+            assert list(self.image_blocks[row]) == ([] if seq.images is None else seq.images.blocks)
+
+    # ---- growth -----------------------------------------------------------------------------------------------
+    def _take_row(self) -> int:
+        if not self._free:  # more live requests than rows: twice the rows
+            old = self.token_ids.shape[0]
+            self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
+            self.num_tokens = np.concatenate([self.num_tokens, np.zeros_like(self.num_tokens)])
+            self.num_prompt_tokens += [0] * old
+            self.adapters += [None] * old
+            self.image_blocks += [()] * old
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def _fit(self, width: int) -> None:
+        """At least `width` tokens a row (twice as wide as before when it grows)."""
+        old = self.token_ids.shape[1]
+        if width > old:
+            wider = np.zeros((self.token_ids.shape[0], max(width, 2 * old)), dtype=np.int64)
+            wider[:, :old] = self.token_ids
+            self.token_ids = wider
