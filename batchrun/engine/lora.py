@@ -37,11 +37,11 @@ from .lora_weights import LoRAAdapter, load_adapter
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """The step's packed tokens by adapter: per slot taking part, its tokens' rows (a slice where they are one
-    run, else their indices on the device). Built once per step by the model runner, read by every LoRALinear."""
+    """The step's packed tokens by adapter: per slot taking part, its tokens' rows, one slice (the scheduler puts
+    each adapter's sequences side by side). Built once per step by the model runner, read by every LoRALinear."""
 
     num_tokens: int
-    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    groups: tuple[tuple[int, slice], ...]
     token_slots: torch.Tensor | None = None  # [T] int32, each token's slot (-1: none): the stacked (GPU) path
 
 
@@ -117,7 +117,7 @@ class LoRALinear(torch.nn.Module):
             else:
                 h = linear(flat_x[rows], a)
             # PEFT's `result + delta`, rounded once to the layer's dtype
-            if isinstance(rows, slice) and scaling == 1.0 and h.dtype == flat.dtype:
+            if scaling == 1.0 and h.dtype == flat.dtype:
                 # the expand and the add as one product, out + h B^T: with a rank far below the library's
                 # blocking of the sum, it sums the product, then adds it to out once (bit for bit the two
                 # steps on the development machine; tests/test_lora.py holds them within a rounding)
@@ -126,13 +126,7 @@ class LoRALinear(torch.nn.Module):
             delta = linear(h, b)
             if scaling != 1.0:
                 delta = delta * scaling
-            # in place, an add computes in the wider of the two dtypes and rounds into the output
-            if isinstance(rows, slice):
-                flat[rows].add_(delta)
-            elif delta.dtype == flat.dtype:
-                flat.index_add_(0, rows, delta)
-            else:  # index_add_ takes its own dtype only: add in the adapter's, round once
-                flat.index_copy_(0, rows, (flat.index_select(0, rows) + delta).to(flat.dtype))
+            flat[rows].add_(delta)  # in place, an add computes in the wider dtype and rounds into the output
         return out
 
     def extra_repr(self) -> str:
@@ -225,11 +219,12 @@ class LoRAManager:
             return LoRABatch(num_tokens, (), tensor)
         groups = []
         for adapter, spans in runs.items():
-            if len(spans) == 1:
-                rows: slice | torch.Tensor = slice(*spans[0])
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
-            groups.append((slots[adapter], rows))
+            if len(spans) != 1:
+                raise RuntimeError(
+                    f"adapter {self.adapters[adapter].name!r}'s sequences are not side by side in the step; the "
+                    "scheduler orders a step's sequences by adapter (Scheduler.schedule)"
+                )
+            groups.append((slots[adapter], slice(*spans[0])))
         return LoRABatch(num_tokens, tuple(groups))
 
     def _load(self, wanted: set[int]) -> dict[int, int]:
