@@ -45,9 +45,10 @@ demo: install
 	$(BIN)/batchrun submit jobs/demo.yaml
 	$(BIN)/batchrun stats out/demo --plot out/demo/.batchrun/memory.png
 
-# two workers (this kind of machine has two cores); a test file stays on one worker, with its module fixtures
+# two workers (this kind of machine has two cores); a test file stays on one worker, with its module fixtures;
+# the 30 slowest tests are listed at the end (CI's time is near its limit: this says where it goes)
 test: install kernels-check test-quant
-	$(BIN)/pytest -q tests -n 2 --dist loadfile --ignore tests/test_quantized.py
+	$(BIN)/pytest -q tests -n 2 --dist loadfile --ignore tests/test_quantized.py --durations=30
 
 # every quantized format, with its package: tests/test_quantized.py in .venv-quant (a format whose package is
 # missing there fails rather than skips: BATCHRUN_REQUIRE_FORMATS)
