@@ -143,12 +143,9 @@ def copy_out_of_the_load(model: torch.nn.Module) -> None:
 
 
 def prepare(model: torch.nn.Module, dtype: torch.dtype, pack: bool) -> bool:
-    """A CPU model's setup before its first forward: freed memory blocks kept for reuse (cpu_allocator), its
-    linear weights packed when `pack` (engine.pack_weights) and this CPU can, and a bf16/fp16 model's RMSNorms and
-    SiLU-and-mul fused (fused_elementwise); returns whether any weights were packed."""
-    from . import cpu_allocator, fused_elementwise
+    """A CPU model's setup before its first forward: freed memory blocks kept for reuse (cpu_allocator), and its
+    linear weights packed when `pack` (engine.pack_weights) and this CPU can; returns whether any were."""
+    from . import cpu_allocator
 
     cpu_allocator.keep_freed_blocks()
-    packed = pack and available(dtype) and pack_linear_layers(model) > 0
-    fused_elementwise.fuse(model, dtype)
-    return packed
+    return pack and available(dtype) and pack_linear_layers(model) > 0
