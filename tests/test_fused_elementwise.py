@@ -130,3 +130,18 @@ def test_what_does_not_fit_stays_as_hf_wrote_it():
     fused_elementwise.fuse(hooked, torch.bfloat16)
     assert type(hooked.model.norm).__name__ == "LlamaRMSNorm"
     assert counts(hooked)[0] == 2 * TINY["num_hidden_layers"]
+
+
+def test_a_bf16_llm_runs_fused_and_each_rows_tokens_are_its_own():
+    """LLM fuses a bf16 model's 61 norms and 30 MLPs (SmolLM2-135M), none of an fp32 one; with them, a row's
+    tokens do not depend on its batch-mates (a prompt alone and among others, in one packed step)."""
+    from batchrun import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype="bfloat16", num_pages=64)
+    assert llm.fused_elementwise == 2 * 30 + 1 + 30
+    params = SamplingParams(max_new_tokens=8)
+    prompts = ["The capital of France is", "List three colours:", "Once upon a time, in a small village,"]
+    alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    among = llm.generate(prompts[1:2] + prompts[:1] + prompts[2:], params, use_tqdm=False)
+    assert among[1].outputs[0].token_ids == alone
+    assert LLM(device="cpu", dtype="float32", num_pages=16).fused_elementwise == 0
