@@ -163,6 +163,7 @@ class LLM:
         self.model_dir = model_loader.resolve_model_dir(model.path, source)
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         self.fused_products = 0  # q/k/v, gate/up made one packed product each (engine/fused_linear.py)
+        self.fused_elementwise = 0  # RMSNorms and gated MLPs fused (engine/fused_elementwise.py)
         config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, config, self.dtype, self.device)
@@ -188,10 +189,12 @@ class LLM:
             folders = read_adapters(model.adapters, engine.max_lora_rank, source)
             lora.attach(hf_model, folders, engine.max_loras, self.device)
         if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
-            from .engine import cpu_linear, fused_linear
+            from .engine import cpu_linear, fused_elementwise, fused_linear
 
             self.packed_weights = cpu_linear.prepare(hf_model, self.dtype, engine.pack_weights)
             self.fused_products = len(fused_linear.fused_groups(hf_model))
+            # a bf16/fp16 model's RMSNorms and SiLU-and-mul as one C++ pass each (never in fp32)
+            self.fused_elementwise = fused_elementwise.fuse(hf_model, self.dtype)
         self._token_texts: dict[int, str] = {}
         try:
             loaded = loading.LoadedModel.with_tokenizer(hf_model, self.tokenizer, model.max_model_len)

@@ -22,6 +22,8 @@
 // largest value; a NaN counts as the largest), at the speed of a plain reduction, where torch's argmax ran
 // several times slower than its amax (bench/RESULTS.md) and was most of the host's time
 // outside the forward at 256 rows a step.
+//
+// 3. The fused elementwise work of bf16/fp16 layers (RMSNorm, SiLU-and-mul): cpu_elementwise.cpp.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -421,10 +423,18 @@ at::Tensor argmax_rows(at::Tensor logits) {
   return out;
 }
 
+// cpu_elementwise.cpp
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("token_index"), py::arg("scale"), py::arg("first_keys") = py::none(),
         py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("relative_bias") = py::none());
   m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
+  m.def("rms_norm", &rms_norm, "Llama-style RMSNorm of [N, H] bf16/fp16 rows in one pass (CPU)", py::arg("out"),
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [N, I] bf16/fp16 rows in one pass (CPU)",
+        py::arg("out"), py::arg("gate"), py::arg("up"));
 }

@@ -1,5 +1,5 @@
 """batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
-the greedy argmax over a step's logits.
+the greedy argmax over a step's logits; and (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul.
 
 Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
 (`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
@@ -22,11 +22,12 @@ from filelock import FileLock
 from ..host import cache_dir, cpu_description
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
 _loaded: dict[str, object] = {}
 
 
 def load():
-    """The compiled module (`paged_decode_attention`, `argmax_rows`), or None when it cannot be built here."""
+    """The compiled module (`paged_decode_attention`, `argmax_rows`, `rms_norm`, `silu_and_mul`), or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None
@@ -61,7 +62,7 @@ def _build(cpp_extension, build: Path):
     """Compile (when the source changed) and load the extension from `build`."""
     return cpp_extension.load(
         name="batchrun_cpu_kernels",
-        sources=[str(SOURCE)],
+        sources=[str(SOURCE), str(ELEMENTWISE)],
         # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
         # no errno from math calls lets the softmax loop (floor) vectorize
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
@@ -90,7 +91,7 @@ def _build_key() -> str:
     import platform
     import sys
 
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(SOURCE.read_bytes() + ELEMENTWISE.read_bytes())
     key.update(
         f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{platform.machine()}|{cpu_description()}".encode()
     )

@@ -1,0 +1,187 @@
+"""A bf16/fp16 CPU model's RMSNorms and SiLU-gated MLPs computed by batchrun's C++ kernels (cpu_elementwise.cpp).
+
+In bf16 the products run about twice as fast as in fp32, and HF's elementwise chains weigh twice as much: an
+RMSNorm is six passes over the hidden states (upcast, square, mean, rsqrt and multiply, downcast, weight), a gated
+MLP's `act_fn(gate) * up` three; one bf16 prefill step of the reference workload spent 7.0% of its CPU time there,
+3.4% fused (bench/micro/step_profile.py, bench/RESULTS.md 2026-12-05 evening). Each kernel is one pass, and makes the same roundings to the model's
+dtype as HF's code; what it computes in fp32 in between is summed or exponentiated in another order, so a value
+may differ from HF's by one unit in its last bf16/fp16 place (tests/test_fused_elementwise.py holds them to the
+bf16 tolerance of the C++ kernels' tests, 1e-2). fp32 models are never rewritten: there the order would show, and
+fp32 tokens equal HF `generate`.
+
+Keyed on the module's structure at load, as fused_linear.py keys q/k/v: a module is replaced only when its class's
+`forward` is, statement for statement, one this file knows (`NORM_FORWARDS`, `MLP_FORWARDS`: Llama's, which the
+Llama-style families copy), its activation is SiLU, and nothing is hooked to it. Any other (Gemma's `1 + weight`
+norm, a norm that computes in fp32 throughout, a GELU MLP) stays as the model wrote it. The replacement keeps the
+module's parameters and children under their names; `restore` puts HF's modules back (the step profiler compares).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import torch
+
+from . import cpu_kernels
+from .cpu_linear import hooked
+
+# the forwards the kernels compute (Llama's, and the same statements under the families' own class names)
+NORM_FORWARDS = (
+    """
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+""",
+)
+MLP_FORWARDS = (
+    """
+def forward(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+""",
+    """
+def forward(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+""",
+)
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def statements(source: str) -> str | None:
+    """A function's statements without its docstring, annotations or argument names' types, as a comparable
+    string; None when the source cannot be read or parsed."""
+    try:
+        fn = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    args = [a.arg for a in fn.args.args]
+    return repr(args) + "".join(ast.dump(s) for s in body)
+
+
+KNOWN_NORMS = {statements(s) for s in NORM_FORWARDS}
+KNOWN_MLPS = {statements(s) for s in MLP_FORWARDS}
+
+
+def forward_of(module: torch.nn.Module) -> str | None:
+    try:
+        return statements(inspect.getsource(type(module).forward))
+    except (OSError, TypeError):
+        return None
+
+
+def silu(module) -> bool:
+    """HF's SiLU activation (ACT2FN["silu"]) or torch's, unhooked."""
+    return (type(module).__name__ == "SiLUActivation" or type(module) is torch.nn.SiLU) and not hooked(module)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """An RMSNorm of NORM_FORWARDS by the C++ kernel; its weight stays the module's `weight`."""
+
+    def __init__(self, hf: torch.nn.Module, kernels):
+        super().__init__()
+        self.weight, self.variance_epsilon = hf.weight, float(hf.variance_epsilon)
+        # in a list: HF's module is no child (its weight is counted once, under this module's name)
+        self._hf, self._kernels = [hf], kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.requires_grad:
+            return self._hf[0](x)  # HF's promotion rules or autograd: its own code
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self._kernels.rms_norm(out, rows, self.weight, self.variance_epsilon)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, one pass (C++)"
+
+
+class SiluAndMulMLP(torch.nn.Module):
+    """A gated MLP of MLP_FORWARDS with `act_fn(gate) * up` as one C++ pass; its projections stay its children
+    under their names (packed, fused or wrapped by an adapter: called as HF's code calls them)."""
+
+    def __init__(self, hf: torch.nn.Module, kernels):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = hf.gate_proj, hf.up_proj, hf.down_proj
+        self.act_fn = hf.act_fn
+        self._hf, self._kernels = [hf], kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype not in DTYPES or up.dtype != gate.dtype or gate.shape != up.shape or gate.requires_grad:
+            return self.down_proj(self.act_fn(gate) * up)
+        # views of the fused gate/up product's halves: rows strided, columns not
+        g, u = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        g = g if g.stride(-1) == 1 else g.contiguous()
+        u = u if u.stride(-1) == 1 else u.contiguous()
+        h = torch.empty(g.shape, dtype=g.dtype)
+        self._kernels.silu_and_mul(h, g, u)
+        return self.down_proj(h.view(gate.shape))
+
+
+def norm_fits(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(weight, torch.nn.Parameter)
+        and type(weight) is torch.nn.Parameter
+        and weight.dim() == 1
+        and weight.dtype == dtype
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and not hooked(module)
+        and not module._modules
+        and forward_of(module) in KNOWN_NORMS
+    )
+
+
+def mlp_fits(module: torch.nn.Module) -> bool:
+    return (
+        all(getattr(module, n, None) is not None for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        and silu(module.act_fn)
+        and not hooked(module)
+        and forward_of(module) in KNOWN_MLPS
+    )
+
+
+def fuse(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Replace the RMSNorms and SiLU-gated MLPs of a bf16/fp16 CPU model that fit by their fused versions;
+    returns how many were replaced (0 for fp32, or where the C++ kernels cannot be built)."""
+    if dtype not in DTYPES:
+        return 0
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return 0
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if norm_fits(child, dtype):
+                swaps.append((parent, name, FusedRMSNorm(child, kernels)))
+            elif mlp_fits(child):
+                swaps.append((parent, name, SiluAndMulMLP(child, kernels)))
+    for parent, name, fused in swaps:
+        setattr(parent, name, fused)
+    return len(swaps)
+
+
+def restore(model: torch.nn.Module) -> int:
+    """Put HF's modules back in the place of the fused ones; returns how many."""
+    swaps = [
+        (parent, name, child._hf[0])
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, FusedRMSNorm | SiluAndMulMLP)
+    ]
+    for parent, name, hf in swaps:
+        setattr(parent, name, hf)
+    return len(swaps)

@@ -1,0 +1,147 @@
+"""A bf16/fp16 model's RMSNorms and SiLU-and-mul by the C++ kernels (engine/fused_elementwise.py,
+cpu_elementwise.cpp): each kernel against the HF module's own output (the AVX-512 path at widths that are a multiple
+of 16, the generic one at 24), the rewrite keyed on the module's structure (fp32, Gemma's norm, a GELU MLP, a hooked
+norm left as HF wrote them), and a tiny model's logits against HF's own in bf16.
+
+The kernels make HF's roundings to the model's dtype, but sum and exponentiate in fp32 in another order: each value
+is held to at most one unit in its last place (two for SiLU-and-mul, whose two roundings can each go the other way),
+nearly all of them bit-equal (a kernel that skipped one of HF's roundings would miss that), and a model's logits to the bf16 tolerance of tests/test_cpu_kernels.py (1e-2 relative)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from model_families import TINY, perturb
+
+from batchrun.engine import fused_elementwise
+from batchrun.engine.cpu_kernels import load
+from batchrun.engine.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
+
+KERNEL = load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # as tests/test_cpu_kernels.py
+
+
+def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
+    eps = torch.finfo(want.dtype).eps
+    err = (got.float() - want.float()).abs()
+    return bool((err <= ulps * eps * want.float().abs() + torch.finfo(want.dtype).tiny).all())
+
+
+def rows(n: int, width: int, dtype, seed: int) -> torch.Tensor:
+    """n rows of `width` values spread over several magnitudes, as columns of a wider buffer (a row stride)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, width + 8, generator=gen) * torch.logspace(-2, 1, n)[:, None]
+    return wide.to(dtype)[:, 3 : 3 + width]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [64, 576, 24])  # AVX-512 (multiples of 16), the generic loops (24)
+def test_rms_norm_equals_hf_modules_own_output(dtype, width):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(width, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(1)) * 0.5 + 1)
+    hf = hf.to(dtype)
+    x = rows(40, width, dtype, seed=width)[None]  # [1, T, H], as a decoder layer sees it
+    want = hf(x)
+    got = FusedRMSNorm(hf, KERNEL)(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert within_ulps(got, want, 1)
+    assert (got == want).float().mean().item() > 0.99  # HF's roundings, made: nearly every value bit-equal
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[dtype]
+    alone = FusedRMSNorm(hf, KERNEL)(x[:, 7:9])  # a row's output is its own, whoever its batch-mates
+    assert torch.equal(alone, got[:, 7:9])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [128, 24])
+def test_silu_and_mul_equals_hf_mlp(dtype, width):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    hf = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=width)).to(dtype).eval()
+    x = rows(33, 32, dtype, seed=width)[None]
+    with torch.no_grad():
+        gate, up = hf.gate_proj(x), hf.up_proj(x)
+        want_h = hf.act_fn(gate) * up
+        h = torch.empty(want_h[0].shape, dtype=dtype)
+        KERNEL.silu_and_mul(h, gate[0], up[0])
+        assert within_ulps(h, want_h[0], 2)
+        assert (h == want_h[0]).float().mean().item() > 0.99
+        fused = SiluAndMulMLP(hf, KERNEL)
+        want, got = hf(x), fused(x)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[dtype]
+    assert fused.gate_proj is hf.gate_proj and fused.down_proj is hf.down_proj
+
+
+def tiny(family: str, dtype, **overrides):
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    }[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    perturb(model, seed=1)  # norm weights off 1
+    return model.to(dtype)
+
+
+def counts(model) -> tuple[int, int]:
+    mods = list(model.modules())
+    return sum(isinstance(m, FusedRMSNorm) for m in mods), sum(isinstance(m, SiluAndMulMLP) for m in mods)
+
+
+def test_llama_and_qwen3_norms_and_mlps_are_fused_and_logits_stay_within_bf16_tolerance():
+    layers = TINY["num_hidden_layers"]
+    ids = torch.randint(3, 256, (1, 29), generator=torch.Generator().manual_seed(0))
+    # Qwen3: its q/k norms too (over head_dim, on [T, heads, D])
+    for family, norms in (("llama", 2 * layers + 1), ("qwen3", 4 * layers + 1)):
+        model = tiny(family, torch.bfloat16)
+        reference = copy.deepcopy(model)
+        assert fused_elementwise.fuse(model, torch.bfloat16) == norms + layers
+        assert counts(model) == (norms, layers)
+        assert model.state_dict().keys() == reference.state_dict().keys()  # parameters under their names
+        with torch.inference_mode():
+            got, want = model(ids).logits.float(), reference(ids).logits.float()
+            assert not torch.equal(got, torch.zeros_like(got))
+            assert ((got - want).norm() / want.norm()).item() < TOL[torch.bfloat16], family
+            assert fused_elementwise.restore(model) == norms + layers
+            assert torch.equal(model(ids).logits, reference(ids).logits)  # HF's modules back, bit for bit
+
+
+def test_what_does_not_fit_stays_as_hf_wrote_it():
+    assert fused_elementwise.fuse(tiny("llama", torch.float32), torch.float32) == 0  # fp32: never
+    gemma = tiny("gemma", torch.bfloat16)  # (1 + weight), in fp32 throughout: not the kernel's computation
+    fused_elementwise.fuse(gemma, torch.bfloat16)
+    assert counts(gemma)[0] == 0
+    gelu = tiny("llama", torch.bfloat16, hidden_act="gelu")
+    fused_elementwise.fuse(gelu, torch.bfloat16)
+    assert counts(gelu) == (2 * TINY["num_hidden_layers"] + 1, 0)  # its norms only
+    hooked = tiny("llama", torch.bfloat16)
+    hooked.model.norm.register_forward_hook(lambda m, args, out: None)
+    fused_elementwise.fuse(hooked, torch.bfloat16)
+    assert type(hooked.model.norm).__name__ == "LlamaRMSNorm"
+    assert counts(hooked)[0] == 2 * TINY["num_hidden_layers"]
+
+
+def test_a_bf16_llm_runs_fused_and_each_rows_tokens_are_its_own():
+    """LLM fuses a bf16 model's 61 norms and 30 MLPs (SmolLM2-135M), none of an fp32 one; with them, a row's
+    tokens do not depend on its batch-mates (a prompt alone and among others, in one packed step)."""
+    from batchrun import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype="bfloat16", num_pages=64)
+    assert llm.fused_elementwise == 2 * 30 + 1 + 30
+    params = SamplingParams(max_new_tokens=8)
+    prompts = ["The capital of France is", "List three colours:", "Once upon a time, in a small village,"]
+    alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    among = llm.generate(prompts[1:2] + prompts[:1] + prompts[2:], params, use_tqdm=False)
+    assert among[1].outputs[0].token_ids == alone
+    assert LLM(device="cpu", dtype="float32", num_pages=16).fused_elementwise == 0
