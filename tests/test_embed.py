@@ -24,7 +24,7 @@ from helpers import run_cli
 from batchrun.engine.pooler import PoolerConfig
 from batchrun.errors import BadInput
 from batchrun.job import run_job
-from batchrun.pooling_worker import plan_for
+from batchrun.pooling_worker import read_checkpoint
 
 TEXTS = [
     "the cats and dogs",
@@ -101,7 +101,7 @@ def test_qwen3_embedding_layout_equals_sentence_transformers(bases, tmp_path, mo
     folder = save_legacy_layout(
         bases["qwen3"], tmp_path / "st", mode, normalize=True, max_seq_length=48, prompts=prompts
     )
-    plan = plan_for(folder, PoolerConfig(), "test")
+    plan = read_checkpoint(folder, PoolerConfig(), "test", "embed").plan
     assert plan.modes == (mode,) and plan.after == ("normalize",) and plan.max_length == 48
     assert_equal(ours(folder), theirs(folder))  # the long text is cut at 48 tokens in both
     assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
@@ -154,7 +154,7 @@ def test_texts_packed_out_of_order_land_on_their_own_rows(bases, tmp_path, famil
 
 
 def test_the_packed_layout_puts_texts_of_one_length_side_by_side():
-    from batchrun.engine.packed_attention import PackedLayout
+    from batchrun.engine.attention import PackedLayout
 
     lengths = [3, 5, 3, 7, 5, 1]
     layout = PackedLayout.of_lengths(lengths)
@@ -175,7 +175,7 @@ def test_overriding_pooling_on_a_plain_checkpoint(bases):
     """No sentence-transformers files: pooler.pooling says how (sentence-transformers' default chain for a
     plain checkpoint is a mean over the transformer's states)."""
     with pytest.raises(BadInput, match=r"pooler\.pooling"):
-        plan_for(bases["bert"], PoolerConfig(), "job.yaml")
+        read_checkpoint(bases["bert"], PoolerConfig(), "job.yaml", "embed")
     assert_equal(ours(bases["bert"], pooling="mean"), theirs(bases["bert"]))
 
 
@@ -348,12 +348,12 @@ def test_models_and_modules_batchrun_cannot_reproduce_are_refused(bases, tmp_pat
     modules[2]["type"] = "sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm"
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(BadInput, match="LayerNorm"):
-        plan_for(folder, PoolerConfig(), "job.yaml")
+        read_checkpoint(folder, PoolerConfig(), "job.yaml", "embed")
     # sentence-transformers 6 saves a decoder with a chat template as taking messages, which it renders through
     # the template: batchrun does not, so it refuses the folder rather than embed other tokens
     chat = save_sentence_model(bases["qwen3"], tmp_path / "chat", pooling="lasttoken")
     with pytest.raises(BadInput, match="modality_config"):
-        plan_for(chat, PoolerConfig(), "job.yaml")
+        read_checkpoint(chat, PoolerConfig(), "job.yaml", "embed")
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
@@ -437,17 +437,16 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
     """Were the texts of a packed row to see each other (here: the layout made one text of them all), the load
     probe refuses the model rather than embed each text with its batch-mates."""
     from batchrun import LLM
-    from batchrun.engine import packed_attention
-    from batchrun.engine.attention import UnsupportedModel
+    from batchrun.engine.attention import UnsupportedModel, packed
 
-    made = packed_attention.PackedLayout.of_lengths
+    made = packed.PackedLayout.of_lengths
 
     def seen_by_all(lengths):
         layout = made(lengths)
-        layout.runs = [packed_attention.AttentionRun(0, 1, sum(lengths))]
+        layout.runs = [packed.AttentionRun(0, 1, sum(lengths))]
         return layout
 
-    monkeypatch.setattr(packed_attention.PackedLayout, "of_lengths", staticmethod(seen_by_all))
+    monkeypatch.setattr(packed.PackedLayout, "of_lengths", staticmethod(seen_by_all))
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     with pytest.raises(UnsupportedModel, match="beside another text"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
