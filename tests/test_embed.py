@@ -515,3 +515,71 @@ def test_classify_job_writes_label_and_probs(bases, tmp_path):
         run_job(job, progress=False, overwrite=True)
     with pytest.raises(BadInput, match="LLM.embed"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed(TEXTS)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (False, 3), (True, None), (True, 3)])
+def test_a_packed_call_is_each_text_alone_under_its_layers_mask(causal, window):
+    """One layer's call through batchrun's attention function with a pooling step's layout: each text of the
+    packed row attends to itself alone, under the layer's mask (an encoder's both ways, a decoder's causal, a
+    sliding window), as plain softmax attention over that text alone computes it (GQA: 4 query heads, 2 KV)."""
+    from batchrun.engine.attention import METADATA_KEYWORD, PackedLayout
+    from batchrun.engine.attention.interface import attention_forward
+
+    torch.manual_seed(0)
+    layout = PackedLayout.of_lengths([4, 7, 4, 1, 7])
+    T, D = sum(layout.lengths), 8
+    q, k, v = torch.randn(1, 4, T, D), torch.randn(1, 2, T, D), torch.randn(1, 2, T, D)
+    module = torch.nn.Module()
+    module.is_causal = causal
+    out, _ = attention_forward(
+        module, q, k, v, None, scaling=0.3, sliding_window=window, **{METADATA_KEYWORD: layout}
+    )
+    assert out.shape == (1, T, 4, D) and layout.calls == 1
+    for a, b in layout.spans():
+        keys, values = (x[0, :, a:b].repeat_interleave(2, dim=0) for x in (k, v))
+        back = torch.arange(b - a)[:, None] - torch.arange(b - a)[None, :]  # query position - key position
+        seen = (back >= 0) if causal else torch.ones_like(back, dtype=torch.bool)
+        if window is not None:
+            seen &= back.abs() < window
+        scores = (q[0, :, a:b] @ keys.transpose(1, 2) * 0.3).masked_fill(~seen, float("-inf"))
+        expected = (scores.softmax(dim=-1) @ values).transpose(0, 1)  # [L, Hq, D]
+        assert (out[0, a:b] - expected).abs().max().item() < 1e-5
+
+
+def test_a_packed_call_that_asks_what_batchrun_does_not_compute_is_refused():
+    """The one argument check of both paths: soft-capping, sinks, dropout, a mask of the model's own or an
+    argument batchrun does not know are refused on a pooling step's call, never ignored."""
+    from batchrun.engine.attention import METADATA_KEYWORD, PackedLayout, UnsupportedModel
+    from batchrun.engine.attention.interface import attention_forward
+
+    q = k = v = torch.randn(1, 2, 5, 8)
+    for asks, reason in [
+        (dict(softcap=30.0), "soft-capping"),
+        (dict(s_aux=torch.zeros(2)), "sinks"),
+        (dict(dropout=0.1), "dropout"),
+        (dict(attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool)), "mask of its own"),
+        (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    ]:
+        layout = PackedLayout.of_lengths([2, 3])
+        call = {"attention_mask": None, **asks, METADATA_KEYWORD: layout}
+        with pytest.raises(UnsupportedModel, match=reason):
+            attention_forward(torch.nn.Module(), q, k, v, **call)
+
+
+def test_the_generation_engine_refuses_a_model_whose_layers_attend_both_ways():
+    """The load probe reads an encoder's layers as a pooling runner's load asks it to; the generation engine's
+    plan refuses them, as its pages hold only earlier keys."""
+    from helpers import paged_model_from_config
+    from transformers import LlamaConfig
+
+    from batchrun.engine.attention import UnsupportedModel
+    from batchrun.engine.model_plan import ModelPlan
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64
+    )
+    model = paged_model_from_config(config).eval()
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    with pytest.raises(UnsupportedModel, match="layers 0, 1 attend to later tokens too"):
+        ModelPlan.of(model, page_size=16)
