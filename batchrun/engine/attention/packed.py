@@ -47,7 +47,7 @@ class AttentionRun:
 class PackedLayout:
     """A step's packed row, built once before the forward: `order` the texts in packing order (indices into the
     step's texts), `starts[i]` where text i begins in the row, `lengths[i]` its tokens, `runs` how the row
-    attends; `calls`: the layers that attended through it (the load probe counts them)."""
+    attends; `calls`: the layers that attended through it so far (a refusal names the layer by it)."""
 
     order: tuple[int, ...]
     starts: tuple[int, ...]
