@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -25,9 +26,20 @@ from .stats import PoolingStats
 from .vocabulary import embedding_rows, token_id_error
 
 
-def checkpoint_task(model_dir: Path) -> str:
-    """What a pooling checkpoint does: classify (a `*ForSequenceClassification` architecture) or embed."""
-    architectures = getattr(load_config(model_dir), "architectures", None) or []
+@dataclasses.dataclass(frozen=True)
+class PoolingCheckpoint:
+    """A pooling checkpoint as a job reads it, once, in one direction (read_checkpoint): its task, the plan
+    of that task, and the transformers config of its model's folder, which the runner loads the model from."""
+
+    task: str
+    plan: PoolingPlan
+    config: Any
+
+
+def task_of(config) -> str:
+    """What a pooling checkpoint does, by its config: classify (a `*ForSequenceClassification` architecture) or
+    embed."""
+    architectures = getattr(config, "architectures", None) or []
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
 
 
@@ -63,48 +75,60 @@ def check_head(model_dir: Path, config, task: str, where: str) -> None:
 PAIR_TASKS = ("classify", "score")  # the tasks that take pairs (input.pair_column), as CrossEncoder.predict
 
 
-def plan_for(model_dir: Path, options: PoolerConfig, where: str, task: str = "embed") -> PoolingPlan:
-    """The plan of a checkpoint folder for `task`, from its config files alone."""
-    if task != "embed":  # the checkpoint's own head
-        config = load_config(model_dir)
-        if checkpoint_task(model_dir) != "classify":
-            names = ", ".join(getattr(config, "architectures", None) or ["none named"])
-            raise BadInput(
-                f"{where}: key `task`: {task} needs a sequence-classification checkpoint (its config's "
-                f"architectures: {names})"
-            )
-        check_head(model_dir, config, task, where)
-        # the checkpoint's head decides all but the longest text, and (classify and score) a pair's prompt
-        keys = ("truncate_prompt_tokens",) + (("prompt_name",) if task in PAIR_TASKS else ())
-        for f in dataclasses.fields(PoolerConfig):
-            if f.name not in keys and getattr(options, f.name) is not None:
-                raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task {task}")
-        labels = len(config.id2label)
-        plan = PoolingPlan((), True, (), False, None, "", options.truncate_prompt_tokens, labels, "")
-        if task not in PAIR_TASKS:
-            return plan
-        try:  # a pair is scored as CrossEncoder.predict scores it, from the rest of a folder CrossEncoder saved
-            saved = read_cross_encoder_config(model_dir)
-        except SentenceConfigError as e:
-            raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
-        return dataclasses.replace(
-            plan,
-            pair_prompt=prompt_of(saved, options.prompt_name, where),
-            pair_max_length=options.truncate_prompt_tokens or saved.max_seq_length,
-        )
+def read_checkpoint(
+    model_dir: Path, options: PoolerConfig, where: str, task: str | None = None
+) -> PoolingCheckpoint:
+    """A checkpoint folder's task (None: as its config says, task_of), plan and config, from its files alone,
+    each file read once: an embedder's sentence-transformers files, then its transformers folder's config; a
+    classifier's config, then its head's files."""
+    config = None if task == "embed" else load_config(model_dir)
+    task = task or task_of(config)
+    if task != "embed":
+        return PoolingCheckpoint(task, _head_plan(model_dir, config, options, where, task), config)
     try:
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as e:
         raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
-    config = load_config(model_dir / sentence.transformer_path)
+    folder = model_dir / sentence.transformer_path
+    if config is None or folder != model_dir:
+        config = load_config(folder)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return resolve(sentence, text.hidden_size, options, where)
+    return PoolingCheckpoint(task, resolve(sentence, text.hidden_size, options, where), config)
+
+
+def _head_plan(model_dir: Path, config, options: PoolerConfig, where: str, task: str) -> PoolingPlan:
+    """The plan of a sequence-classification checkpoint (`config`, read) for `task`: its own head decides."""
+    if task_of(config) != "classify":
+        names = ", ".join(getattr(config, "architectures", None) or ["none named"])
+        raise BadInput(
+            f"{where}: key `task`: {task} needs a sequence-classification checkpoint (its config's "
+            f"architectures: {names})"
+        )
+    check_head(model_dir, config, task, where)
+    # the checkpoint's head decides all but the longest text, and (classify and score) a pair's prompt
+    keys = ("truncate_prompt_tokens",) + (("prompt_name",) if task in PAIR_TASKS else ())
+    for f in dataclasses.fields(PoolerConfig):
+        if f.name not in keys and getattr(options, f.name) is not None:
+            raise BadInput(f"{where}: key `pooler.{f.name}` does not apply to task {task}")
+    labels = len(config.id2label)
+    plan = PoolingPlan((), True, (), False, None, "", options.truncate_prompt_tokens, labels, "")
+    if task not in PAIR_TASKS:
+        return plan
+    try:  # a pair is scored as CrossEncoder.predict scores it, from the rest of a folder CrossEncoder saved
+        saved = read_cross_encoder_config(model_dir)
+    except SentenceConfigError as e:
+        raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
+    return dataclasses.replace(
+        plan,
+        pair_prompt=prompt_of(saved, options.prompt_name, where),
+        pair_max_length=options.truncate_prompt_tokens or saved.max_seq_length,
+    )
 
 
 def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
     """The Arrow types of a pooling job's own output columns (sinks.output_schema)."""
     model_dir = resolve_model_dir(spec.model.path, spec.source_file)
-    plan = plan_for(model_dir, spec.pooler, spec.source_file, spec.task)
+    plan = read_checkpoint(model_dir, spec.pooler, spec.source_file, spec.task).plan
     if spec.task == "classify":
         return {"label": pa.string(), "probs": pa.list_(pa.float32(), plan.output_dim)}
     if spec.task in ("score", "reward"):
@@ -122,17 +146,19 @@ def load_runner(
     task: str | None = None,
 ):
     """The pooling runner of a job's (or LLM(runner="pooling")'s) model, engine and pooler settings; `task`
-    None: as the checkpoint is (checkpoint_task)."""
+    None: as the checkpoint is (task_of). The checkpoint is read here once (read_checkpoint) and the runner
+    loads the model from what was read."""
     from .engine.classifier import ClassifierRunner
     from .engine.pooling import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
     model_dir = resolve_model_dir(model.path, source)
-    task = task or checkpoint_task(model_dir)
-    runner = PoolingRunner if task == "embed" else ClassifierRunner
+    checkpoint = read_checkpoint(model_dir, pooler, source, task)
+    runner = PoolingRunner if checkpoint.task == "embed" else ClassifierRunner
     return runner(
         model_dir,
-        plan_for(model_dir, pooler, source, task),
+        checkpoint.plan,
+        checkpoint.config,
         placement.dtype,
         placement.device,
         engine.max_num_batched_tokens,

@@ -171,6 +171,7 @@ def count_ops() -> dict:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from batchrun.engine import SamplingParams
+    from batchrun.engine.attention import ATTENTION_NAME
 
     engine = make_engine(save_model(smollm2_config(), "smollm2-135m-random"), 8)
     for p in prompts(8, 49152):
@@ -195,7 +196,7 @@ def count_ops() -> dict:
         model.register_forward_pre_hook(lambda *_: where.update(in_model=True)),
         model.register_forward_hook(lambda *_: where.update(in_model=False)),
     ]
-    real = ALL_ATTENTION_FUNCTIONS["batchrun_paged"]  # batchrun's attention function, as registered
+    real = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME]  # batchrun's attention function, as registered
 
     def counted(*args, **kwargs):
         where["in_attention"] += 1
@@ -204,12 +205,12 @@ def count_ops() -> dict:
         finally:
             where["in_attention"] -= 1
 
-    AttentionInterface.register("batchrun_paged", counted)
+    AttentionInterface.register(ATTENTION_NAME, counted)
     try:
         with Count() as mode:
             engine.step()
     finally:
-        AttentionInterface.register("batchrun_paged", real)
+        AttentionInterface.register(ATTENTION_NAME, real)
         for h in hooks:
             h.remove()
     c = mode.counts

@@ -24,7 +24,7 @@ from helpers import run_cli
 from batchrun.engine.pooler import PoolerConfig
 from batchrun.errors import BadInput
 from batchrun.job import run_job
-from batchrun.pooling_worker import plan_for
+from batchrun.pooling_worker import read_checkpoint
 
 TEXTS = [
     "the cats and dogs",
@@ -101,7 +101,7 @@ def test_qwen3_embedding_layout_equals_sentence_transformers(bases, tmp_path, mo
     folder = save_legacy_layout(
         bases["qwen3"], tmp_path / "st", mode, normalize=True, max_seq_length=48, prompts=prompts
     )
-    plan = plan_for(folder, PoolerConfig(), "test")
+    plan = read_checkpoint(folder, PoolerConfig(), "test", "embed").plan
     assert plan.modes == (mode,) and plan.after == ("normalize",) and plan.max_length == 48
     assert_equal(ours(folder), theirs(folder))  # the long text is cut at 48 tokens in both
     assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
@@ -154,7 +154,7 @@ def test_texts_packed_out_of_order_land_on_their_own_rows(bases, tmp_path, famil
 
 
 def test_the_packed_layout_puts_texts_of_one_length_side_by_side():
-    from batchrun.engine.packed_attention import PackedLayout
+    from batchrun.engine.attention import PackedLayout
 
     lengths = [3, 5, 3, 7, 5, 1]
     layout = PackedLayout.of_lengths(lengths)
@@ -175,7 +175,7 @@ def test_overriding_pooling_on_a_plain_checkpoint(bases):
     """No sentence-transformers files: pooler.pooling says how (sentence-transformers' default chain for a
     plain checkpoint is a mean over the transformer's states)."""
     with pytest.raises(BadInput, match=r"pooler\.pooling"):
-        plan_for(bases["bert"], PoolerConfig(), "job.yaml")
+        read_checkpoint(bases["bert"], PoolerConfig(), "job.yaml", "embed")
     assert_equal(ours(bases["bert"], pooling="mean"), theirs(bases["bert"]))
 
 
@@ -348,12 +348,12 @@ def test_models_and_modules_batchrun_cannot_reproduce_are_refused(bases, tmp_pat
     modules[2]["type"] = "sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm"
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(BadInput, match="LayerNorm"):
-        plan_for(folder, PoolerConfig(), "job.yaml")
+        read_checkpoint(folder, PoolerConfig(), "job.yaml", "embed")
     # sentence-transformers 6 saves a decoder with a chat template as taking messages, which it renders through
     # the template: batchrun does not, so it refuses the folder rather than embed other tokens
     chat = save_sentence_model(bases["qwen3"], tmp_path / "chat", pooling="lasttoken")
     with pytest.raises(BadInput, match="modality_config"):
-        plan_for(chat, PoolerConfig(), "job.yaml")
+        read_checkpoint(chat, PoolerConfig(), "job.yaml", "embed")
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
@@ -437,17 +437,16 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
     """Were the texts of a packed row to see each other (here: the layout made one text of them all), the load
     probe refuses the model rather than embed each text with its batch-mates."""
     from batchrun import LLM
-    from batchrun.engine import packed_attention
-    from batchrun.engine.attention import UnsupportedModel
+    from batchrun.engine.attention import UnsupportedModel, packed
 
-    made = packed_attention.PackedLayout.of_lengths
+    made = packed.PackedLayout.of_lengths
 
     def seen_by_all(lengths):
         layout = made(lengths)
-        layout.runs = [packed_attention.AttentionRun(0, 1, sum(lengths))]
+        layout.runs = [packed.AttentionRun(0, 1, sum(lengths))]
         return layout
 
-    monkeypatch.setattr(packed_attention.PackedLayout, "of_lengths", staticmethod(seen_by_all))
+    monkeypatch.setattr(packed.PackedLayout, "of_lengths", staticmethod(seen_by_all))
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     with pytest.raises(UnsupportedModel, match="beside another text"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
@@ -516,3 +515,71 @@ def test_classify_job_writes_label_and_probs(bases, tmp_path):
         run_job(job, progress=False, overwrite=True)
     with pytest.raises(BadInput, match="LLM.embed"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling").embed(TEXTS)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (False, 3), (True, None), (True, 3)])
+def test_a_packed_call_is_each_text_alone_under_its_layers_mask(causal, window):
+    """One layer's call through batchrun's attention function with a pooling step's layout: each text of the
+    packed row attends to itself alone, under the layer's mask (an encoder's both ways, a decoder's causal, a
+    sliding window), as plain softmax attention over that text alone computes it (GQA: 4 query heads, 2 KV)."""
+    from batchrun.engine.attention import METADATA_KEYWORD, PackedLayout
+    from batchrun.engine.attention.interface import attention_forward
+
+    torch.manual_seed(0)
+    layout = PackedLayout.of_lengths([4, 7, 4, 1, 7])
+    T, D = sum(layout.lengths), 8
+    q, k, v = torch.randn(1, 4, T, D), torch.randn(1, 2, T, D), torch.randn(1, 2, T, D)
+    module = torch.nn.Module()
+    module.is_causal = causal
+    out, _ = attention_forward(
+        module, q, k, v, None, scaling=0.3, sliding_window=window, **{METADATA_KEYWORD: layout}
+    )
+    assert out.shape == (1, T, 4, D) and layout.calls == 1
+    for a, b in layout.spans():
+        keys, values = (x[0, :, a:b].repeat_interleave(2, dim=0) for x in (k, v))
+        back = torch.arange(b - a)[:, None] - torch.arange(b - a)[None, :]  # query position - key position
+        seen = (back >= 0) if causal else torch.ones_like(back, dtype=torch.bool)
+        if window is not None:
+            seen &= back.abs() < window
+        scores = (q[0, :, a:b] @ keys.transpose(1, 2) * 0.3).masked_fill(~seen, float("-inf"))
+        expected = (scores.softmax(dim=-1) @ values).transpose(0, 1)  # [L, Hq, D]
+        assert (out[0, a:b] - expected).abs().max().item() < 1e-5
+
+
+def test_a_packed_call_that_asks_what_batchrun_does_not_compute_is_refused():
+    """The one argument check of both paths: soft-capping, sinks, dropout, a mask of the model's own or an
+    argument batchrun does not know are refused on a pooling step's call, never ignored."""
+    from batchrun.engine.attention import METADATA_KEYWORD, PackedLayout, UnsupportedModel
+    from batchrun.engine.attention.interface import attention_forward
+
+    q = k = v = torch.randn(1, 2, 5, 8)
+    for asks, reason in [
+        (dict(softcap=30.0), "soft-capping"),
+        (dict(s_aux=torch.zeros(2)), "sinks"),
+        (dict(dropout=0.1), "dropout"),
+        (dict(attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool)), "mask of its own"),
+        (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    ]:
+        layout = PackedLayout.of_lengths([2, 3])
+        call = {"attention_mask": None, **asks, METADATA_KEYWORD: layout}
+        with pytest.raises(UnsupportedModel, match=reason):
+            attention_forward(torch.nn.Module(), q, k, v, **call)
+
+
+def test_the_generation_engine_refuses_a_model_whose_layers_attend_both_ways():
+    """The load probe reads an encoder's layers as a pooling runner's load asks it to; the generation engine's
+    plan refuses them, as its pages hold only earlier keys."""
+    from helpers import paged_model_from_config
+    from transformers import LlamaConfig
+
+    from batchrun.engine.attention import UnsupportedModel
+    from batchrun.engine.model_plan import ModelPlan
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64
+    )
+    model = paged_model_from_config(config).eval()
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    with pytest.raises(UnsupportedModel, match="layers 0, 1 attend to later tokens too"):
+        ModelPlan.of(model, page_size=16)

@@ -22,8 +22,7 @@ import functools
 
 import torch
 
-from .attention import UnsupportedModel
-from .packed_attention import PackedLayout
+from .attention import PackedLayout, UnsupportedModel
 from .pooling import PooledText, PoolingRunner
 from .sentence_config import CrossEncoderActivation, cross_encoder_activation
 

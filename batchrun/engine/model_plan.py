@@ -21,6 +21,7 @@ import torch
 from ..vocabulary import embedding_rows
 from . import families
 from .architecture import ModelAttention, inspect_model
+from .attention import refusal as refusal_of
 from .families import ImageBlocks, MRope
 from .kv_cache import KVCacheSpec, text_config
 from .lora import LoRAManager, manager_of
@@ -63,6 +64,13 @@ class ModelPlan:
     def of(cls, model: torch.nn.Module, page_size: int, max_model_len: int | None = None) -> ModelPlan:
         """Probes `model` (refusing what cannot run exactly, before any page is made) and reads its rules."""
         attention = inspect_model(model)
+        encoder = [i for i, call in enumerate(attention.calls) if call is not None and not call.kind.causal]
+        if encoder:  # the probe reads an encoder's layers too (a pooling runner's load)
+            raise refusal_of(
+                attention.architecture,
+                f"layers {', '.join(map(str, encoder))} attend to later tokens too (non-causal attention); "
+                "batchrun generates with causal language models (an encoder runs as a pooling task)",
+            )
         dtype = next(model.parameters()).dtype
         whole = computes_each_prompt_whole(model)
         states: StateSpec | None = attention.states

@@ -2,14 +2,17 @@
 
 Each step packs the queued texts into one row of tokens with no padding (up to `max_num_batched_tokens` tokens
 and `max_num_seqs` texts), runs the stock base model (`AutoModel`: BERT, XLM-R, ModernBERT, Qwen3 ...) on it with
-batchrun's packed attention (packed_attention.py: each text attends only to itself), positions restarting at 0
+batchrun's attention function, the generation engine's, given the step's packed layout (attention/packed.py: each
+text attends only to itself, no K/V kept), positions restarting at 0
 for every text, and pools each text's token states as the checkpoint says (`PoolingPlan`): pooling, then its
 Dense and Normalize modules, then Matryoshka truncation. No K/V is kept: a text is done when its step is.
 
 The tokens are sentence-transformers': the prompt put before the text, the tokenizer's special tokens (an
 end-of-text appended where its post-processor appends one, as Qwen3-Embedding's does), cut at the longest text
 it allows. A model class whose attention does not go through transformers' attention interface is refused at
-load (`UnsupportedModel`), as is one whose layers do not reach batchrun's attention function (the load probe).
+load (`UnsupportedModel`), as is one the engine's load probe refuses (architecture.inspect_model: a layer that
+does not reach batchrun's attention function, an argument batchrun does not honour) and one whose texts reach
+across each other in a packed row.
 """
 
 from __future__ import annotations
@@ -25,9 +28,8 @@ import torch.nn.functional as F
 
 from ..errors import BadInput
 from . import cpu_linear, fused_linear
-from .architecture import rope_types
-from .attention import UnsupportedModel, int_tensor
-from .packed_attention import PACKED_ATTENTION, PackedLayout, register
+from .architecture import inspect_model, rope_types
+from .attention import ATTENTION_NAME, METADATA_KEYWORD, PackedLayout, UnsupportedModel, int_tensor, register
 from .per_sequence_rope import LENGTH_DEPENDENT_ROPE
 from .pooler import PoolingPlan
 from .sentence_config import DenseLayer
@@ -85,18 +87,21 @@ class PoolingRunner:
         self,
         model_dir: Path,
         plan: PoolingPlan,
+        config,
         dtype: torch.dtype,
         device: torch.device,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         pack_weights: bool = False,
     ):
-        """`pack_weights`: on the CPU, linear weights packed for oneDNN where it can (engine.pack_weights)."""
+        """`config`: the transformers config of the model's folder, as the job's checks read it (read once,
+        pooling_worker.read_checkpoint); `pack_weights`: on the CPU, linear weights packed for oneDNN where it
+        can (engine.pack_weights)."""
         self.plan = plan
         self.model_dir = model_dir / plan.transformer_path  # the transformers model's folder
         self.device, self.dtype = device, dtype
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.tokenizer, model = load_pooling_model(self.model_dir, dtype, device, self.auto_class)
+        self.tokenizer, model = load_pooling_model(self.model_dir, config, dtype, device, self.auto_class)
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
@@ -238,7 +243,7 @@ class PoolingRunner:
             inputs["token_type_ids"] = int_tensor(layout.packed(segments), device=self.device)[None]
         elif self.takes_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
-        out = self.model(**inputs, use_cache=False, batchrun_packed=layout)
+        out = self.model(**inputs, use_cache=False, **{METADATA_KEYWORD: layout})
         return out.last_hidden_state[0], layout
 
     def _after_pooling(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,8 +256,10 @@ class PoolingRunner:
         return x
 
     def _probe(self) -> None:
-        """Short texts through the model at load: every layer must reach batchrun's attention function, and a
-        text's token states must not change beside another (its positions restart, nothing crosses texts)."""
+        """The load's checks: the engine's own probe (architecture.inspect_model: every layer reaches batchrun's
+        attention function, every argument of its calls is honoured or refused), then what a packed row adds: a
+        text's token states must not change beside another (its positions restart, nothing crosses texts), and
+        what the packed attention does not compute (soft-capping, sinks) is refused by its first call here."""
         name = type(self.model).__name__
         # LongRoPE and dynamic NTK take their factors from the longest position of the forward: over a packed
         # row of texts, a text's vector would depend on its batch-mates (generation computes them per sequence,
@@ -264,20 +271,19 @@ class PoolingRunner:
             )
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             raise UnsupportedModel(f"{name} cannot run on batchrun: its forward takes no position_ids")
+        if inspect_model(self.model).states is not None:
+            raise UnsupportedModel(
+                f"{name} cannot run on batchrun: some of its layers keep a state from token to token (a hybrid), "
+                "which a packed row of texts does not give each text"
+            )
         vocab = self.model.config.vocab_size
         text, other = [i % vocab for i in range(5, 11)], [i % vocab for i in range(20, 29)]
         try:
             with torch.inference_mode():
-                alone, layout = self._forward([text])
+                alone, _ = self._forward([text])
                 beside, layout_beside = self._forward([other, text])
         except UnsupportedModel as e:
             raise UnsupportedModel(f"{name} cannot run on batchrun: {e}") from None
-        layers = getattr(self.model.config, "num_hidden_layers", None)
-        if layers is not None and layout.calls != layers:
-            raise UnsupportedModel(
-                f"{name} cannot run on batchrun: {layout.calls} of its {layers} layers reached batchrun's "
-                "attention function"
-            )
         tolerance = 1e-3 if self.dtype == torch.float32 else 5e-2
         scale = alone.abs().max().item() + 1.0
         a, b = list(layout_beside.spans())[1]
@@ -346,12 +352,12 @@ def _load_dense(layer: DenseLayer, dtype, device) -> _Dense:
 
 
 def load_pooling_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, auto_class: str = "AutoModel"
+    model_dir: Path, config, dtype: torch.dtype, device: torch.device, auto_class: str = "AutoModel"
 ):
-    """Tokenizer and model with batchrun's packed attention: `auto_class` AutoModel (the base model: token
-    states, no head) or AutoModelForSequenceClassification (engine/classifier.py)."""
+    """Tokenizer and model (of `config`, already read) with batchrun's attention: `auto_class` AutoModel (the
+    base model: token states, no head) or AutoModelForSequenceClassification (engine/classifier.py)."""
     import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from .architecture import not_the_models_fault
@@ -359,7 +365,6 @@ def load_pooling_model(
     hf_logging.disable_progress_bar()
     register()
     try:
-        config = AutoConfig.from_pretrained(model_dir)
         cls = getattr(transformers, auto_class)._model_mapping[type(config)]
     except Exception as e:  # noqa: BLE001 - the checkpoint's own files
         if not_the_models_fault(e):
@@ -372,9 +377,7 @@ def load_pooling_model(
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = cls.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=PACKED_ATTENTION, config=config
-        )
+        model = cls.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, config=config)
     except Exception as e:  # noqa: BLE001
         if not_the_models_fault(e):
             raise

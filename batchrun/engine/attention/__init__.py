@@ -1,15 +1,18 @@
-"""batchrun's attention inside stock `transformers` models.
+"""batchrun's attention inside stock `transformers` models, for generation and pooling alike.
 
 The model runs on one packed row of every token scheduled this step. `transformers` calls batchrun's attention
-function (interface.py) once per layer, with q/k/v after RoPE and the step's `AttentionMetadata` as a keyword
-argument. The function writes the new K/V into their page slots and attends through the block tables with the
-backend chosen once per engine (backends/). The package, by concept:
+function (interface.py) once per layer, with q/k/v after RoPE and the step's metadata as a keyword argument. For
+a generation step (`AttentionMetadata`) it writes the new K/V into their page slots and attends through the block
+tables with the backend chosen once per engine (backends/); for a pooling step (`PackedLayout`) each text of the
+row attends to itself and nothing is kept (packed.py). The package, by concept:
 
 - masks.py: which earlier keys a query sees (full causal, a sliding window, chunks, one image's tokens);
 - layers.py: what one layer computes, frozen at load (LayerSpec), and the terms a call adds per query token;
 - metadata.py: a step's metadata, built once before the forward (common parts once, each KV cache group's
   block tables and slot mapping, each group's backend plan), and the step the forward is running;
-- interface.py: the function transformers calls, which reads and checks the layer's arguments;
+- interface.py: the function transformers calls, which reads and checks the layer's arguments (one check for
+  both paths);
+- packed.py: a pooling step's packed layout and its attention (SDPA per run of texts of one length, no pages);
 - reference.py: the models' own eager attention, and SDPA where it computes the same;
 - backends/: `torch` (CPU: batchrun's C++ paged decode), `gather` (plain PyTorch), `triton` (GPU), each an
   `AttentionBackend` declaring its capabilities, chosen once by what it supports.
@@ -22,7 +25,7 @@ ignored: the engine's load probe (architecture.py) meets it before any row runs.
 """
 
 from .backends import AttentionBackend, AttentionLayers, Capabilities, make_backend
-from .interface import ATTENTION_NAME, register
+from .interface import ATTENTION_NAME, METADATA_KEYWORD, register
 from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel, refusal
 from .masks import FULL, MaskKind
 from .metadata import (
@@ -33,6 +36,7 @@ from .metadata import (
     int_tensor,
     products_as_generate,
 )
+from .packed import PackedLayout
 
 __all__ = [
     "ATTENTION_NAME",
@@ -46,6 +50,8 @@ __all__ = [
     "LayerCall",
     "LayerSpec",
     "MaskKind",
+    "METADATA_KEYWORD",
+    "PackedLayout",
     "RelativeBias",
     "StepMetadata",
     "products_as_generate",

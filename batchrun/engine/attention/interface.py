@@ -1,11 +1,16 @@
-"""The function `transformers` calls for every attention layer, registered as `attn_implementation=
-"batchrun_paged"`.
+"""The one function `transformers` calls for every attention layer, of a generation engine and of a pooling
+runner alike, registered as `attn_implementation="batchrun"`.
 
 transformers calls it once per layer with q [1, Hq, T, D] and k/v [1, Hkv, T, D] after RoPE, and the step's
-`AttentionMetadata` as the `batchrun_attn` keyword. Every other argument is read here (`read_call`): honoured,
-known not to matter, or refused (`UnsupportedModel`), never ignored. The load probe reads each layer's call in
-full once; afterwards a call that passes the same keywords as at the probe runs on the layer's frozen
-`LayerSpec`, and one that does not is read again and refused if it asks for anything else.
+metadata as the `batchrun_attn` keyword: a generation step's `AttentionMetadata` (attention over the KV pages,
+through the engine's backend) or a pooling step's `PackedLayout` (packed.py: the texts of one packed row, each
+attending to itself, no K/V kept: vLLM's ENCODER_ONLY attention). Every other argument is read here, for both
+(`read_call`): honoured, known not to matter, or refused (`UnsupportedModel`), never ignored; which keys a query
+sees is the call's `MaskKind`, causal or not. The load probe (architecture.inspect_model, for both) reads each
+layer's call in full once; afterwards a paged call that passes the same keywords as at the probe runs on the
+layer's frozen `LayerSpec`, and one that does not is read again and refused if it asks for anything else; a
+packed call is read at every call (a pooling step is one forward of many texts, and a read is a few
+dictionary lookups beside its SDPA calls).
 """
 
 from __future__ import annotations
@@ -18,13 +23,28 @@ import torch
 from .layers import CallSignature, LayerCall, LayerSpec, RelativeBias, TokenScores, UnsupportedModel
 from .masks import MaskKind
 from .metadata import AttentionMetadata
+from .packed import PackedLayout, attend_packed
 
-ATTENTION_NAME = "batchrun_paged"
+ATTENTION_NAME = "batchrun"
+METADATA_KEYWORD = "batchrun_attn"  # the keyword the step's metadata rides in, through the model's forward
 
-# Keyword arguments that do not change what attention computes here: positions are already in q/k (RoPE), the
-# rest steer caching or outputs that batchrun does not use.
+# Keyword arguments that do not change what attention computes here: positions are already in q/k (RoPE); the
+# segments (token_type_ids) are in the embeddings; the rest steer caching, outputs or a flash-attention kernel
+# (its determinism, its variable-length hints: batchrun knows each sequence's bounds itself).
 NEUTRAL_KWARGS = frozenset(
-    {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits"}
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_router_logits",
+        "token_type_ids",
+        "deterministic",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    }
 )
 # arguments that set what a layer computes, the same at every call (read into its LayerCall)
 LAYER_CONSTANTS = ("sliding_window", "softcap", "s_aux", "is_causal")
@@ -36,8 +56,9 @@ def read_call(
     module: torch.nn.Module, layer: int, attention_mask, dropout: float, kwargs: dict, layers, query_shape
 ) -> LayerCall:
     """The layer's call checked and read: every argument is honoured or known not to matter, else
-    UnsupportedModel naming it. `layers`: architecture.ModelLayers (each layer's chunk); `query_shape`:
-    [1, Hq, T, D]."""
+    UnsupportedModel naming it. `layers`: architecture.ModelLayers (each layer's chunk; None: a pooling step's
+    call); `query_shape`: [1, Hq, T, D]. Causal or not as transformers' own SDPA reads it: the call's
+    `is_causal`, else the module's, else causal."""
     where = f"{type(module).__name__} (layer {layer})"
     if attention_mask is not None:
         raise UnsupportedModel(
@@ -48,8 +69,6 @@ def read_call(
         raise UnsupportedModel(
             f"{where} asks for attention dropout {dropout} (the model is not in eval mode?)"
         )
-    if kwargs.get("is_causal", True) is False:
-        raise UnsupportedModel(f"{where} asks for non-causal attention; batchrun runs causal language models")
     scores = token_scores(where, kwargs, query_shape)
     for name, value in kwargs.items():
         if name in NEUTRAL_KWARGS or name in LAYER_CONSTANTS:
@@ -70,7 +89,9 @@ def read_call(
         frozenset(name for name, value in kwargs.items() if value is not None and value is not False),
         tuple((name, kwargs[name]) for name in LAYER_CONSTANTS if name in kwargs),
     )
-    kind = MaskKind(int(window) if window else None, chunk)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    kind = MaskKind(int(window) if window else None, chunk, bool(causal))
     return LayerCall(kind, kwargs.get("softcap") or None, kwargs.get("s_aux"), scores, signature)
 
 
@@ -129,7 +150,7 @@ def _layer_call(meta: AttentionMetadata, module, layer: int, attention_mask, dro
     return spec, call
 
 
-def paged_attention_forward(
+def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -139,18 +160,51 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]. A module that
-    attends over something other than the sequence's tokens runs its model's own eager attention
-    (a family adapter marks it at load: families.inkling_own_attention)."""
+    """The function `transformers` calls for every attention layer; returns [1, T, Hq, Dv]: paged for a
+    generation step, packed for a pooling step. A module that attends over something other than the sequence's
+    tokens runs its model's own eager attention (a family adapter marks it at load:
+    families.inkling_own_attention)."""
     own = getattr(module, "_batchrun_own_attention", None)
     if own is not None:
         return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    meta: AttentionMetadata | None = kwargs.pop("batchrun_attn", None)
+    meta = kwargs.pop(METADATA_KEYWORD, None)
     if meta is None:
         raise UnsupportedModel(
             f"{type(module).__name__}: its attention does not pass batchrun's step metadata (the model's code "
             "calls the attention function without the keyword arguments it was given)"
         )
+    if isinstance(meta, PackedLayout):
+        return packed_forward(meta, module, query, key, value, attention_mask, scaling, dropout, kwargs), None
+    return paged_forward(meta, module, query, key, value, attention_mask, scaling, dropout, kwargs), None
+
+
+def packed_forward(layout: PackedLayout, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A pooling step's layer: its call read as every call is, then attended over the packed row (packed.py),
+    which computes a plain SDPA under the call's mask kind; what else a call asks is refused, never ignored."""
+    layer = layout.calls  # a pooling model's layers attend in order, once each per forward
+    call = read_call(module, layer, attention_mask, dropout, kwargs, None, query.shape)
+    if not call.plain:
+        asks = [
+            name
+            for name, value in (
+                ("soft-capping", call.softcap),
+                ("sinks", call.sinks),
+                ("per-token terms", call.token_scores),
+            )
+            if value is not None
+        ]
+        raise UnsupportedModel(
+            f"{type(module).__name__} (layer {layer}) asks for {', '.join(asks)}, which batchrun's packed "
+            "attention (pooling) does not compute"
+        )
+    return attend_packed(layout, call.kind, query, key, value, scaling)
+
+
+def paged_forward(
+    meta: AttentionMetadata, module, query, key, value, attention_mask, scaling, dropout, kwargs
+):
+    """A generation step's layer: its K/V written to their pages and attended through the block tables by the
+    engine's backend (the probe's recording backend at load)."""
     t0 = time.perf_counter()
     layer = meta.layer_index(module)
     spec, call = _layer_call(meta, module, layer, attention_mask, dropout, kwargs, query.shape)
@@ -165,11 +219,11 @@ def paged_attention_forward(
     times = meta.services.times
     if times is not None:
         times.add("attention", time.perf_counter() - t0)
-    return out[None], None
+    return out[None]
 
 
-def register(function=paged_attention_forward) -> None:
-    """Make `attn_implementation="batchrun_paged"` known to transformers (idempotent, no global patching);
+def register(function=attention_forward) -> None:
+    """Make `attn_implementation="batchrun"` known to transformers (idempotent, no global patching);
     `function`: another in its place (bench/host.py counts the operations inside it)."""
     from transformers import AttentionInterface
 

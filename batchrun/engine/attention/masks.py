@@ -1,4 +1,5 @@
-"""Which earlier keys a query sees: the mask rules every backend and the reference share."""
+"""Which keys a query sees: the mask rules every backend, the reference and the packed (pooling) attention
+share."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import torch
 
 @dataclass(frozen=True)
 class MaskKind:
-    """Which earlier keys a query at position p sees: all (full causal), the last `window` (sliding window:
-    p - window < k <= p, as transformers' masks have it) or those of its own chunk (k // chunk == p // chunk)."""
+    """Which keys a query at position p sees: all earlier ones (full causal), the last `window` (sliding window:
+    p - window < k <= p, as transformers' masks have it) or those of its own chunk (k // chunk == p // chunk).
+    `causal` False: an encoder's layer (vLLM's ENCODER_ONLY attention: BERT, ModernBERT), later keys seen too,
+    a window on both sides (|p - k| < window); it keeps no K/V, so only the packed attention of a pooling job
+    runs it (packed.py), and the generation engine refuses it at load (model_plan.py)."""
 
     window: int | None = None
     chunk: int | None = None
+    causal: bool = True
 
     @property
     def is_full(self) -> bool:
@@ -40,13 +45,11 @@ class MaskKind:
         query_pos: torch.Tensor,
         key_pos: torch.Tensor,
         images: list[tuple[int, int]] | None = None,
-        causal: bool = True,
     ) -> torch.Tensor:
         """[n, m] bool: query_pos [n] sees key_pos [m]. `images`: (start, end) positions of images whose tokens
-        see each other (families.ImageBlocks), later ones included, within the window or chunk. `causal` False:
-        an encoder's, later keys seen too, the window on both sides (|p - k| < window, as transformers' masks
-        have it; packed_attention.py)."""
+        see each other (families.ImageBlocks), later ones included, within the window or chunk."""
         q, k = query_pos[:, None], key_pos[None, :]
+        causal = self.causal
         seen = (
             k <= q if causal else torch.ones(len(query_pos), len(key_pos), dtype=torch.bool, device=q.device)
         )

@@ -1,0 +1,115 @@
+"""The packed layout of a pooling step, and its attention: the ENCODER_ONLY path beside the paged one (after
+vLLM v1, where an encoder-only model runs through the same attention layer with no KV cache).
+
+A pooling job keeps no K/V after a text is pooled, so there are no pages: the step's texts are packed into one
+row of tokens with no padding, each text attending only to itself. `transformers` calls the one attention function
+(interface.py) with q [1, Hq, T, D] and k/v [1, Hkv, T, D] of the whole packed row and the step's `PackedLayout`
+(built once before the forward) as the `batchrun_attn` keyword, where the paged path gets its `AttentionMetadata`;
+the call is read and checked as every call is (interface.read_call), then attends here. The layout chooses the
+packing order: the texts longest first, so that texts of one length sit side by side and attend in one SDPA call
+on a view of the row ([n, H, L, D], no gather, no padding, no mask for full attention, `is_causal` for a
+decoder's); a text of a length of its own attends on its slice. The runner packs the texts in that order and
+reads each text's states back through `spans` (input order), so the order never shows outside. Which keys a
+query sees is the layer's `MaskKind` (masks.py): bidirectional for an encoder (BERT, XLM-R, ModernBERT), causal
+for a decoder (Qwen3-Embedding), a sliding window (ModernBERT's local layers) on both sides for an encoder.
+
+Why not pad texts of near lengths into one call: on the CPU, SDPA costs the same per text in a batch of one as in
+a batch of sixteen (bench/RESULTS.md, issue 41), while padding adds gathers, scatters, masks (a masked call is
+slower) and the padding's own arithmetic. On a GPU each run is a kernel launch of its own (a step of texts of many
+lengths makes one per length and layer); a variable-length kernel taking the whole row at once would remove them,
+and is not written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .masks import MaskKind
+
+
+@dataclass(frozen=True)
+class AttentionRun:
+    """`count` texts of `length` tokens each, side by side in the packed row from `start`: one SDPA call."""
+
+    start: int
+    count: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count * self.length
+
+
+@dataclass
+class PackedLayout:
+    """A step's packed row, built once before the forward: `order` the texts in packing order (indices into the
+    step's texts), `starts[i]` where text i begins in the row, `lengths[i]` its tokens, `runs` how the row
+    attends; `calls`: the layers that attended through it so far (a refusal names the layer by it)."""
+
+    order: tuple[int, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    runs: list[AttentionRun]
+    calls: int = 0
+    masks: dict = field(default_factory=dict)  # (length, MaskKind) -> [L, L] bool, made once per step
+
+    @classmethod
+    def of_lengths(cls, lengths: list[int]) -> PackedLayout:
+        """The texts longest first (ties in their given order), each run of one length attending together."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        starts, runs, at = [0] * len(lengths), [], 0
+        for i in order:
+            n = lengths[i]
+            starts[i] = at
+            last = runs[-1] if runs else None
+            if last is not None and last.length == n:
+                runs[-1] = AttentionRun(last.start, last.count + 1, n)
+            else:
+                runs.append(AttentionRun(at, 1, n))
+            at += n
+        return cls(tuple(order), tuple(starts), tuple(lengths), runs)
+
+    def packed(self, per_text: list[list]) -> list:
+        """A per-text list (token ids, positions, segments) flattened in packing order."""
+        return [x for i in self.order for x in per_text[i]]
+
+    def spans(self):
+        """Each text's (start, end) in the row, in the step's order of texts."""
+        return ((a, a + n) for a, n in zip(self.starts, self.lengths))
+
+    def mask(self, length: int, kind: MaskKind, device) -> torch.Tensor | None:
+        """The [L, L] mask of a text of `length` under `kind`; None where `is_causal` or no mask says it (no
+        window, or one at least as long as the text)."""
+        if kind.window is None or kind.window >= length:
+            return None
+        key = (length, kind)
+        if key not in self.masks:
+            pos = torch.arange(length, device=device)
+            self.masks[key] = kind.visible(pos, pos)
+        return self.masks[key]
+
+
+def attend_packed(
+    layout: PackedLayout, kind: MaskKind, query, key, value, scale: float | None
+) -> torch.Tensor:
+    """One layer's attention over the packed row, one SDPA call per run of texts of one length; returns
+    [1, T, Hq, D] (the layout transformers expects), contiguous, so that the model's reshape to [1, T, Hq * D]
+    copies nothing. The call was read and checked by interface.read_call (plain: no soft-capping, sinks or
+    per-token terms; no chunk)."""
+    layout.calls += 1
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, Hq, D]
+    q, k, v = query[0], key[0], value[0]  # [H, T, D]
+    for run in layout.runs:
+        n, length = run.count, run.length
+        mask = layout.mask(length, kind, query.device)
+        # [n, H, L, D]: views of the row, as the run's texts sit side by side in it
+        texts = [x[:, run.start : run.end].unflatten(1, (n, length)).transpose(0, 1) for x in (q, k, v)]
+        o = F.scaled_dot_product_attention(
+            *texts, attn_mask=mask, is_causal=kind.causal and mask is None, scale=scale, enable_gqa=gqa
+        )
+        out[run.start : run.end].unflatten(0, (n, length)).copy_(o.transpose(1, 2))
+    return out[None]
