@@ -24,20 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 def main() -> None:
     from test_families import models
 
-    from batchrun.engine import SamplingParams
     from batchrun.engine.architecture import inspect_model
-    from batchrun.engine.scheduler import ScheduledSequence
-    from batchrun.engine.sequence import Sequence
 
     for family in ("phi3:longrope", "llama:dynamic_ntk"):
         rope = inspect_model(models(family)[0]).rope
         for n in (1, 64):
-            step = []
-            for i in range(n):  # prompts of 40.. tokens (past the original 32), 8 generated
-                seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
-                seq.output_token_ids = [5] * 8
-                step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1, [[]], -1))
-            positions = torch.tensor([s.start for s in step])
+            # each decode's (tokens, prompt tokens, start, tokens this step): prompts of 40.. tokens (past the
+            # original 32), 8 generated
+            step = [(48 + i, 40 + i, 47 + i, 1) for i in range(n)]
+            positions = torch.tensor([start for _, _, start, _ in step])
             repeats = 50
             with torch.inference_mode():
                 rope.step_embeddings(step, positions)

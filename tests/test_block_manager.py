@@ -1,5 +1,6 @@
 """Block manager and scheduler: pure integer bookkeeping, checked under random operations (no model)."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -7,7 +8,8 @@ from batchrun.engine.attention import FULL, MaskKind
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.kv_coordinator import KVCacheCoordinator
-from batchrun.engine.scheduler import ScheduledSequence, Scheduler
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.scheduler_output import ScheduledSequence
 from batchrun.engine.sequence import NULL_PAGE, Sequence
 
 # KV cache groups, as the engine makes them from the layers' mask kinds: one full group (no window), a full
@@ -160,10 +162,35 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
     assert bm.num_free_pages == num_pages
 
 
+class RunnerTables:
+    """The block tables as a model runner would hold them, as plain lists, built from nothing but each plan's
+    `new_block_ids`: after every step they must equal the block manager's (pages behind a window aside)."""
+
+    def __init__(self):
+        self.tables: dict[int, list[list[int]]] = {}
+
+    def follow(self, s) -> None:
+        if s.new_block_ids is None:
+            assert s.seq.seq_id in self.tables, "unchanged tables the runner never had"
+            return
+        mine = self.tables.setdefault(s.seq.seq_id, [[] for _ in s.new_block_ids])
+        for g, (column, pages) in enumerate(s.new_block_ids):
+            assert column <= len(mine[g]), "a gap in the runner's table"
+            mine[g] = mine[g][:column] + list(pages)
+
+    def check(self, running, bm) -> None:
+        for seq in running:
+            record = bm.sequences[seq.seq_id]
+            if record.unsent is not None:  # forked since the last plan: its table comes whole with the next
+                continue
+            for want, have in zip(record.tables, self.tables[seq.seq_id]):
+                assert len(want) == len(have) and all(w in (h, NULL_PAGE) for w, h in zip(want, have))
+
+
 def drive(scheduler: Scheduler, max_steps: int = 20000):
     """Run the scheduler with a fake model (every sampled token is 7); returns finished sequences."""
     bm = scheduler.kv.bm
-    finished = []
+    finished, runner_tables = [], RunnerTables()
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             return finished
@@ -174,8 +201,9 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
             # every group's pages hold the tokens the step writes, and what the plan says of a sequence is what
             # ScheduledSequence works out from its tokens (the scheduler plans most decodes by a shorter path)
             end = s.start + s.num_new_tokens
-            assert all(len(t) * bm.page_size >= end for t in s.block_tables), (s, end)
-            assert s == ScheduledSequence(s.seq, s.num_new_tokens, s.start, s.block_tables, s.state_slot)
+            assert all(len(t) * bm.page_size >= end for t in bm.block_tables(s.seq)), (s, end)
+            assert s == ScheduledSequence(s.seq, s.num_new_tokens, s.start, s.new_block_ids, s.state_slot)
+            runner_tables.follow(s)
             s.seq.num_computed_tokens += s.num_new_tokens
         for s in plan.scheduled:
             if not s.samples:
@@ -195,6 +223,7 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
                 scheduler.finish(s)
                 finished.append(s)
         bm.check_integrity(scheduler.live_sequences())
+        runner_tables.check(scheduler.running, bm)
     raise AssertionError("did not finish: livelock")
 
 
@@ -354,50 +383,39 @@ def test_abort_gives_back_the_snapshots_planned_but_not_copied():
 
 
 def test_block_table_rows_follow_every_kind_of_change():
-    """The persistent rows (block_table_buffer.py) against the lists after each change the block manager makes:
-    a page appended (one entry written), the last page replaced (copy on write), a new list (swap-in,
-    admission), entries given back behind a window, rows reclaimed and the buffer widened."""
-    from types import SimpleNamespace
-
+    """The runner's persistent rows (block_table_buffer.py), written from nothing but the plan's changes, against
+    plain lists: a whole table (admission, swap-in, fork), a page appended, the last page replaced (copy on
+    write), both in one plan, a shorter table rewritten (a recompute readmitted), rows in and out of order, the
+    buffer widened and given more rows, and tables left unchanged."""
     from batchrun.engine.block_table_buffer import BlockTableBuffer
 
     buffer = BlockTableBuffer(num_groups=2, capacity=2)
-    tables = {i: [[10 * i], [10 * i + 1]] for i in range(3)}
+    tables = {}
 
-    def step(ids, unchanged=()):
-        """`unchanged`: the sequences the scheduler says gained no page since they last ran (its short path)."""
-        scheduled = [
-            SimpleNamespace(
-                seq=SimpleNamespace(seq_id=i), block_tables=tables[i], tables_unchanged=i in unchanged
-            )
-            for i in ids
-        ]
-        got = buffer.step_tables(scheduled)
+    def step(changes: dict, rows: list[int]):
+        """`changes`: row -> per group (first entry changed, entries from there); the others are unchanged."""
+        for row, new in changes.items():
+            tables[row] = [t[:c] + pages for t, (c, pages) in zip(tables.get(row, [[], []]), new)]
+        buffer.write(list(changes), list(changes.values()))
+        got = buffer.step_tables(rows)
         for g in range(2):
-            for r, i in enumerate(ids):
-                row = got[g][r, : len(tables[i][g])].tolist()
-                # an entry given back behind a window may keep its old page number: never read
-                assert all(w in (h, NULL_PAGE) for w, h in zip(tables[i][g], row)), (ids, g, i)
-                assert len(row) == len(tables[i][g])
+            assert got[g].shape == (len(rows), max(len(tables[r][g]) for r in rows))
+            for i, r in enumerate(rows):
+                assert got[g][i, : len(tables[r][g])].tolist() == tables[r][g], (rows, g, r)
+        for r in rows:
+            buffer.check(r, tables[r], None)
 
-    step([0, 1])
-    for k in range(40):  # appends past the buffer's width (16): it doubles
-        tables[0][0].append(100 + k)
+    step({0: [(0, [3, 4]), (0, [5])], 1: [(0, [6]), (0, [])]}, [0, 1])
+    for k in range(40):  # pages appended past the buffer's width (16): it doubles
+        change = {0: [(len(tables[0][0]), [100 + k]), (1, [])]}
         if k % 3 == 0:
-            tables[1][1].append(200 + k)
-        step([0, 1])
-    tables[0][0][-1] = 999  # copy on write of the last page
-    step([0, 1])
-    tables[1] = [list(t) + [7] for t in tables[1]]  # new lists, one page longer (a swap-in and a grow)
-    step([1, 0])
-    tables[1][1][0] = NULL_PAGE  # given back behind a window, then a page appended
-    tables[1][1].append(55)
-    step([1])
-    tables[0][1].append(56)
-    tables[0][1][-1] = 57  # a page appended, then copied on write in the same plan
-    step([0])
-    step([2, 1])  # a third sequence in a buffer of two rows: the one not in the step gives its row back
-    buffer.check({i: tables[i] for i in (1, 2)})
-    step([2, 1], unchanged=(1, 2))  # unchanged and not looked at: the step's tables as wide as the longest
-    step([0, 1], unchanged=(0,))  # said unchanged, but its row was given back: written again
-    buffer.check({i: tables[i] for i in (0, 1)})
+            change[1] = [(1, []), (len(tables[1][1]), [200 + k])]
+        step(change, [1, 0])
+    n = len(tables[0][0])
+    step({0: [(n - 1, [999, 1000]), (1, [])]}, [0, 1])  # copy on write of the last page, then a page appended
+    step({}, [0])  # unchanged: nothing written
+    step({1: [(0, [7]), (0, [8, 9])]}, [0, 1])  # a whole new table, shorter than the row held (a recompute)
+    buffer.grow_rows(4)  # the input batch's rows doubled: the rows kept
+    step({3: [(0, [11]), (0, [12])]}, [3, 0, 1])
+    with pytest.raises(AssertionError):  # a stale row is caught
+        buffer.check(3, [[11, 13], [12]], None)

@@ -34,3 +34,42 @@ def test_rows_follow_requests_through_growth():
     assert _tokens(batch, 13) == [5, 6, 7]
     batch.clear()
     assert not batch.row_of
+
+
+def test_integrity_check_catches_a_stale_table_or_position():
+    """The runner's rows follow the plan's changes alone (new block ids, computed counts): after each step of a
+    small engine they equal the block manager's tables and the sequences' counts, and a row written wrong (a
+    page, a computed count) is what `Engine.check_integrity` reports."""
+    import pytest
+    import torch
+    from helpers import paged_model_from_config
+    from transformers import LlamaConfig
+
+    from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128,
+    )  # fmt: skip
+    model = paged_model_from_config(config).eval()
+    engine_config = EngineConfig(
+        device="cpu", num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=64, attention="torch"
+    )
+    engine = Engine(LoadedModel(model, None, max_model_len=128), engine_config, torch.device("cpu"))
+    for i in range(3):  # page size 4: every fourth decode takes a page, written into its row as one entry
+        engine.add([3 + i, 5, 7, 9, 11][: 3 + i], SamplingParams(max_new_tokens=9))
+    for _ in range(6):
+        engine.step()
+        engine.check_integrity()
+    batch, seq = engine.runner.batch, next(iter(engine.scheduler.running))
+    row = batch.row_of[seq.seq_id]
+    page = batch.block_tables.tables[0][row, 1].item()
+    batch.block_tables.tables[0][row, 1] = page + 1  # a stale page
+    with pytest.raises(AssertionError):
+        engine.check_integrity()
+    batch.block_tables.tables[0][row, 1] = page
+    engine.check_integrity()
+    batch.num_computed[row] += 1  # a stale position
+    with pytest.raises(AssertionError):
+        engine.check_integrity()

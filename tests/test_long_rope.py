@@ -107,7 +107,7 @@ def test_without_per_sequence_factors_rows_differ(family, monkeypatch):
     """Why: the model's own rotary call over the packed step picks the factors of the step's longest sequence
     (and for dynamic NTK keeps the longest length it has seen), and the rows differ from HF on them alone."""
     model, expected = model_and_reference(family)
-    monkeypatch.setattr(PerSequenceRope, "step_embeddings", lambda self, scheduled, positions: None)
+    monkeypatch.setattr(PerSequenceRope, "step_embeddings", lambda self, spans, positions: None)
     assert generate(engine(model), prompts(256)) != expected
 
 
@@ -229,24 +229,18 @@ def test_dynamic_ntk_frequencies_of_many_lengths_equal_the_modules_own_call(shap
 def test_dynamic_ntk_step_of_many_decodes_makes_no_rotary_call_per_sequence():
     """The cost: a step of 64 decodes past the original context, each of its own length, computes their cos/sin
     without calling the rotary module once per sequence (64 calls before, 11 ms of CPU time a step: bench/RESULTS.md)."""
-    from batchrun.engine.scheduler import ScheduledSequence
-    from batchrun.engine.sequence import Sequence
-
     rope = PerSequenceRope.of(
         build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged"), {"dynamic"}
     )
     calls = []
     real = rope.module._batchrun_rope_forward
     rope.module._batchrun_rope_forward = lambda *a: calls.append(a) or real(*a)
-    step = []
-    for i in range(64):
-        seq = Sequence(i, list(range(3, 43 + i)), SamplingParams(max_new_tokens=8))
-        seq.output_token_ids = [5] * 8
-        step.append(ScheduledSequence(seq, 1, seq.num_tokens - 1, [[]], -1))
-    positions = torch.tensor([s.start for s in step])
+    # each decode's (tokens, prompt tokens, start, tokens this step): prompts of 40.. tokens, 8 generated
+    step = [(48 + i, 40 + i, 47 + i, 1) for i in range(64)]
+    positions = torch.tensor([start for _, _, start, _ in step])
     cos, _ = rope.step_embeddings(step, positions)
     assert not calls
-    length = step[7].seq.num_tokens
+    length = step[7][0]
     assert torch.equal(cos[:, 7], own_call(rope.module, [length - 1], length)[0][:, 0])
 
 

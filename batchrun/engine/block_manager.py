@@ -9,6 +9,12 @@ their entries become `NULL`. A model of one kind has one group, and everything b
 
 The block manager owns each sequence's page state (`SequencePages`, keyed by `seq_id`): a `Sequence` keeps its
 tokens and status, and asks here for its tables (`block_tables(seq)`).
+
+The model runner keeps its own copy of each running sequence's tables (input_batch.py) and learns only what
+changed: each record notes, per group, the first entry the runner has not seen as it is (`unsent`: a new table
+from 0, an appended page from the old end, a copy on write at the page replaced), and the scheduler's plan takes
+those entries once (`take_new_block_ids`). An entry given back behind a window is not sent: the runner's copy
+keeps the old number, which no backend reads (every query's window starts after it).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class SequencePages:
     cpu_tables: list[list[int]]
     hash_chain: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    # per group, the first entry of its table the model runner has not seen as it is; None: it has them all
+    unsent: list[int] | None = None
 
     def num_held(self) -> int:
         """Pages its block tables hold (entries given back behind a window not counted)."""
@@ -81,6 +89,16 @@ class BlockManager:
         """seq's block table per KV cache group (the lists themselves: read them, the block manager writes)."""
         return self.pages(seq).tables
 
+    def take_new_block_ids(self, seq: Sequence) -> list[tuple[int, list[int]]] | None:
+        """Per group, (the first entry the model runner has not seen, the entries from there), handed on once
+        (the runner's tables have them after this step); None: its tables have not changed since."""
+        entry = self.sequences[seq.seq_id]
+        unsent = entry.unsent
+        if unsent is None:
+            return None
+        entry.unsent = None
+        return [(c, t[c:]) for c, t in zip(unsent, entry.tables)]
+
     def forget(self, seq: Sequence) -> None:
         """Drop what is kept of a sequence that holds no page (a waiting one, given up)."""
         entry = self.sequences.pop(seq.seq_id, None)
@@ -111,6 +129,7 @@ class BlockManager:
         match = match if match is not None else self.prefix_cache.match(seq)
         self.pool.acquire_tables(match.tables)
         entry.tables = [list(t) for t in match.tables]
+        entry.unsent = [0] * self.num_groups
         entry.num_registered = match.num_blocks  # its cached prefix is indexed already
         seq.num_computed_tokens = match.num_blocks * self.page_size
         self.prefix_cache.query_tokens += seq.num_tokens
@@ -164,19 +183,25 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> list[PageCopy]:
         """Make the slots of seq's next `num_new_tokens` tokens writable; returns the copy-on-write copies."""
-        cows = []
+        cows, entry = [], self.sequences[seq.seq_id]
         first = seq.num_computed_tokens // self.page_size
         end_pages = self.layout.pages_needed(seq.num_computed_tokens + num_new_tokens)
-        for g, table in enumerate(self.sequences[seq.seq_id].tables):
+        for g, table in enumerate(entry.tables):
+            changed = len(table)  # the first entry this changes
             if self._is_shared(table, first):
                 page, new_page = table[first], self.pool.allocate()
                 self.pool.release(page)
                 table[first] = new_page
+                changed = first
                 self.num_cow_copies += 1
                 cows.append(PageCopy(page, new_page))
             skip = self.layout.first_block(g, seq.num_computed_tokens)  # blocks its queries never read
             while len(table) < end_pages:
                 table.append(NULL_PAGE if len(table) < skip else self.pool.allocate())
+            if changed < len(table):  # the runner's copy lacks entries from `changed` on
+                if entry.unsent is None:
+                    entry.unsent = [len(t) for t in entry.tables]
+                entry.unsent[g] = min(entry.unsent[g], changed)
         return cows
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -185,7 +210,11 @@ class BlockManager:
         self.pool.acquire_tables(mine.tables)
         assert child.seq_id not in self.sequences, "a child is forked once"
         self.sequences[child.seq_id] = SequencePages(
-            [list(t) for t in mine.tables], self._no_tables(), list(mine.hash_chain), mine.num_registered
+            [list(t) for t in mine.tables],
+            self._no_tables(),
+            list(mine.hash_chain),
+            mine.num_registered,
+            [0] * self.num_groups,  # a new table to the runner
         )
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -240,6 +269,7 @@ class BlockManager:
                     self.cpu_pool.release(c)
             entry.tables.append(table)
         entry.cpu_tables = self._no_tables()
+        entry.unsent = [0] * self.num_groups  # new pages: a new table to the runner
         # the swapped-in pages are private copies; re-register them only where the hash is not taken
         self.prefix_cache.register(seq)
         return copies

@@ -30,7 +30,8 @@ from .multimodal import (
     image_feature_bytes,
 )
 from .output_processor import OutputProcessor
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
 from .sequence import Sequence
 from .sizing import pool_sizes
 from .state_cache import StateCache
@@ -102,7 +103,7 @@ class Engine:
         model = loaded.model
         # everything known of the model, found once (refusing what cannot run exactly, before any page is made)
         plan = ModelPlan.of(model, config.page_size, loaded.max_model_len)
-        specs = plan.attention.layer_specs()  # each attention layer, fixed from now on
+        specs = plan.layer_specs  # each attention layer, fixed from now on
         attention_layers = AttentionLayers(plan.attention.num_heads, plan.kv_spec, specs)
         self.attention = make_backend(config.attention, attention_layers, device)
         self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
@@ -394,5 +395,4 @@ class Engine:
         tables with the block manager's and its input batch's rows with the sequences (AssertionError otherwise)."""
         running = self.scheduler.running
         self.kv.check_integrity(running, self.scheduler.swapped)
-        self.runner.block_tables.check({s.seq_id: self.kv.block_tables(s) for s in running})
-        self.runner.batch.check(self.scheduler.live_sequences())
+        self.runner.batch.check(self.scheduler.live_sequences(), self.kv.bm.sequences)

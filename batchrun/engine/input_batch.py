@@ -1,12 +1,15 @@
 """The model runner's own copy of what each running request's step is built from (after vLLM v1's `InputBatch`).
 
-The runner used to read every step's token ids, prompt lengths and adapters from the live `Sequence`s the
-scheduler handed it. Here it keeps them itself, one row per request, in persistent numpy arrays: a row is
-written once when the request is new to the runner (`NewRequest`, from the scheduler's output: its prompt and
-what it generated so far, its adapter, its images' token runs), a forked sample's row is copied from its parent's, and the tokens the
-engine samples are appended to their rows after each step, all of a step's in one indexed write (no per-token
-Python loop). A step's input ids are then one gather of these rows (a decode step) or a slice per row (a step
-that prefills).
+The runner used to read every step's token ids, prompt lengths, positions and block tables from the live
+`Sequence`s and block manager lists the scheduler handed it. Here it keeps them itself, one row per request, in
+persistent arrays: a row is written once when the request is new to the runner (`NewRequest`, from the
+scheduler's output: its prompt and what it generated so far, how many of those its cached prefix computed, its
+adapter, its images), a forked sample's row is copied from its parent's, the tokens the engine
+samples are appended to their rows after each step, all of a step's in one indexed write (no per-token Python
+loop), and each row's computed count moves on with each step it runs. Its block tables are rows of
+block_table_buffer.py, written with the entries the plan says changed. A step's input ids are then one gather of
+these rows (a decode step) or a slice per row (a step that prefills), its positions start at the rows' computed
+counts.
 
 A preempted request keeps its row (its tokens do not change while it waits: swap-in and recompute find them
 there); a finished or aborted request's row goes back.
@@ -15,8 +18,11 @@ there); a finished or aborted request's row goes back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from .block_table_buffer import BlockTableBuffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,21 +33,27 @@ class NewRequest:
     token_ids: list[int]  # its prompt, then what it generated so far (a recompute's)
     num_prompt_tokens: int
     adapter: int | None  # its LoRA adapter's id; None: the base model
-    image_blocks: list[tuple[int, int]] = ()  # its images' token runs (multimodal.ImageInputs.blocks)
+    images: Any = None  # its images as the processor made them (multimodal.ImageInputs); None: none
+    num_computed_tokens: int = 0  # its tokens in the cache already (a cached prefix)
 
     @classmethod
     def of(cls, seq) -> NewRequest:
-        blocks = () if seq.images is None else seq.images.blocks
-        return cls(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter, blocks)
+        """`seq` as admitted (its cached prefix counted)."""
+        return cls(
+            seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter, seq.images, seq.num_computed_tokens
+        )
 
 
 class InputBatch:
-    def __init__(self, capacity: int, width: int = 64):
+    def __init__(self, capacity: int, width: int = 64, num_groups: int = 1, pin: bool = False):
+        """`num_groups`: the KV cache groups (a block table each); `pin`: the tables in pinned memory (CUDA)."""
         self.token_ids = np.zeros((capacity, width), dtype=np.int64)  # [rows, width]
         self.num_tokens = np.zeros(capacity, dtype=np.int64)  # each row's tokens so far
+        self.num_computed = np.zeros(capacity, dtype=np.int64)  # each row's tokens in the cache
+        self.block_tables = BlockTableBuffer(num_groups, capacity, pin)
         self.num_prompt_tokens = [0] * capacity
         self.adapters: list[int | None] = [None] * capacity
-        self.image_blocks: list = [()] * capacity
+        self.images: list = [None] * capacity  # each row's ImageInputs (None: none)
         self.row_of: dict[int, int] = {}  # req_id -> its row
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -56,9 +68,10 @@ class InputBatch:
             self._fit(n)
             self.token_ids[row, :n] = r.token_ids
             self.num_tokens[row] = n
+            self.num_computed[row] = r.num_computed_tokens
             self.num_prompt_tokens[row] = r.num_prompt_tokens
             self.adapters[row] = r.adapter
-            self.image_blocks[row] = r.image_blocks
+            self.images[row] = r.images
 
     def fork(self, parent: int, child: int) -> None:
         """A parallel sample's row: a copy of its parent's (taken before the parent's next token)."""
@@ -66,9 +79,10 @@ class InputBatch:
         row = self.row_of[child] = self._take_row()
         self.token_ids[row] = self.token_ids[src]
         self.num_tokens[row] = self.num_tokens[src]
+        self.num_computed[row] = self.num_computed[src]
         self.num_prompt_tokens[row] = self.num_prompt_tokens[src]
         self.adapters[row] = self.adapters[src]
-        self.image_blocks[row] = self.image_blocks[src]
+        self.images[row] = self.images[src]
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
@@ -101,16 +115,26 @@ class InputBatch:
     def slice_ids(self, row: int, start: int, end: int) -> np.ndarray:
         return self.token_ids[row, start:end]
 
-    def check(self, seqs) -> None:
-        """Each of `seqs` (live Sequences) that holds a row has its tokens there (AssertionError otherwise)."""
+    def computed(self, rows: list[int], ends: list[int]) -> None:
+        """The step's rows have their tokens up to `ends` in the cache (it is about to run them)."""
+        self.num_computed[rows] = ends
+
+    def check(self, seqs, records: dict) -> None:
+        """Each of `seqs` (live Sequences) that holds a row has its tokens, computed count and, where it holds
+        pages, its block tables there (`records`: the block manager's SequencePages by seq_id; AssertionError
+        otherwise)."""
         for seq in seqs:
             row = self.row_of.get(seq.seq_id)
             if row is None:
                 continue
             n = int(self.num_tokens[row])
             assert self.token_ids[row, :n].tolist() == seq.token_ids, seq.seq_id
+            assert self.num_computed[row] == seq.num_computed_tokens, seq.seq_id
+            record = records[seq.seq_id]
+            if any(record.tables):  # a swapped sequence's tables come back whole when it does
+                self.block_tables.check(row, record.tables, record.unsent)
             assert self.adapters[row] == seq.adapter and self.num_prompt_tokens[row] == seq.num_prompt_tokens
-            assert list(self.image_blocks[row]) == ([] if seq.images is None else seq.images.blocks)
+            assert self.images[row] is seq.images, seq.seq_id
 
     # ---- growth -----------------------------------------------------------------------------------------------
     def _take_row(self) -> int:
@@ -118,9 +142,11 @@ class InputBatch:
             old = self.token_ids.shape[0]
             self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])
             self.num_tokens = np.concatenate([self.num_tokens, np.zeros_like(self.num_tokens)])
+            self.num_computed = np.concatenate([self.num_computed, np.zeros_like(self.num_computed)])
+            self.block_tables.grow_rows(2 * old)
             self.num_prompt_tokens += [0] * old
             self.adapters += [None] * old
-            self.image_blocks += [()] * old
+            self.images += [None] * old
             self._free = list(range(2 * old - 1, old - 1, -1))
         return self._free.pop()
 

@@ -53,6 +53,7 @@ class KVCacheCoordinator:
         # chunk rule's last cut (StateSlots only ever changes that dict in place; without state slots, empty)
         self.slot_of = states.slot_of if states is not None else _no_slot
         self.block_tables = block_manager.block_tables
+        self.take_new_block_ids = block_manager.take_new_block_ids  # the runner's tables' news (the plan's)
         self.snapshot_ends: dict[int, int] = states.snapshot_ends if states is not None else {}
         # forks and snapshots since the last plan: copied first in the next
         self._pending: list[StateCopy] = []

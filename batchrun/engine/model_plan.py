@@ -44,8 +44,28 @@ class ImageRules:
 
 
 @dataclass(frozen=True)
+class GroupCalls:
+    """Per KV cache group, what its layers' calls ask of a step's metadata (attention.GroupMetadata), read once
+    from the layer specs: whether any adds per-token terms (its prompts then need each query's row and position),
+    and whether any runs the eager reference. A group's mask kind is the KV groups' own (KVGroups.kinds)."""
+
+    token_terms: tuple[bool, ...]
+    eager: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, specs: tuple, num_groups: int) -> GroupCalls:
+        members = [[s for s in specs if s is not None and s.group == g] for g in range(num_groups)]
+        return cls(
+            tuple(any(s.token_terms for s in m) for m in members),
+            tuple(any(s.token_terms or not s.call.plain for s in m) for m in members),
+        )
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     attention: ModelAttention  # per-layer specs, KV groups, a hybrid's states, per-sequence rope
+    layer_specs: tuple  # each attention layer's spec (attention.LayerSpec; None: no attention), fixed at load
+    group_calls: GroupCalls  # per KV cache group, what its layers' calls need of a step
     kv_spec: KVCacheSpec  # the pages those groups form, at the engine's page size and the model's dtype
     max_model_len: int  # prompt + completion, the model's limit or the job's lower one
     vocab_size: int  # the logits' width
@@ -79,8 +99,11 @@ class ModelPlan:
         if refusal is None:
             images = ImageRules(families.image_blocks(model), families.image_positions(model))
         rope: PerSequenceRope | None = attention.rope
+        specs = attention.layer_specs()
         return cls(
             attention=attention,
+            layer_specs=specs,
+            group_calls=GroupCalls.of(specs, attention.groups.num_groups),
             kv_spec=attention.kv_spec(page_size, dtype),
             max_model_len=min(model_max_len(model.config), max_model_len or 1 << 62),
             vocab_size=text_config(model.config).vocab_size,

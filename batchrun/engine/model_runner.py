@@ -22,12 +22,12 @@ from .attention import (
     int_tensor,
     products_as_generate,
 )
-from .block_table_buffer import BlockTableBuffer, slot_pages
+from .block_table_buffer import slot_pages
 from .input_batch import InputBatch
 from .kv_cache import text_config
 from .model_plan import ModelPlan
 from .multimodal import EncoderCache
-from .scheduler import ScheduledSequence, SchedulerOutput
+from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .state_cache import StateCache, StepStates
 
 
@@ -56,34 +56,30 @@ class ModelRunner:
         spec = services.kv_cache.spec
         self.page_size = spec.page_size
         self.dtype = spec.dtype
-        # per KV cache group: its layers' mask kind, whether they add per-token terms (their prompts then
-        # need each query's row and position), and whether any runs the eager reference (GroupMetadata.eager)
-        self.kinds, self.token_terms, self.eager = [], [], []
-        for g in range(spec.groups.num_groups):
-            members = [s for s in services.specs if s is not None and s.group == g]
-            (kind,) = {s.kind for s in members}  # one kind a group (KVGroups)
-            self.kinds.append(kind)
-            self.token_terms.append(any(s.token_terms for s in members))
-            self.eager.append(any(s.token_terms or not s.call.plain for s in members))
+        # per KV cache group: its mask kind, whether its layers add per-token terms and whether any runs the
+        # eager reference (GroupMetadata), as the KV groups and the plan hold them
+        self.kinds = spec.groups.kinds
+        self.token_terms, self.eager = plan.group_calls.token_terms, plan.group_calls.eager
         self.device = services.kv_cache.device
-        self.block_tables = BlockTableBuffer(
-            spec.groups.num_groups, 2 * max_num_seqs, pin=self.device.type == "cuda"
+        # each request's token ids, prompt length, adapter, computed count and block tables, kept here
+        # (input_batch.py); the engine adds the admitted requests' rows (execute), forks, sampled tokens and
+        # finished requests (`sampled`)
+        self.batch = InputBatch(
+            2 * max_num_seqs, num_groups=spec.groups.num_groups, pin=self.device.type == "cuda"
         )
-        # each request's token ids, prompt length and adapter, kept here (input_batch.py); the engine adds the
-        # admitted requests' rows (execute), forks, sampled tokens and finished requests (`sampled`)
-        self.batch = InputBatch(2 * max_num_seqs)
 
     def prepare(
-        self, scheduled: list[ScheduledSequence], chunks: list | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | int]:
-        """The step's tensors and metadata, and the tokens whose logits are needed as the model's
-        `logits_to_keep` takes them: 0 for every token (a decode step where each sequence samples: no index, no
-        copy of the hidden states), their indices otherwise (none: an empty tensor). `chunks`: each sequence's
-        (sequence, start, end), for a vision-language model (execute makes them once)."""
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | int, list | None]:
+        """The step's tensors and metadata, the tokens whose logits are needed as the model's `logits_to_keep`
+        takes them (0 for every token: a decode step where each sequence samples, no index, no copy of the
+        hidden states; their indices otherwise, none an empty tensor), and for a vision-language model each
+        sequence's (req_id, images, start, end) in packed order (None: a text model). Everything comes from the
+        runner's batch and the plan's fields: no live Sequence is read here."""
         # every step, for every sequence: kept lean (host time per step, bench/host.py)
-        starts = [s.start for s in scheduled]
         batch = self.batch
-        rows = batch.rows([s.seq.seq_id for s in scheduled])
+        rows = batch.rows([s.req_id for s in scheduled])
+        starts = batch.num_computed[rows].tolist()  # where each row's step begins
         if sum([s.num_new_tokens for s in scheduled]) == len(scheduled) and not any(
             [s.prompt_logprob_positions for s in scheduled]
         ):  # decode-only (the common step): one token per sequence, at its start
@@ -118,12 +114,14 @@ class ModelRunner:
         ):  # the step's tokens by adapter (none: the base model's alone, nothing added)
             adapters = batch.adapters
             step.lora = self.lora.step_batch([adapters[r] for r in rows], query_lens, len(positions))
-        tables = self.block_tables.step_tables(scheduled)
+        batch.computed(rows, context_lens)
+        batch.block_tables.write(rows, [s.new_block_ids for s in scheduled])
+        tables = batch.block_tables.step_tables(rows)
         if step.decode_only:  # token i is sequence i's
             token_seq = step.decode_index  # 0..S-1
         else:
             token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
-        images = self._image_blocks(scheduled, rows)
+        images = self._image_blocks(rows, starts, query_lens)
         groups = [
             GroupMetadata(
                 g,
@@ -141,28 +139,40 @@ class ModelRunner:
         states = None
         if self.state_cache is not None:
             slots = [s.state_slot for s in scheduled]
-            states = StepStates(self.state_cache, slots, query_lens, [s.start for s in scheduled])
+            states = StepStates(self.state_cache, slots, query_lens, starts)
         rotary = None
-        if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors
-            rotary = self.rope.step_embeddings(scheduled, step.positions)
+        if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors, from its lengths
+            spans = zip(
+                batch.num_tokens[rows].tolist(),
+                [batch.num_prompt_tokens[r] for r in rows],
+                starts,
+                query_lens,
+            )
+            rotary = self.rope.step_embeddings(list(spans), step.positions)
         meta = AttentionMetadata(self.services, step, groups, states, self.dtype, rotary)
         ids = torch.from_numpy(input_ids).to(dev)[None]
         pos = step.positions[None]
-        if self.mrope is not None:  # [3, 1, T]
-            pos = self.mrope.step_positions(pos[0], chunks)
+        chunks = None
+        if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
+            chunks = [
+                (s.req_id, batch.images[r], a, a + n)
+                for s, r, a, n in zip(scheduled, rows, starts, query_lens)
+            ]
+            if self.mrope is not None:  # [3, 1, T]
+                pos = self.mrope.step_positions(pos[0], chunks)
         if len(logits_index) == len(input_ids):  # every token's, in order: the model keeps them all
-            return ids, pos, meta, 0
-        return ids, pos, meta, int_tensor(logits_index, device=dev)
+            return ids, pos, meta, 0, chunks
+        return ids, pos, meta, int_tensor(logits_index, device=dev), chunks
 
-    def _image_blocks(self, scheduled: list[ScheduledSequence], rows: list[int]) -> list | None:
+    def _image_blocks(self, rows: list[int], starts: list[int], query_lens: list[int]) -> list | None:
         """Per sequence, the images among the tokens it prefills this step whose tokens see each other; None
         when the model has no such images or this step computes none."""
         if self.image_blocks is None:
             return None
-        per_seq, blocks = [], self.batch.image_blocks
-        for s, row in zip(scheduled, rows):
-            start, end = s.start, s.start + s.num_new_tokens
-            inside = () if s.num_new_tokens == 1 else blocks[row]
+        per_seq, images = [], self.batch.images
+        for row, start, n in zip(rows, starts, query_lens):
+            end = start + n
+            inside = () if n == 1 or images[row] is None else images[row].blocks
             per_seq.append([(a, b) for a, b in inside if a < end and b > start])
         return per_seq if any(per_seq) else None
 
@@ -181,12 +191,8 @@ class ModelRunner:
         `plan.scheduled` order: for each sequence, its prompt-logprob positions
         (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
         self.batch.add(plan.new_requests)
-        scheduled = plan.scheduled
-        chunks = None
-        if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
-            chunks = [(s.seq, s.start, s.start + s.num_new_tokens) for s in scheduled]
         with self.times("prepare"):
-            ids, pos, meta, logits_to_keep = self.prepare(scheduled, chunks)
+            ids, pos, meta, logits_to_keep, chunks = self.prepare(plan.scheduled)
         images = {}
         if self.encoder is not None:
             with self.times("encode"):

@@ -254,23 +254,23 @@ class EncoderCache:
 
     # ---- the runner's side: the features --------------------------------------------------------------------
 
-    def encode(self, sequences: list) -> None:
-        """Features for each sequence's images that are not held yet: one encoder call per image shape,
+    def encode(self, requests: list[tuple[int, ImageInputs]]) -> None:
+        """Features for each (req_id, images) whose images are not held yet: one encoder call per image shape,
         each distinct image (by its pixel values' digest) once."""
-        wanted = [s for s in sequences if s.seq_id not in self.held]
+        wanted = [(i, images) for i, images in requests if i not in self.held]
         if not wanted:
             return
         t0 = time.perf_counter()
         unique: dict[bytes, tuple[torch.Tensor, dict]] = {}
         per_seq: list[list[bytes]] = []
-        for s in wanted:
+        for _, images in wanted:
             keys = []
-            for key, pixels, extra in zip(s.images.digests, s.images.pixel_values, s.images.extra):
+            for key, pixels, extra in zip(images.digests, images.pixel_values, images.extra):
                 unique.setdefault(key, (pixels, extra))
                 keys.append(key)
             per_seq.append(keys)
         features: dict[bytes, torch.Tensor] = {}
-        packed = wanted[0].images.packed  # one processor, one form
+        packed = wanted[0][1].packed  # one processor, one form
         by_shape: dict[tuple, list[bytes]] = {}  # packed patches go in one call whatever the images' sizes
         for key, (pixels, _) in unique.items():
             by_shape.setdefault(() if packed else tuple(pixels.shape), []).append(key)
@@ -288,31 +288,32 @@ class EncoderCache:
             self.pooled_per_image = isinstance(getattr(out, "pooler_output", None), tuple | list)
             for key, rows in zip(keys, _feature_rows(out, self.hidden), strict=True):
                 features[key] = rows
-        for s, keys in zip(wanted, per_seq):
+        for (req_id, images), keys in zip(wanted, per_seq):
             rows = torch.cat([features[k] for k in keys])
-            if rows.shape[0] != len(s.images.positions):
+            if rows.shape[0] != len(images.positions):
                 raise ValueError(
-                    f"the processor placed {len(s.images.positions)} image tokens but the encoder gave "
+                    f"the processor placed {len(images.positions)} image tokens but the encoder gave "
                     f"{rows.shape[0]} feature rows"
                 )
-            self.held[s.seq_id] = rows
+            self.held[req_id] = rows
         self.peak_bytes = max(self.peak_bytes, self.num_bytes)
         self.images_encoded += len(unique)
-        self.image_tokens += sum(len(s.images.positions) for s in wanted)
+        self.image_tokens += sum(len(images.positions) for _, images in wanted)
         self.encoder_seconds += time.perf_counter() - t0
 
-    def step_inputs(self, chunks: list[tuple[Any, int, int]]) -> dict:
+    def step_inputs(self, chunks: list[tuple[int, ImageInputs | None, int, int]]) -> dict:
         """The model's `mm_encoder_outputs` keyword for a step: the feature rows of the image tokens each
-        (sequence, start, end) computes, in packed order; {} when the step computes no image token."""
-        needs = [(s, s.images.rows(a, b)) for s, a, b in chunks if s.images is not None]
-        needs = [(s, r) for s, r in needs if len(r)]
+        (req_id, images, start, end) computes, in packed order (the runner's batch holds the images); {} when
+        the step computes no image token."""
+        needs = [(i, images, images.rows(a, b)) for i, images, a, b in chunks if images is not None]
+        needs = [n for n in needs if len(n[2])]
         if not needs:
             return {}
-        self.encode([s for s, _ in needs])
-        rows = [self.held[s.seq_id][r.start : r.stop] for s, r in needs]
-        for s, _, b in chunks:  # a prompt past its last image token needs its features no more
-            if s.images is not None and s.seq_id in self.held and b > s.images.positions[-1]:
-                del self.held[s.seq_id]
+        self.encode([(i, images) for i, images, _ in needs])
+        rows = [self.held[i][r.start : r.stop] for i, _, r in needs]
+        for i, images, _, b in chunks:  # a prompt past its last image token needs its features no more
+            if images is not None and i in self.held and b > images.positions[-1]:
+                del self.held[i]
         streams = torch.cat(rows).split(self.hidden, dim=-1)
         output = self.output_class(pooler_output=(streams[0],) if self.pooled_per_image else streams[0])
         families.with_feature_streams(self.model, output, list(streams[1:]))  # Qwen3-VL's deepstack

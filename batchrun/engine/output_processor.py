@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from .sampler import prompt_logprobs, sample, token_logprobs
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
 from .sequence import Sequence
 from .structured import Grammars
 from .timing import PhaseTimes

@@ -101,15 +101,14 @@ class PerSequenceRope:
             recompute_at = model.config.original_max_position_embeddings + 1
         return cls(module, module.rope_type, recompute_at)
 
-    def rotation_lengths(self, scheduled) -> list[int]:
-        """Each packed token's rotation length (module docstring), in packed order."""
+    def rotation_lengths(self, spans: list[tuple[int, int, int, int]]) -> list[int]:
+        """Each packed token's rotation length (module docstring), in packed order, from each sequence's
+        (tokens, prompt tokens, start, tokens computed this step) as the runner's batch holds them."""
         lengths: list[int] = []
-        for s in scheduled:
-            seq, start, n = s.seq, s.start, s.num_new_tokens
+        for num_tokens, prompt, start, n in spans:
             if self.recompute_at is not None:
-                lengths += [seq.num_tokens] * n
+                lengths += [num_tokens] * n
             else:
-                prompt = seq.num_prompt_tokens
                 lengths += [max(prompt, p + 1) for p in range(start, start + n)]
         return lengths
 
@@ -130,13 +129,13 @@ class PerSequenceRope:
             return int(length > self.original_context)
         return max(length, self.module.original_max_seq_len)
 
-    def step_embeddings(self, scheduled, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_embeddings(self, spans: list, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's cos and sin, [1, T, rotary dim] in float32 (the module casts to the model's dtype itself),
-        for the step's packed `positions` [T]."""
+        for the step's packed `positions` [T] and its sequences' spans (`rotation_lengths`)."""
         if self.frequencies is not None:
-            return self.frequencies.embeddings(self.rotation_lengths(scheduled), positions)
+            return self.frequencies.embeddings(self.rotation_lengths(spans), positions)
         groups: dict[int, tuple[int, list[int]]] = {}
-        for t, length in enumerate(self.rotation_lengths(scheduled)):
+        for t, length in enumerate(self.rotation_lengths(spans)):
             groups.setdefault(self._factors(length), (length, []))[1].append(t)
         if len(groups) == 1:
             ((length, _),) = groups.values()

@@ -12,95 +12,19 @@ Each step, in this order:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 
 from .config import EngineConfig
 from .input_batch import NewRequest
 from .kv_coordinator import KVCacheCoordinator, add_copy
 from .multimodal import EncoderCache
-from .page_pool import PageCopy
+from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
-from .state_slots import StateCopy
 
 # how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
 # adapter would be one more than a step may run
 ADAPTER_LOOKAHEAD = 64
-
-_NONE = range(0)
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One sequence's part of a step. What it implies is worked out once, when it is planned (the model runner
-    and the engine both read it, every step, for every sequence)."""
-
-    seq: Sequence
-    num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
-    start: int  # = seq.num_computed_tokens when scheduled
-    # per KV cache group, its block table as the block manager holds it (the list; block_table_buffer.py's row)
-    block_tables: list[list[int]]
-    state_slot: int  # a hybrid's state slot (state_slots.py); -1: a model without stateful layers
-    # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
-    # sequence with max_new_tokens 0, the sequence is done)
-    samples: bool = field(init=False)
-    needs_sample_logits: bool = field(init=False)
-    # positions of this step whose logits score the next prompt token and are not scored yet (a recomputed
-    # prompt is not scored twice); position p scores prompt token p + 1
-    prompt_logprob_positions: range = field(init=False)
-    # no page was added to its block tables or replaced in them since it last ran (a decode the scheduler planned
-    # by its short path): the model runner's persistent rows of them, if it still has them, are up to date
-    tables_unchanged: bool = field(init=False, compare=False)
-
-    @classmethod
-    def decode(cls, seq: Sequence, start: int, block_tables: list[list[int]], state_slot: int):
-        """A generated token's decode (one token at `start`, the sequence's last) whose tables gained no page:
-        it samples and scores no prompt position, so what __post_init__ works out is known (the scheduler's
-        every-step path)."""
-        s = object.__new__(cls)
-        s.seq, s.start, s.block_tables, s.state_slot = seq, start, block_tables, state_slot
-        s.num_new_tokens = 1
-        s.samples = s.tables_unchanged = True
-        s.needs_sample_logits = seq.params.max_new_tokens > 0
-        s.prompt_logprob_positions = _NONE
-        return s
-
-    def __post_init__(self) -> None:
-        self.tables_unchanged = False
-        seq, end = self.seq, self.start + self.num_new_tokens
-        self.samples = end == seq.num_tokens
-        self.needs_sample_logits = self.samples and seq.params.max_new_tokens > 0
-        scored = seq.prompt_logprobs
-        self.prompt_logprob_positions = (
-            range(0)
-            if scored is None
-            else range(max(self.start, len(scored) - 1), min(end, seq.num_prompt_tokens - 1))
-        )
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    new_requests: list[NewRequest] = field(default_factory=list)  # admitted: the model runner's new rows
-    swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page
-    swap_in: list[PageCopy] = field(default_factory=list)  # CPU page -> accelerator page
-    copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
-    preempted: list[Sequence] = field(default_factory=list)
-    recomputed: list[Sequence] = field(default_factory=list)
-    # a hybrid model's state slots (state_cache.StateCache.apply): forks' copies, swap out, swap in
-    state_forks: list[StateCopy] = field(default_factory=list)
-    state_swap_out: list[StateCopy] = field(default_factory=list)
-    state_swap_in: list[StateCopy] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(frozen=True)
@@ -239,11 +163,11 @@ class Scheduler:
             if plain:
                 start = seq.num_computed_tokens
                 if decodes_generated_token(seq, start, snapshot_ends):  # _chunk's 1
-                    tables = records[seq.seq_id].tables
-                    if start < P * min(map(len, tables)):
+                    record = records[seq.seq_id]  # its tables as the runner has them already, with room
+                    if record.unsent is None and start < P * min(map(len, record.tables)):
                         if register is not None:
                             register(seq, start + 1)
-                        scheduled.append(ScheduledSequence.decode(seq, start, tables, slot_of(seq)))
+                        scheduled.append(ScheduledSequence.decode(seq, start, slot_of(seq)))
                         budget -= 1
                         continue
             n = self._chunk(seq, budget, out)
@@ -275,7 +199,7 @@ class Scheduler:
             self.encoder.take(seq, start, n)
         self.kv.planned(seq, start + n)
         out.scheduled.append(
-            ScheduledSequence(seq, n, start, self.kv.block_tables(seq), self.kv.slot_of(seq))
+            ScheduledSequence(seq, n, start, self.kv.take_new_block_ids(seq), self.kv.slot_of(seq))
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

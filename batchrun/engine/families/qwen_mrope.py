@@ -56,18 +56,18 @@ class MRope:
         return positions[:, 0], int(delta.reshape(-1)[0])
 
     @staticmethod
-    def step_positions(positions: torch.Tensor, chunks: list[tuple[Any, int, int]]) -> torch.Tensor:
-        """A step's position_ids [3, 1, T] from its 1-D positions [T] and its (sequence, start, end) chunks in
-        packed order."""
-        deltas = [s.images.rope_delta if s.images is not None else 0 for s, _, _ in chunks]
+    def step_positions(positions: torch.Tensor, chunks: list[tuple[int, Any, int, int]]) -> torch.Tensor:
+        """A step's position_ids [3, 1, T] from its 1-D positions [T] and its (req_id, images, start, end)
+        chunks in packed order (model_runner.ModelRunner.prepare)."""
+        deltas = [images.rope_delta if images is not None else 0 for _, images, _, _ in chunks]
         rows = positions
         if any(deltas):
-            lengths = torch.tensor([b - a for _, a, b in chunks])
+            lengths = torch.tensor([b - a for _, _, a, b in chunks])
             rows = positions + torch.repeat_interleave(torch.tensor(deltas), lengths).to(positions)
         rows = rows.expand(3, -1).clone()
         offset = 0
-        for s, a, b in chunks:
-            rope = s.images.rope_positions if s.images is not None else None
+        for _, images, a, b in chunks:
+            rope = images.rope_positions if images is not None else None
             if rope is not None and a < rope.shape[1]:
                 end = min(b, rope.shape[1])
                 rows[:, offset : offset + end - a] = rope[:, a:end]

@@ -1,0 +1,94 @@
+"""The scheduler's plan for one step (vLLM v1's `SchedulerOutput`): what each scheduled sequence computes, which
+requests are new to the model runner, and the copies the cache owners make first.
+
+A scheduled sequence carries, of its block tables, only what changed since the runner last saw them
+(`new_block_ids`, from the block manager's record of what it has handed on): nothing for most decodes, one page
+for a decode crossing into a new page, a copied page for copy on write, and the whole table once for a request
+admitted, swapped in or forked. The runner keeps the tables themselves (input_batch.py), so nothing downstream
+reads the block manager's lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .input_batch import NewRequest
+from .page_pool import PageCopy
+from .sequence import Sequence
+from .state_slots import StateCopy
+
+_NONE = range(0)
+
+# per KV cache group: (the first entry of the table that changed, the table's entries from there), or None for
+# a table that did not change since the runner last saw it (block_manager.BlockManager.take_new_block_ids)
+NewBlockIds = list[tuple[int, list[int]]] | None
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's part of a step. What it implies is worked out once, when it is planned (the model runner
+    and the engine both read it, every step, for every sequence)."""
+
+    seq: Sequence  # the scheduler's and the engine's: the model runner reads `req_id` and the fields below
+    num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
+    start: int  # = seq.num_computed_tokens when scheduled (the runner keeps its own count: input_batch.py)
+    new_block_ids: NewBlockIds  # what changed in its block tables since the runner last saw them
+    state_slot: int  # a hybrid's state slot (state_slots.py); -1: a model without stateful layers
+    req_id: int = field(init=False)  # seq.seq_id: the runner's row of it
+    # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
+    # sequence with max_new_tokens 0, the sequence is done)
+    samples: bool = field(init=False)
+    needs_sample_logits: bool = field(init=False)
+    # positions of this step whose logits score the next prompt token and are not scored yet (a recomputed
+    # prompt is not scored twice); position p scores prompt token p + 1
+    prompt_logprob_positions: range = field(init=False)
+
+    @classmethod
+    def decode(cls, seq: Sequence, start: int, state_slot: int):
+        """A generated token's decode (one token at `start`, the sequence's last) whose tables did not change
+        since the runner last saw them: it samples and scores no prompt position, so what __post_init__ works out
+        is known (the scheduler's every-step path)."""
+        s = object.__new__(cls)
+        s.seq, s.start, s.new_block_ids, s.state_slot, s.req_id = seq, start, None, state_slot, seq.seq_id
+        s.num_new_tokens = 1
+        s.samples = True
+        s.needs_sample_logits = seq.params.max_new_tokens > 0
+        s.prompt_logprob_positions = _NONE
+        return s
+
+    def __post_init__(self) -> None:
+        seq, end = self.seq, self.start + self.num_new_tokens
+        self.req_id = seq.seq_id
+        self.samples = end == seq.num_tokens
+        self.needs_sample_logits = self.samples and seq.params.max_new_tokens > 0
+        scored = seq.prompt_logprobs
+        self.prompt_logprob_positions = (
+            range(0)
+            if scored is None
+            else range(max(self.start, len(scored) - 1), min(end, seq.num_prompt_tokens - 1))
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)  # admitted: the model runner's new rows
+    swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page
+    swap_in: list[PageCopy] = field(default_factory=list)  # CPU page -> accelerator page
+    copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
+    preempted: list[Sequence] = field(default_factory=list)
+    recomputed: list[Sequence] = field(default_factory=list)
+    # a hybrid model's state slots (state_cache.StateCache.apply): forks' copies, swap out, swap in
+    state_forks: list[StateCopy] = field(default_factory=list)
+    state_swap_out: list[StateCopy] = field(default_factory=list)
+    state_swap_in: list[StateCopy] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
