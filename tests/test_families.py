@@ -307,16 +307,21 @@ def test_window_freed_pages_are_counted_and_recounted():
 
 
 def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
-    """The same model with its pages kept for every layer (one group, as before KV cache groups) holds more."""
+    """The same model with every page kept (no page given back behind its window, as before KV cache groups)
+    holds more. Only the pages' layout is changed: the KV groups, and so each layer's mask, stay the model's."""
     from batchrun.engine import Engine, EngineConfig, LoadedModel
-    from batchrun.engine.architecture import KVGroups, ModelAttention
+    from batchrun.engine.page_pool import PageLayout
 
     model, expected = model_and_reference("mistral")
     peaks = {}
+    real_layout = PageLayout.__init__
     for mode in ("groups", "kept"):
-        if mode == "kept":  # every layer in one group of full attention: no page goes back
-            kept = lambda self: KVGroups.of_layers([(FULL, kv[1]) if kv else None for kv in self.layer_kv])
-            monkeypatch.setattr(ModelAttention, "groups", property(kept))
+        if mode == "kept":  # every group's first key stays 0: no page goes back
+
+            def kept(self, page_size, first_keys=None):
+                real_layout(self, page_size, [lambda pos: 0 for _ in first_keys or [None]])
+
+            monkeypatch.setattr(PageLayout, "__init__", kept)
         engine = Engine(
             LoadedModel(model, max_model_len=512),
             EngineConfig(device="cpu", num_pages=512),
