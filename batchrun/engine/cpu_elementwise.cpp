@@ -18,42 +18,13 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include "cpu_vector.h"  // widen, load16, exp_nonpositive
 
 namespace {
 
 template <typename T>
-inline float widen(T x) {
-  return static_cast<float>(x);
-}
-
-template <typename T>
 inline T narrow(float x) {  // round to nearest even, as torch's own conversion
   return static_cast<T>(x);
-}
-
-// e^x for x <= 0 (cpu_kernels.cpp's exp_nonpositive)
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float i = std::floor(t);
-  const float f = t - i;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // silu(x) = x * sigmoid(x), sigmoid from e^-|x| (never overflows)
@@ -63,14 +34,6 @@ inline float silu(float x) {
 }
 
 #ifdef __AVX512F__
-inline __m512 load16(const at::BFloat16* x) {  // each bf16 the top half of an fp32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const at::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-
 // round to nearest even (a NaN to bf16's quiet NaN), as c10::BFloat16's conversion: the bf16 in each lane's low half
 inline __m512i bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);

@@ -28,33 +28,13 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "cpu_vector.h"  // widen, load16, exp_nonpositive
 
 namespace {
 
-template <typename T>
-inline float widen(T x) {
-  return static_cast<float>(x);
-}
-
 #ifdef __AVX512F__
-// 16 elements widened to fp32
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const at::BFloat16* x) {  // each bf16 the top half of an fp32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const at::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-
 // lane s of the result: the sum of v[s]'s 16 lanes -- 16 horizontal sums in 15 additions (halving the
 // vectors' width each round), instead of a reduction of its own for each
 inline __m512 sum_lanes16(const __m512 v[16]) {
@@ -73,25 +53,6 @@ inline __m512 sum_lanes16(const __m512 v[16]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), d);
 }
 #endif
-
-// e^x for the softmax's x <= 0, in plain arithmetic so that the loop vectorizes (std::exp is a scalar call
-// here): 2^(x log2 e) = 2^i * 2^f, 2^f by a degree-6 polynomial on [0, 1); relative error about 2e-7
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float i = std::floor(t);
-  const float f = t - i;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // dot product of a widened query row (fp32) with one key row, D known at compile time (0: at run time)
 template <int kD, typename T>

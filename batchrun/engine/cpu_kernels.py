@@ -23,6 +23,7 @@ from ..host import cache_dir, cpu_description
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
+HEADER = Path(__file__).with_name("cpu_vector.h")  # what both include (widen, load16, exp_nonpositive)
 _loaded: dict[str, object] = {}
 
 
@@ -91,7 +92,7 @@ def _build_key() -> str:
     import platform
     import sys
 
-    key = hashlib.sha256(SOURCE.read_bytes() + ELEMENTWISE.read_bytes())
+    key = hashlib.sha256(SOURCE.read_bytes() + ELEMENTWISE.read_bytes() + HEADER.read_bytes())
     key.update(
         f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{platform.machine()}|{cpu_description()}".encode()
     )

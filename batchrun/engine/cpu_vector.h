@@ -1,0 +1,55 @@
+// What batchrun's C++ CPU kernels share (cpu_kernels.cpp, cpu_elementwise.cpp, compiled into one module by
+// cpu_kernels.py): widening a value of the model's dtype to fp32, 16 of them at once on AVX-512, and e^x for
+// x <= 0 in plain arithmetic. Inside an unnamed namespace: each source gets its own copy, no symbol is exported.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+#ifdef __AVX512F__
+// 16 elements widened to fp32
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {  // each bf16 the top half of an fp32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const at::Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+#endif
+
+// e^x for x <= 0 (the softmax's exponent, SiLU's e^-|x|), in plain arithmetic so that a loop over it vectorizes
+// (std::exp is a scalar call here): 2^(x log2 e) = 2^i * 2^f, 2^f by a degree-6 polynomial on [0, 1); relative
+// error about 2e-7
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float i = std::floor(t);
+  const float f = t - i;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace
