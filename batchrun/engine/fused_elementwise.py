@@ -23,6 +23,7 @@ import inspect
 import textwrap
 
 import torch
+from transformers.activations import SiLUActivation
 
 from . import cpu_kernels
 from .cpu_linear import hooked
@@ -81,7 +82,7 @@ def forward_of(module: torch.nn.Module) -> str | None:
 
 def silu(module) -> bool:
     """HF's SiLU activation (ACT2FN["silu"]) or torch's, unhooked."""
-    return (type(module).__name__ == "SiLUActivation" or type(module) is torch.nn.SiLU) and not hooked(module)
+    return type(module) in (SiLUActivation, torch.nn.SiLU) and not hooked(module)
 
 
 class FusedRMSNorm(torch.nn.Module):
