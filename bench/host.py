@@ -74,13 +74,19 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [[(37 * i + 11 * j + 3) % (vocab - 2) + 2 for j in range(PROMPT_TOKENS)] for i in range(n)]
 
 
-def make_engine(model_dir: Path, max_num_seqs: int):
+def make_engine(model_dir: Path, max_num_seqs: int, dtype: str = "float32"):
+    """An engine on the CPU; in bf16/fp16 the model is prepared as LLM prepares it (weights packed for oneDNN,
+    q/k/v and gate/up fused, RMSNorm and SiLU-and-mul fused: engine/fused_elementwise.py)."""
     import torch
 
-    from batchrun.engine import Engine, EngineConfig, LoadedModel
+    from batchrun.engine import Engine, EngineConfig, LoadedModel, cpu_linear, fused_elementwise
     from batchrun.engine.loading import load_model
 
-    tok, model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    torch_dtype = getattr(torch, dtype)
+    tok, model = load_model(model_dir, torch_dtype, torch.device("cpu"))
+    if torch_dtype != torch.float32:
+        cpu_linear.prepare(model, torch_dtype, True)
+        fused_elementwise.fuse(model, torch_dtype)
     config = EngineConfig(
         device="cpu",
         num_pages=max_num_seqs * 16 + 64,
@@ -163,7 +169,7 @@ def vllm_steps(model_dir: Path, n: int) -> dict | None:
     return {"seqs": n, "ms_per_step": 1e3 * result["gen_wall_s"] / NEW_TOKENS}
 
 
-def count_ops() -> dict:
+def count_ops(dtype: str = "float32") -> dict:
     """aten operations one decode step of 8 sequences dispatches on a SmolLM2-135M-shaped model: all, inside
     the model's forward but outside batchrun's attention (the model's own), and batchrun's own."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -173,7 +179,7 @@ def count_ops() -> dict:
     from batchrun.engine import SamplingParams
     from batchrun.engine.attention import ATTENTION_NAME
 
-    engine = make_engine(save_model(smollm2_config(), "smollm2-135m-random"), 8)
+    engine = make_engine(save_model(smollm2_config(), "smollm2-135m-random"), 8, dtype)
     for p in prompts(8, 49152):
         engine.add(p, SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.step()  # the prompts
@@ -228,6 +234,9 @@ def main() -> None:
     parser.add_argument("--seqs", default="1,64,256")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-ops", action="store_true")
+    parser.add_argument(
+        "--ops-dtype", default="float32", help="the operation count's dtype (bfloat16: fused)"
+    )
     args = parser.parse_args()
     model_dir = save_model(tiny_config(), "tiny-llama")
     rows = []
@@ -237,7 +246,7 @@ def main() -> None:
         hf = None if args.no_peers else hf_steps(model_dir, n)
         vllm = None if args.no_peers else vllm_steps(model_dir, n)
         rows.append({"batchrun": ours, "hf": hf, "vllm": vllm})
-    ops = None if args.no_ops else count_ops()
+    ops = None if args.no_ops else count_ops(args.ops_dtype)
     env = environment()
     lines = [
         f"bench/host.py, {env['date']}, {env['cpu']}, {env['cpus']} cores: ms per step (tiny Llama, fp32)",

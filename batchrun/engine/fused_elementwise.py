@@ -2,8 +2,8 @@
 
 In bf16 the products run about twice as fast as in fp32, and HF's elementwise chains weigh twice as much: an
 RMSNorm is six passes over the hidden states (upcast, square, mean, rsqrt and multiply, downcast, weight), a gated
-MLP's `act_fn(gate) * up` three; one bf16 prefill step of the reference workload spent 7.0% of its CPU time there,
-3.4% fused (bench/micro/step_profile.py, bench/RESULTS.md 2026-12-05 evening). Each kernel is one pass, and makes the same roundings to the model's
+MLP's `act_fn(gate) * up` three (what that costs of a bf16 prefill step, before and after: bench/RESULTS.md,
+2026-12-05 evening, by bench/micro/step_profile.py). Each kernel is one pass, and makes the same roundings to the model's
 dtype as HF's code; what it computes in fp32 in between is summed or exponentiated in another order, so a value
 may differ from HF's by one unit in its last bf16/fp16 place (tests/test_fused_elementwise.py holds them to the
 bf16 tolerance of the C++ kernels' tests, 1e-2). fp32 models are never rewritten: there the order would show, and
