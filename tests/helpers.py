@@ -25,6 +25,14 @@ def chat_ids(tok, text: str, system: str | None = None) -> list[int]:
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
+def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
+    """Every value of `got` within `ulps` units in the last place of `want`'s dtype (bf16/fp16 kernels against
+    the HF module's own output)."""
+    eps = torch.finfo(want.dtype).eps
+    err = (got.float() - want.float()).abs()
+    return bool((err <= ulps * eps * want.float().abs() + torch.finfo(want.dtype).tiny).all())
+
+
 def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192, **overrides):
     """An engine on the CPU with the torch backend; `overrides` are EngineConfig keys (the job's engine:)."""
     from batchrun.engine import Engine, EngineConfig, LoadedModel

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from helpers import within_ulps
 from model_families import TINY, perturb
 
 from batchrun.engine import fused_elementwise
@@ -22,12 +23,6 @@ from batchrun.engine.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # as tests/test_cpu_kernels.py
-
-
-def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
-    eps = torch.finfo(want.dtype).eps
-    err = (got.float() - want.float()).abs()
-    return bool((err <= ulps * eps * want.float().abs() + torch.finfo(want.dtype).tiny).all())
 
 
 def rows(n: int, width: int, dtype, seed: int) -> torch.Tensor:
@@ -77,6 +72,21 @@ def test_silu_and_mul_equals_hf_mlp(dtype, width):
         want, got = hf(x), fused(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[dtype]
     assert fused.gate_proj is hf.gate_proj and fused.down_proj is hf.down_proj
+
+
+@pytest.mark.parametrize("width", [64, 24])
+def test_silu_and_mul_far_left_is_torchs(width):
+    """Gates far below zero (a bf16 model with large activations has them): torch's SiLU is x / (1 + e^-x), -0
+    once e^-x overflows fp32 and tiny just before; the kernel makes the same values there, not e^-87's (in fp16
+    every such value is 0 on both sides)."""
+    dtype = torch.bfloat16
+    gate = torch.linspace(-120, -80, 9 * width).reshape(9, width).to(dtype)
+    up = torch.linspace(-3, 5, 9 * width).reshape(9, width).to(dtype)
+    want = torch.nn.functional.silu(gate) * up
+    got = torch.empty_like(gate)
+    KERNEL.silu_and_mul(got, gate, up)
+    assert (want == 0).any() and (want != 0).any()  # both sides of the overflow
+    assert within_ulps(got, want, 2)
 
 
 def tiny(family: str, dtype, **overrides):

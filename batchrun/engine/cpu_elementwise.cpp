@@ -27,9 +27,16 @@ inline T narrow(float x) {  // round to nearest even, as torch's own conversion
   return static_cast<T>(x);
 }
 
-// silu(x) = x * sigmoid(x), sigmoid from e^-|x| (never overflows)
+// silu(x) = x * sigmoid(x), sigmoid from e^-|x| (never overflows). Far left, torch's own: it computes
+// x / (1 + e^-x), whose e^-x is infinite below -ln(FLT_MAX) (silu -0) and exact to there, where exp_nonpositive
+// stops at e^-87 (a tiny value where HF's is 0, hundreds of bf16 places off): e^-|x| as (e^-|x|/2)^2 past -87.
+constexpr float kSiluZero = -88.72283935546875f;  // -ln(FLT_MAX): torch's e^-x is inf below it
+constexpr float kExpFloor = -87.0f;                // exp_nonpositive's clamp
 inline float silu(float x) {
-  const float e = exp_nonpositive(-std::fabs(x));
+  if (x < kSiluZero) return -0.f;
+  const float a = -std::fabs(x);
+  const float h = a < kExpFloor ? exp_nonpositive(0.5f * a) : 0.f;
+  const float e = a < kExpFloor ? h * h : exp_nonpositive(a);
   return x * (x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
 }
 
@@ -74,12 +81,20 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-inline __m512 silu16(__m512 x) {
+inline __m512 silu16(__m512 x) {  // as silu above
   const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));
+  __m512 e = exp_nonpositive16(a);
+  const __mmask16 deep = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kExpFloor), _CMP_LT_OQ);
+  if (deep) {
+    const __m512 h = exp_nonpositive16(_mm512_mul_ps(a, _mm512_set1_ps(0.5f)));
+    e = _mm512_mask_mul_ps(e, deep, h, h);
+  }
   const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 numerator = _mm512_mask_mov_ps(one, negative, e);
-  return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+  const __m512 y = _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kSiluZero), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(y, zero, _mm512_set1_ps(-0.f));
 }
 #endif
 
