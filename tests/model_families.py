@@ -338,6 +338,66 @@ SUPPORTED.update(HYBRID)
 # (Jamba's scan takes no initial state; RecurrentGemma's prompt form restarts its convolution)
 WHOLE_PROMPTS = {"jamba", "recurrent_gemma"}
 
+# family -> its classes whose forward is Llama's RMSNorm / SiLU-gated MLP statement for statement (engine/
+# fused_elementwise.py rewrites those in bf16/fp16; tests/test_fused_elementwise_families.py), from reading them. Not there:
+# LayerNorms (Cohere, GPT-2, GPT-NeoX, Phi, StarCoder 2), (1 + weight) norms (Gemma 1-3, Qwen 3.5, Qwen3-Next,
+# RecurrentGemma), norms cast after the weight product (OLMo 2/3/hybrid, GPT-OSS, NemotronH, Inkling 2),
+# Llama 4's `_norm(x).type_as(x) * weight`, the gated norms of the hybrids, fused-expert tensors (the MoE
+# `*Experts` modules), gate_up_proj MLPs (Phi-3, GLM, GraniteMoeHybrid, Zamba 2), Falcon-H1's multipliers,
+# LFM's w1/w2/w3, GELU (Gemma, RecurrentGemma) and ReLU-squared (NemotronH) MLPs
+LLAMA_FORM: dict[str, tuple[str, ...]] = {
+    "llama": ("LlamaRMSNorm", "LlamaMLP"),
+    "llama:dynamic_ntk": ("LlamaRMSNorm", "LlamaMLP"),
+    "exaone": ("LlamaRMSNorm", "LlamaMLP"),  # transformers builds EXAONE from Llama's classes
+    "qwen2": ("Qwen2RMSNorm", "Qwen2MLP"),
+    "qwen3": ("Qwen3RMSNorm", "Qwen3MLP"),  # q/k norms too, over head_dim
+    "qwen2_moe": ("Qwen2MoeRMSNorm", "Qwen2MoeMLP"),  # the shared expert
+    "qwen3_moe": ("Qwen3MoeRMSNorm",),
+    "mixtral": ("MixtralRMSNorm",),
+    "mistral": ("MistralRMSNorm", "MistralMLP"),
+    "gemma": (),
+    "gemma2": (),
+    "gemma3_text": (),
+    "gemma4_text": (),
+    "cohere": ("CohereMLP",),
+    "cohere2": ("Cohere2MLP",),
+    "starcoder2": (),
+    "exaone4": ("Exaone4RMSNorm", "Exaone4MLP"),
+    "olmo2": ("Olmo2MLP",),
+    "olmo3": ("Olmo3MLP",),
+    "gpt_oss": (),
+    "llama4_text": (),
+    "deepseek_v3": ("DeepseekV3RMSNorm", "DeepseekV3MLP"),  # the dense layer's MLP and the shared expert
+    "deepseek_v2": ("DeepseekV2RMSNorm", "DeepseekV2MLP"),
+    "granite": ("GraniteRMSNorm", "GraniteMLP"),
+    "phi": (),
+    "phi3": ("Phi3RMSNorm",),
+    "phi3:longrope": ("Phi3RMSNorm",),
+    "gpt_neox": (),
+    "gpt2": (),
+    "glm": ("GlmRMSNorm",),
+    "smollm3": ("SmolLM3RMSNorm", "SmolLM3MLP"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1RMSNorm", "HunYuanMoEV1MLP"),
+    "longcat_flash": ("LongcatFlashRMSNorm", "LongcatFlashMLP"),
+    "qwen3_5_text": ("Qwen3_5MLP",),
+    "qwen3_5_moe_text": ("Qwen3_5MoeMLP",),
+    "qwen3_next": ("Qwen3NextMLP",),
+    "olmo_hybrid": ("OlmoHybridMLP",),
+    "kimi_linear": ("KimiLinearRMSNorm", "KimiLinearMLP"),
+    "bailing_hybrid": ("BailingHybridRMSNorm", "BailingHybridMLP"),
+    "nemotron_h": (),
+    "granitemoehybrid": ("GraniteMoeHybridRMSNorm",),
+    "bamba": ("BambaRMSNorm", "BambaMLP"),
+    "falcon_h1": ("FalconH1RMSNorm",),
+    "lfm2": ("Lfm2RMSNorm",),
+    "lfm3": ("Lfm3RMSNorm",),
+    "minimax": ("MiniMaxRMSNorm",),
+    "zamba2": ("Zamba2RMSNorm",),
+    "jamba": ("JambaRMSNorm", "JambaMLP"),
+    "inkling2_text": (),
+    "recurrent_gemma": (),
+}
+
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
     "stablelm": ("does not pass batchrun's step metadata", {}),
@@ -386,3 +446,14 @@ def perturb(model, seed: int) -> None:
             for name, p in module.named_parameters(recurse=False):
                 if name == "bias" or name == "sinks" or is_norm:
                     p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.5)
+
+
+def tiny_model(family: str, dtype):
+    """The family's tiny model with HF's own attention: weights from seed 0, perturbed, then cast to `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, SUPPORTED[family][1]), dtype=torch.float32)
+    perturb(model, seed=len(family))  # norm weights off 1, biases off 0
+    return model.to(dtype).eval()

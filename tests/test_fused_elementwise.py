@@ -1,20 +1,24 @@
 """A bf16/fp16 model's RMSNorms and SiLU-and-mul by the C++ kernels (engine/fused_elementwise.py,
 cpu_elementwise.cpp): each kernel against the HF module's own output (the AVX-512 path at widths that are a multiple
-of 16, the generic one at 24), the rewrite keyed on the module's structure (fp32, Gemma's norm, a GELU MLP, a hooked
-norm left as HF wrote them), and a tiny model's logits against HF's own in bf16.
+of 16, the generic one at 24; SiLU far left, where torch's e^-x overflows), the rewrite keyed on the module's
+structure (fp32, Gemma's norm, a GELU MLP, a hooked norm left as HF wrote them), and on a few families of
+different structure the fused model's logits against HF's own in bf16, and batchrun's LLM's prompt logprobs
+against HF's bf16 forward. Every family's modules one by one: tests/test_fused_elementwise_families.py.
 
 The kernels make HF's roundings to the model's dtype, but sum and exponentiate in fp32 in another order: each value
 is held to at most one unit in its last place (two for SiLU-and-mul, whose two roundings can each go the other way),
-nearly all of them bit-equal (a kernel that skipped one of HF's roundings would miss that), and a model's logits to the bf16 tolerance of tests/test_cpu_kernels.py (1e-2 relative)."""
+nearly all of them bit-equal (a kernel that skipped one of HF's roundings would miss that), and a model's logits to
+the bf16 tolerance of tests/test_cpu_kernels.py (1e-2 relative)."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import within_ulps
-from model_families import TINY, perturb
+from model_families import LLAMA_FORM, TINY, perturb, tiny_model
 
 from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
@@ -109,22 +113,56 @@ def counts(model) -> tuple[int, int]:
     return sum(isinstance(m, FusedRMSNorm) for m in mods), sum(isinstance(m, SiluAndMulMLP) for m in mods)
 
 
-def test_llama_and_qwen3_norms_and_mlps_are_fused_and_logits_stay_within_bf16_tolerance():
-    layers = TINY["num_hidden_layers"]
-    ids = torch.randint(3, 256, (1, 29), generator=torch.Generator().manual_seed(0))
-    # Qwen3: its q/k norms too (over head_dim, on [T, heads, D])
-    for family, norms in (("llama", 2 * layers + 1), ("qwen3", 4 * layers + 1)):
-        model = tiny(family, torch.bfloat16)
-        reference = copy.deepcopy(model)
-        assert fused_elementwise.fuse(model, torch.bfloat16) == norms + layers
-        assert counts(model) == (norms, layers)
-        assert model.state_dict().keys() == reference.state_dict().keys()  # parameters under their names
-        with torch.inference_mode():
-            got, want = model(ids).logits.float(), reference(ids).logits.float()
-            assert not torch.equal(got, torch.zeros_like(got))
-            assert ((got - want).norm() / want.norm()).item() < TOL[torch.bfloat16], family
-            assert fused_elementwise.restore(model) == norms + layers
-            assert torch.equal(model(ids).logits, reference(ids).logits)  # HF's modules back, bit for bit
+# of different structure among the rewritten: Llama; Qwen3's q/k norms; Qwen2's window on some layers; DeepSeek-V3's
+# dense first layer and shared expert beside its routed experts, under MLA (and, by forward alone, Bamba's MLPs
+# beside Mamba 2 layers: through LLM it is the slowest by far)
+END_TO_END = ["llama", "qwen3", "qwen2", "deepseek_v3"]
+
+
+def llama_form(model, family: str) -> int:
+    """How many of the model's modules are of its family's Llama-form classes (model_families.LLAMA_FORM)."""
+    return sum(type(m).__name__ in LLAMA_FORM[family] for m in model.modules())
+
+
+@pytest.mark.parametrize("family", [*END_TO_END, "bamba"])
+def test_a_familys_norms_and_mlps_are_fused_and_logits_stay_within_bf16_tolerance(family):
+    model = tiny_model(family, torch.bfloat16)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 256, (1, 45), generator=torch.Generator().manual_seed(0))  # past Qwen2's window
+    fused = llama_form(model, family)
+    assert fused and fused_elementwise.fuse(model, torch.bfloat16) == fused
+    assert sum(counts(model)) == fused
+    assert model.state_dict().keys() == reference.state_dict().keys()  # parameters under their names
+    with torch.inference_mode():
+        got, want = model(ids).logits.float(), reference(ids).logits.float()
+        assert not torch.equal(got, torch.zeros_like(got))
+        assert ((got - want).norm() / want.norm()).item() < TOL[torch.bfloat16], family
+        assert fused_elementwise.restore(model) == fused
+        assert torch.equal(model(ids).logits, reference(ids).logits)  # HF's modules back, bit for bit
+
+
+@pytest.mark.parametrize("family", END_TO_END)
+def test_a_bf16_llm_of_the_family_scores_a_prompt_as_hf_within_bf16_tolerance(family, tmp_path, model_dir):
+    """batchrun's LLM in bf16 (packed products, paged attention, the fused modules) on the family's tiny model:
+    its prompt logprobs against HF's own bf16 forward of the same weights."""
+    import shutil
+
+    from batchrun import LLM, SamplingParams
+
+    tiny_model(family, torch.float32).save_pretrained(tmp_path)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, tmp_path / f.name)
+    reference = tiny_model(family, torch.bfloat16)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", num_pages=64)
+    assert llm.fused_elementwise == llama_form(reference, family) > 0
+    prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=0, prompt_logprobs=True), use_tqdm=False)[0]
+    got = torch.tensor(out.prompt_logprobs[1:])
+    with torch.inference_mode():
+        logprobs = reference(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    want = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert ((got - want).norm() / want.norm()).item() < TOL[torch.bfloat16]
 
 
 def test_what_does_not_fit_stays_as_hf_wrote_it():

@@ -4,91 +4,24 @@ then `fuse`, and each fused module on the same recorded inputs against what HF's
 tolerance tests/test_fused_elementwise.py holds the kernels to (one unit in the last place for a norm, two for
 SiLU-and-mul, read at the input of the MLP's down_proj, which is the same module on both sides).
 
-Which modules are rewritten is checked against `LLAMA_FORM` below, written from reading each family's classes in
-transformers (their `forward`, activation and norm arithmetic), not from fused_elementwise's predicate: a family
-silently skipped, or one wrongly rewritten (Gemma's `1 + weight` norm, OLMo's and GPT-OSS's `(weight * x)` cast
-after the product, Llama 4's `activation_fn`, a GELU or ReLU-squared MLP, a gated norm), fails."""
+Which modules are rewritten is checked against tests/model_families.py's `LLAMA_FORM`, written from reading each
+family's classes in transformers (their `forward`, activation and norm arithmetic), not from fused_elementwise's
+predicate: a family silently skipped, or one wrongly rewritten (Gemma's `1 + weight` norm, OLMo's and GPT-OSS's
+`(weight * x)` cast after the product, Llama 4's `activation_fn`, a GELU or ReLU-squared MLP, a gated norm),
+fails. A few families end to end: tests/test_fused_elementwise.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers import within_ulps
-from model_families import SUPPORTED, perturb, tiny_config
+from model_families import LLAMA_FORM, SUPPORTED, tiny_model
 
 from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
 from batchrun.engine.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler here")
-
-# family -> the classes whose forward is Llama's RMSNorm / SiLU-gated MLP, statement for statement. Not there:
-# LayerNorms (Cohere, GPT-2, GPT-NeoX, Phi, StarCoder 2), (1 + weight) norms (Gemma 1-3, Qwen 3.5, Qwen3-Next,
-# RecurrentGemma), norms cast after the weight product (OLMo 2/3/hybrid, GPT-OSS, NemotronH, Inkling 2),
-# Llama 4's `_norm(x).type_as(x) * weight`, the gated norms of the hybrids, fused-expert tensors (the MoE
-# `*Experts` modules), gate_up_proj MLPs (Phi-3, GLM, GraniteMoeHybrid, Zamba 2), Falcon-H1's multipliers,
-# LFM's w1/w2/w3, GELU (Gemma, RecurrentGemma) and ReLU-squared (NemotronH) MLPs
-LLAMA_FORM: dict[str, tuple[str, ...]] = {
-    "llama": ("LlamaRMSNorm", "LlamaMLP"),
-    "llama:dynamic_ntk": ("LlamaRMSNorm", "LlamaMLP"),
-    "exaone": ("LlamaRMSNorm", "LlamaMLP"),  # transformers builds EXAONE from Llama's classes
-    "qwen2": ("Qwen2RMSNorm", "Qwen2MLP"),
-    "qwen3": ("Qwen3RMSNorm", "Qwen3MLP"),  # q/k norms too, over head_dim
-    "qwen2_moe": ("Qwen2MoeRMSNorm", "Qwen2MoeMLP"),  # the shared expert
-    "qwen3_moe": ("Qwen3MoeRMSNorm",),
-    "mixtral": ("MixtralRMSNorm",),
-    "mistral": ("MistralRMSNorm", "MistralMLP"),
-    "gemma": (),
-    "gemma2": (),
-    "gemma3_text": (),
-    "gemma4_text": (),
-    "cohere": ("CohereMLP",),
-    "cohere2": ("Cohere2MLP",),
-    "starcoder2": (),
-    "exaone4": ("Exaone4RMSNorm", "Exaone4MLP"),
-    "olmo2": ("Olmo2MLP",),
-    "olmo3": ("Olmo3MLP",),
-    "gpt_oss": (),
-    "llama4_text": (),
-    "deepseek_v3": ("DeepseekV3RMSNorm", "DeepseekV3MLP"),  # the dense layer's MLP and the shared expert
-    "deepseek_v2": ("DeepseekV2RMSNorm", "DeepseekV2MLP"),
-    "granite": ("GraniteRMSNorm", "GraniteMLP"),
-    "phi": (),
-    "phi3": ("Phi3RMSNorm",),
-    "phi3:longrope": ("Phi3RMSNorm",),
-    "gpt_neox": (),
-    "gpt2": (),
-    "glm": ("GlmRMSNorm",),
-    "smollm3": ("SmolLM3RMSNorm", "SmolLM3MLP"),
-    "hunyuan_v1_moe": ("HunYuanMoEV1RMSNorm", "HunYuanMoEV1MLP"),
-    "longcat_flash": ("LongcatFlashRMSNorm", "LongcatFlashMLP"),
-    "qwen3_5_text": ("Qwen3_5MLP",),
-    "qwen3_5_moe_text": ("Qwen3_5MoeMLP",),
-    "qwen3_next": ("Qwen3NextMLP",),
-    "olmo_hybrid": ("OlmoHybridMLP",),
-    "kimi_linear": ("KimiLinearRMSNorm", "KimiLinearMLP"),
-    "bailing_hybrid": ("BailingHybridRMSNorm", "BailingHybridMLP"),
-    "nemotron_h": (),
-    "granitemoehybrid": ("GraniteMoeHybridRMSNorm",),
-    "bamba": ("BambaRMSNorm", "BambaMLP"),
-    "falcon_h1": ("FalconH1RMSNorm",),
-    "lfm2": ("Lfm2RMSNorm",),
-    "lfm3": ("Lfm3RMSNorm",),
-    "minimax": ("MiniMaxRMSNorm",),
-    "zamba2": ("Zamba2RMSNorm",),
-    "jamba": ("JambaRMSNorm", "JambaMLP"),
-    "inkling2_text": (),
-    "recurrent_gemma": (),
-}
-
-
-def tiny_bf16(family: str):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, SUPPORTED[family][1]), dtype=torch.float32)
-    perturb(model, seed=len(family))  # norm weights off 1, biases off 0
-    return model.to(torch.bfloat16).eval()
 
 
 def record_calls(model, ids: torch.Tensor) -> dict[torch.nn.Module, list]:
@@ -140,7 +73,7 @@ def prompt(model) -> torch.Tensor:
 @pytest.mark.parametrize("family", sorted(SUPPORTED))
 def test_each_familys_llama_form_modules_are_fused_within_one_ulp(family):
     assert family in LLAMA_FORM, f"{family}: say which of its classes are Llama's RMSNorm / gated MLP"
-    model = tiny_bf16(family)
+    model = tiny_model(family, torch.bfloat16)
     llama_form = sorted(type(m).__name__ for m in model.modules() if type(m).__name__ in LLAMA_FORM[family])
     if not llama_form:  # nothing to compute (Inkling 2's bf16 router cannot run under HF's code)
         assert fused_elementwise.fuse(model, torch.bfloat16) == 0
@@ -160,7 +93,7 @@ def test_the_matrix_sees_a_wrong_rewrite(monkeypatch):
 
     olmo_norm = fused_elementwise.forward_of(Olmo2RMSNorm(8))
     monkeypatch.setattr(fused_elementwise, "KNOWN_NORMS", fused_elementwise.KNOWN_NORMS | {olmo_norm})
-    model = tiny_bf16("olmo2")
+    model = tiny_model("olmo2", torch.bfloat16)
     calls = record_calls(model, prompt(model))
     mlps = sum(type(m).__name__ in LLAMA_FORM["olmo2"] for m in model.modules())
     assert fused_elementwise.fuse(model, torch.bfloat16) > mlps
