@@ -14,56 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import within_ulps
+from helpers import check_fused, fused_modules, record_calls
 from model_families import LLAMA_FORM, SUPPORTED, tiny_model
 
 from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
+from batchrun.engine.fused_elementwise import FusedRMSNorm
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler here")
-
-
-def record_calls(model, ids: torch.Tensor) -> dict[torch.nn.Module, list]:
-    """One forward under HF's modules: each module's calls as (args, kwargs, output), in call order."""
-    calls: dict[torch.nn.Module, list] = {}
-
-    def hook(module, args, kwargs, output):
-        calls.setdefault(module, []).append((args, kwargs, output))
-
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
-    with torch.inference_mode():
-        model(ids)
-    for h in handles:
-        h.remove()  # a hooked module is never rewritten
-    return calls
-
-
-def check_fused(fused: torch.nn.Module, calls: dict) -> tuple[int, int]:
-    """Each of the HF module's recorded calls through its fused replacement, every value within the kernel's
-    ulps of HF's; returns how many values were bit-equal, of how many."""
-    hf = fused._hf[0]
-    assert calls.get(hf), f"{type(hf).__name__} was not called by the forward"
-    equal = total = 0
-    reached: list[torch.Tensor] = []  # an MLP's down_proj inputs (down_proj is HF's module on both sides)
-    mlp = isinstance(fused, SiluAndMulMLP)
-    handle = hf.down_proj.register_forward_pre_hook(lambda m, a: reached.append(a[0])) if mlp else None
-    for i, (args, kwargs, output) in enumerate(calls[hf]):
-        with torch.inference_mode():
-            got = fused(*args, **kwargs)
-        want, tol = output, 1
-        if mlp:  # SiLU-and-mul, read where it reaches down_proj
-            got, want, tol = reached[-1], calls[hf.down_proj][i][0][0], 2
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert within_ulps(got, want, tol), type(hf).__name__
-        equal, total = equal + int((got == want).sum()), total + want.numel()
-    if handle is not None:
-        handle.remove()
-    return equal, total
-
-
-def fused_modules(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(m, FusedRMSNorm | SiluAndMulMLP)]
 
 
 def prompt(model) -> torch.Tensor:

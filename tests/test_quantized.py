@@ -137,6 +137,37 @@ def test_quantized_layers_are_never_packed(checkpoint, name):
     assert kept and all(m is layers[n] for n, m in kept.items())
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_bf16_models_fused_modules_stay_within_one_ulp_of_hfs(checkpoint, name):
+    """Around its quantized layers a format's model is bf16 (bitsandbytes keeps its norms in fp32: a norm is
+    rewritten only at the model's dtype): the Llama-form modules (model_families.LLAMA_FORM) are fused as in the
+    family matrix (tests/test_fused_elementwise_families.py), each one's values within the kernel's ulps of HF's
+    own on the inputs one HF forward gave it; as batchrun loads the checkpoint, the same count."""
+    from helpers import check_fused, fused_modules, record_calls
+    from model_families import LLAMA_FORM
+    from transformers import AutoModelForCausalLM
+
+    from batchrun.engine import fused_elementwise
+    from batchrun.engine.loading import load_model
+    from batchrun.model_loader import load_config
+
+    target, _ = checkpoint(name)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    llama_form = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in LLAMA_FORM[model.config.model_type]
+        and getattr(m, "weight", torch.empty(0, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    ]
+    calls = record_calls(model, torch.tensor([PROMPTS[1]]))
+    assert fused_elementwise.fuse(model, torch.bfloat16) == len(llama_form)
+    if llama_form:  # none in MXFP4's checkpoint, which is GPT-OSS's layout
+        equal, total = map(sum, zip(*(check_fused(m, calls) for m in fused_modules(model)), strict=True))
+        assert equal / total > 0.99
+    ours = load_model(target, torch.bfloat16, torch.device("cpu"), load_config(target))[1]
+    assert fused_elementwise.fuse(ours, torch.bfloat16) == len(llama_form)
+
+
 def loaded(target):
     """The model as batchrun loads it (the compressed-tensors weights unpacked, as at load)."""
     from batchrun.engine.loading import load_model
