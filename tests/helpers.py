@@ -34,8 +34,9 @@ def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
 
 
 # ---- engine/fused_elementwise.py's modules against HF's (test_fused_elementwise_families, test_quantized)
-def record_calls(model, ids: torch.Tensor) -> dict[torch.nn.Module, list]:
-    """One forward under HF's modules: each module's calls as (args, kwargs, output), in call order."""
+def record_calls(model, ids: torch.Tensor, before=lambda: None) -> dict[torch.nn.Module, list]:
+    """One forward under HF's modules (after `before()`: a vision tower's, say): each module's calls as (args,
+    kwargs, output), in call order."""
     calls: dict[torch.nn.Module, list] = {}
 
     def hook(module, args, kwargs, output):
@@ -43,6 +44,7 @@ def record_calls(model, ids: torch.Tensor) -> dict[torch.nn.Module, list]:
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
     with torch.inference_mode():
+        before()
         model(ids)
     for h in handles:
         h.remove()  # a hooked module is never rewritten

@@ -397,6 +397,30 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "inkling2_text": (),
     "recurrent_gemma": (),
 }
+# the vision-language families of tests/test_image_families.py (their vision towers and projectors included)
+LLAMA_FORM.update(
+    {
+        "qwen2_vl": ("Qwen2VLRMSNorm", "Qwen2MLP"),  # its vision tower's LayerNorms and GELU MLPs: not
+        "qwen2_5_vl": (
+            "Qwen2_5_VLRMSNorm",
+            "Qwen2MLP",
+        ),  # the vision tower's norms; its MLP reads `hidden_state`
+        "qwen3_vl": ("Qwen3VLTextRMSNorm", "Qwen3VLTextMLP"),
+        "qwen3_vl_moe": ("Qwen3VLMoeTextRMSNorm",),
+        "qwen3_5": ("Qwen3_5MLP",),
+        "qwen3_5_moe": ("Qwen3_5MoeMLP",),
+        "gemma3": (),
+        "gemma4": (),
+        "mistral3": (
+            "MistralRMSNorm",
+            "MistralMLP",
+            "PixtralRMSNorm",
+            "Mistral3RMSNorm",
+        ),  # Pixtral's GELU MLP: not
+        "smolvlm": ("LlamaRMSNorm", "LlamaMLP"),
+        "inkling2": (),
+    }
+)
 
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),

@@ -8,11 +8,13 @@ Which modules are rewritten is checked against tests/model_families.py's `LLAMA_
 family's classes in transformers (their `forward`, activation and norm arithmetic), not from fused_elementwise's
 predicate: a family silently skipped, or one wrongly rewritten (Gemma's `1 + weight` norm, OLMo's and GPT-OSS's
 `(weight * x)` cast after the product, Llama 4's `activation_fn`, a GELU or ReLU-squared MLP, a gated norm),
-fails. A few families end to end: tests/test_fused_elementwise.py."""
+fails. The image families' whole models too (a vision tower's norms are rewritten where they are Llama's). A few
+families end to end: tests/test_fused_elementwise.py."""
 
 from __future__ import annotations
 
 import pytest
+import test_image_families as images
 import torch
 from helpers import check_fused, fused_modules, record_calls
 from model_families import LLAMA_FORM, SUPPORTED, tiny_model
@@ -24,8 +26,8 @@ from batchrun.engine.fused_elementwise import FusedRMSNorm
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler here")
 
 
-def prompt(model) -> torch.Tensor:
-    return torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(0))
+def prompt(config) -> torch.Tensor:
+    return torch.randint(3, min(config.vocab_size, 256), (1, 21), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("family", sorted(SUPPORTED))
@@ -36,7 +38,7 @@ def test_each_familys_llama_form_modules_are_fused_within_one_ulp(family):
     if not llama_form:  # nothing to compute (Inkling 2's bf16 router cannot run under HF's code)
         assert fused_elementwise.fuse(model, torch.bfloat16) == 0
         return
-    calls = record_calls(model, prompt(model))
+    calls = record_calls(model, prompt(model.config))
     assert fused_elementwise.fuse(model, torch.bfloat16) == len(llama_form)
     assert sorted(type(m._hf[0]).__name__ for m in fused_modules(model)) == llama_form
     equal, total = map(sum, zip(*(check_fused(m, calls) for m in fused_modules(model)), strict=True))
@@ -52,9 +54,47 @@ def test_the_matrix_sees_a_wrong_rewrite(monkeypatch):
     olmo_norm = fused_elementwise.forward_of(Olmo2RMSNorm(8))
     monkeypatch.setattr(fused_elementwise, "KNOWN_NORMS", fused_elementwise.KNOWN_NORMS | {olmo_norm})
     model = tiny_model("olmo2", torch.bfloat16)
-    calls = record_calls(model, prompt(model))
+    calls = record_calls(model, prompt(model.config))
     mlps = sum(type(m).__name__ in LLAMA_FORM["olmo2"] for m in model.modules())
     assert fused_elementwise.fuse(model, torch.bfloat16) > mlps
     norms = [m for m in fused_modules(model) if isinstance(m, FusedRMSNorm)]
     equal, total = map(sum, zip(*(check_fused(m, calls) for m in norms), strict=True))
     assert equal / total < 0.99
+
+
+def vision_inputs(family: str, model):
+    """A call of the vision tower (and projector) on random pixels, where the family has modules to fuse there."""
+    torch.manual_seed(0)
+    if family == "qwen2_5_vl":
+        c = model.model.visual.config
+        pixels = torch.randn(
+            16, c.in_channels * c.temporal_patch_size * c.patch_size**2, dtype=torch.bfloat16
+        )
+        return lambda: model.model.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]]))
+    if family == "mistral3":
+        pixels, sizes = torch.randn(1, 3, 64, 64, dtype=torch.bfloat16), torch.tensor([[64, 64]])
+        tower, projector = model.model.vision_tower, model.model.multi_modal_projector
+        return lambda: projector(tower(pixels, image_sizes=sizes).last_hidden_state[0], sizes)
+    return lambda: None
+
+
+@pytest.mark.parametrize("family", images.FAMILIES)
+def test_a_vision_language_models_llama_form_modules_are_fused_within_one_ulp(family, tmp_path, model_dir):
+    """The image families' whole models (tests/test_image_families.py's tiny ones), as LLM fuses them: the text
+    model's modules on a text prompt, the vision tower's and projector's on random pixels."""
+    from transformers import AutoModelForImageTextToText
+
+    makers = dict(gemma3=images.make_gemma3, gemma4=images.make_gemma4, mistral3=images.make_mistral3)
+    makers.update(smolvlm=images.make_smolvlm, inkling2=images.make_inkling2)
+    makers.get(family, lambda target, tok: images.make_qwen_vl(family, target, tok))(tmp_path, model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    llama_form = sorted(type(m).__name__ for m in model.modules() if type(m).__name__ in LLAMA_FORM[family])
+    if not llama_form:
+        assert fused_elementwise.fuse(model, torch.bfloat16) == 0
+        return
+    vision = vision_inputs(family, model)
+    calls = record_calls(model, prompt(model.config.get_text_config()), before=vision)
+    assert fused_elementwise.fuse(model, torch.bfloat16) == len(llama_form)
+    assert sorted(type(m._hf[0]).__name__ for m in fused_modules(model)) == llama_form
+    equal, total = map(sum, zip(*(check_fused(m, calls) for m in fused_modules(model)), strict=True))
+    assert equal / total > 0.99
