@@ -62,20 +62,22 @@ def test_the_matrix_sees_a_wrong_rewrite(monkeypatch):
     assert equal / total < 0.99
 
 
-def vision_inputs(family: str, model):
-    """A call of the vision tower (and projector) on random pixels, where the family has modules to fuse there."""
+def qwen_vision(model):
+    c = model.model.visual.config
     torch.manual_seed(0)
-    if family == "qwen2_5_vl":
-        c = model.model.visual.config
-        pixels = torch.randn(
-            16, c.in_channels * c.temporal_patch_size * c.patch_size**2, dtype=torch.bfloat16
-        )
-        return lambda: model.model.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]]))
-    if family == "mistral3":
-        pixels, sizes = torch.randn(1, 3, 64, 64, dtype=torch.bfloat16), torch.tensor([[64, 64]])
-        tower, projector = model.model.vision_tower, model.model.multi_modal_projector
-        return lambda: projector(tower(pixels, image_sizes=sizes).last_hidden_state[0], sizes)
-    return lambda: None
+    pixels = torch.randn(16, c.in_channels * c.temporal_patch_size * c.patch_size**2, dtype=torch.bfloat16)
+    return lambda: model.model.visual(pixels, grid_thw=torch.tensor([[1, 4, 4]]))
+
+
+def pixtral_vision(model):
+    torch.manual_seed(0)
+    pixels, sizes = torch.randn(1, 3, 64, 64, dtype=torch.bfloat16), torch.tensor([[64, 64]])
+    tower, projector = model.model.vision_tower, model.model.multi_modal_projector
+    return lambda: projector(tower(pixels, image_sizes=sizes).last_hidden_state[0], sizes)
+
+
+# a call of the vision tower (and projector) on random pixels, where the family has modules to fuse there
+VISION = {"qwen2_5_vl": qwen_vision, "mistral3": pixtral_vision}
 
 
 @pytest.mark.parametrize("family", images.FAMILIES)
@@ -92,7 +94,7 @@ def test_a_vision_language_models_llama_form_modules_are_fused_within_one_ulp(fa
     if not llama_form:
         assert fused_elementwise.fuse(model, torch.bfloat16) == 0
         return
-    vision = vision_inputs(family, model)
+    vision = VISION[family](model) if family in VISION else lambda: None
     calls = record_calls(model, prompt(model.config.get_text_config()), before=vision)
     assert fused_elementwise.fuse(model, torch.bfloat16) == len(llama_form)
     assert sorted(type(m._hf[0]).__name__ for m in fused_modules(model)) == llama_form
