@@ -24,6 +24,7 @@ from helpers import run_cli
 from batchrun.engine.pooler import PoolerConfig
 from batchrun.errors import BadInput
 from batchrun.job import run_job
+from batchrun.model_loader import open_model
 from batchrun.pooling_worker import read_checkpoint
 
 TEXTS = [
@@ -101,7 +102,7 @@ def test_qwen3_embedding_layout_equals_sentence_transformers(bases, tmp_path, mo
     folder = save_legacy_layout(
         bases["qwen3"], tmp_path / "st", mode, normalize=True, max_seq_length=48, prompts=prompts
     )
-    plan = read_checkpoint(folder, PoolerConfig(), "test", "embed").plan
+    plan = read_checkpoint(open_model(str(folder)), PoolerConfig(), "test", "embed").plan
     assert plan.modes == (mode,) and plan.after == ("normalize",) and plan.max_length == 48
     assert_equal(ours(folder), theirs(folder))  # the long text is cut at 48 tokens in both
     assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
@@ -175,7 +176,7 @@ def test_overriding_pooling_on_a_plain_checkpoint(bases):
     """No sentence-transformers files: pooler.pooling says how (sentence-transformers' default chain for a
     plain checkpoint is a mean over the transformer's states)."""
     with pytest.raises(BadInput, match=r"pooler\.pooling"):
-        read_checkpoint(bases["bert"], PoolerConfig(), "job.yaml", "embed")
+        read_checkpoint(open_model(str(bases["bert"])), PoolerConfig(), "job.yaml", "embed")
     assert_equal(ours(bases["bert"], pooling="mean"), theirs(bases["bert"]))
 
 
@@ -348,12 +349,12 @@ def test_models_and_modules_batchrun_cannot_reproduce_are_refused(bases, tmp_pat
     modules[2]["type"] = "sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm"
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(BadInput, match="LayerNorm"):
-        read_checkpoint(folder, PoolerConfig(), "job.yaml", "embed")
+        read_checkpoint(open_model(str(folder)), PoolerConfig(), "job.yaml", "embed")
     # sentence-transformers 6 saves a decoder with a chat template as taking messages, which it renders through
     # the template: batchrun does not, so it refuses the folder rather than embed other tokens
     chat = save_sentence_model(bases["qwen3"], tmp_path / "chat", pooling="lasttoken")
     with pytest.raises(BadInput, match="modality_config"):
-        read_checkpoint(chat, PoolerConfig(), "job.yaml", "embed")
+        read_checkpoint(open_model(str(chat)), PoolerConfig(), "job.yaml", "embed")
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
