@@ -5,6 +5,7 @@ batch-mates; the job file's Parquet output, error rows, resume; and what is refu
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pyarrow as pa
@@ -442,8 +443,8 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
 
     made = packed.PackedLayout.of_lengths
 
-    def seen_by_all(lengths):
-        layout = made(lengths)
+    def seen_by_all(lengths, specs=None):
+        layout = made(lengths, specs)
         layout.runs = [packed.AttentionRun(0, 1, sum(lengths))]
         return layout
 
@@ -451,6 +452,28 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     with pytest.raises(UnsupportedModel, match="beside another text"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+
+
+def test_a_layer_whose_call_changes_after_the_load_probe_is_refused(bases, tmp_path, monkeypatch):
+    """The pooling load freezes each layer's call (its LayerSpec, as the paged path's); a later call that passes
+    other keywords is read again: one that asks for what packed attention does not compute, or for another mask
+    than at load, is refused, never run on the frozen spec; one whose extra keyword changes nothing runs as
+    before."""
+    from batchrun import LLM
+    from batchrun.engine.attention import UnsupportedModel
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+    before = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    attention = llm.pooling.model.encoder.layer[1].attention.self
+    forward = attention.forward
+    for asks, reason in [({"softcap": 30.0}, "soft-capping"), ({"sliding_window": 2}, "other attention")]:
+        monkeypatch.setattr(attention, "forward", functools.partial(forward, **asks))
+        with pytest.raises(UnsupportedModel, match=rf"layer 1\) asks for {reason}"):
+            llm.embed(TEXTS, use_tqdm=False)
+    monkeypatch.setattr(attention, "forward", functools.partial(forward, deterministic=True))
+    after = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    assert torch.equal(after, before)
 
 
 def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path):
