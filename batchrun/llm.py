@@ -160,11 +160,11 @@ class LLM:
 
         placement = placement or place(engine.device, model.dtype)
         self.device, self.dtype = placement.device, placement.dtype
-        self.model_dir = model_loader.resolve_model_dir(model.path, source)
+        folder = model_loader.open_model(model.path, source)  # read once: the budget check, then the load
+        self.model_dir, config = folder.path, folder.config
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         self.fused_products = 0  # q/k/v, gate/up made one packed product each (engine/fused_linear.py)
         self.fused_elementwise = 0  # RMSNorms and gated MLPs fused (engine/fused_elementwise.py)
-        config = model_loader.load_config(self.model_dir)  # read once: the budget check, then the load
         try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
             check_memory_budget(engine, config, self.dtype, self.device)
         except BadInput as e:

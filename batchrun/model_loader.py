@@ -10,13 +10,14 @@ HF_HUB_OFFLINE=1, in which case the error says so.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import BadInput
 from .host import Placement, cache_dir
@@ -178,6 +179,22 @@ def fingerprint_dtype(requested: str, placement: Placement) -> str:
     if placement.device.type == "cpu" and placement.dtype != torch.float32:
         return str(placement.dtype).replace("torch.", "")
     return "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFolder:
+    """A model's local folder and its transformers config, found and read once (open_model) and handed on: the
+    memory check before the load, the load itself and a pooling checkpoint's reading all take this value, so
+    the way in enters this module once."""
+
+    path: Path
+    config: Any
+
+
+def open_model(path: str | None, source: str = "<job>") -> ModelFolder:
+    """`model.path`'s folder (resolve_model_dir: converted or downloaded where needed) and its config."""
+    model_dir = resolve_model_dir(path, source)
+    return ModelFolder(model_dir, load_config(model_dir))
 
 
 def load_config(model_dir: Path):

@@ -20,7 +20,7 @@ from .engine.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
 from .engine.sentence_config import SentenceConfigError, read_cross_encoder_config, read_sentence_config
 from .errors import BadInput
 from .host import Placement, place
-from .model_loader import load_config, resolve_model_dir
+from .model_loader import ModelFolder, load_config, open_model
 from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
 from .vocabulary import embedding_rows, token_id_error
@@ -76,12 +76,13 @@ PAIR_TASKS = ("classify", "score")  # the tasks that take pairs (input.pair_colu
 
 
 def read_checkpoint(
-    model_dir: Path, options: PoolerConfig, where: str, task: str | None = None
+    model: ModelFolder, options: PoolerConfig, where: str, task: str | None = None
 ) -> PoolingCheckpoint:
-    """A checkpoint folder's task (None: as its config says, task_of), plan and config, from its files alone,
-    each file read once: an embedder's sentence-transformers files, then its transformers folder's config; a
-    classifier's config, then its head's files."""
-    config = None if task == "embed" else load_config(model_dir)
+    """A checkpoint folder's task (None: as its config says, task_of), plan and config, from the folder and
+    config read once (model_loader.open_model) and its other files, each read once: a classifier's head files;
+    an embedder's sentence-transformers files (and the config of its transformers model's own folder, where
+    they place it in a subfolder)."""
+    model_dir, config = model.path, model.config
     task = task or task_of(config)
     if task != "embed":
         return PoolingCheckpoint(task, _head_plan(model_dir, config, options, where, task), config)
@@ -89,9 +90,8 @@ def read_checkpoint(
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as e:
         raise SentenceConfigError(f"{where}: key `model.path`: {e}") from None
-    folder = model_dir / sentence.transformer_path
-    if config is None or folder != model_dir:
-        config = load_config(folder)
+    if sentence.transformer_path:  # the transformers model in a subfolder: its config is that folder's
+        config = load_config(model_dir / sentence.transformer_path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return PoolingCheckpoint(task, resolve(sentence, text.hidden_size, options, where), config)
 
@@ -127,8 +127,9 @@ def _head_plan(model_dir: Path, config, options: PoolerConfig, where: str, task:
 
 def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
     """The Arrow types of a pooling job's own output columns (sinks.output_schema)."""
-    model_dir = resolve_model_dir(spec.model.path, spec.source_file)
-    plan = read_checkpoint(model_dir, spec.pooler, spec.source_file, spec.task).plan
+    plan = read_checkpoint(
+        open_model(spec.model.path, spec.source_file), spec.pooler, spec.source_file, spec.task
+    ).plan
     if spec.task == "classify":
         return {"label": pa.string(), "probs": pa.list_(pa.float32(), plan.output_dim)}
     if spec.task in ("score", "reward"):
@@ -146,17 +147,17 @@ def load_runner(
     task: str | None = None,
 ):
     """The pooling runner of a job's (or LLM(runner="pooling")'s) model, engine and pooler settings; `task`
-    None: as the checkpoint is (task_of). The checkpoint is read here once (read_checkpoint) and the runner
-    loads the model from what was read."""
+    None: as the checkpoint is (task_of). The folder and its config are found and read once (open_model), the
+    checkpoint's other files once (read_checkpoint), and the runner loads the model from what was read."""
     from .engine.classifier import ClassifierRunner
     from .engine.pooling import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
-    model_dir = resolve_model_dir(model.path, source)
-    checkpoint = read_checkpoint(model_dir, pooler, source, task)
+    folder = open_model(model.path, source)
+    checkpoint = read_checkpoint(folder, pooler, source, task)
     runner = PoolingRunner if checkpoint.task == "embed" else ClassifierRunner
     return runner(
-        model_dir,
+        folder.path,
         checkpoint.plan,
         checkpoint.config,
         placement.dtype,

@@ -1,5 +1,6 @@
 """The README states the contract; these facts have one source in the code, and the README must agree."""
 
+import dataclasses
 import re
 import subprocess
 
@@ -92,3 +93,62 @@ def test_the_readme_command_table_and_help_agree():
     top = subprocess.run([BATCHRUN, "--help"], capture_output=True, text=True, env={"COLUMNS": "80"}).stdout
     listing = top.split("Commands:")[1]
     assert "..." not in listing and len(listing.strip().splitlines()) == len(main.commands), top
+
+
+def _definitions() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Each class of the package -> the names it defines (methods, fields, attributes it sets on self), and
+    each module (its file's stem; a package's folder name) -> its top-level names."""
+    import ast
+
+    classes: dict[str, set[str]] = {}
+    modules: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "batchrun").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = modules.setdefault(path.parent.name if path.name == "__init__.py" else path.stem, set())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                top.update(a.asname or a.name for a in node.names)
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            top.update(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                top.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                names = classes.setdefault(node.name, set())
+                for n in ast.walk(node):
+                    if isinstance(n, ast.FunctionDef):
+                        names.add(n.name)
+                    elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        names.add(n.id)
+                    elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                        names.add(n.attr)
+    return classes, modules
+
+
+def test_the_architecture_page_names_only_what_exists():
+    """docs/ARCHITECTURE.md is a map of the code: every file it names is in the tree, every `Class.name` is
+    defined in that class and every `module.name` in that module (a job file's `engine.key` is an
+    EngineConfig field), and every class it names is one of the package's."""
+    from batchrun.engine.config import EngineConfig
+
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    classes, modules = _definitions()
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    stems = {f.rpartition("/")[2] for f in tracked}
+    wrong = [f for f in re.findall(r"\b([\w/]+\.(?:py|cpp|h))\b", doc) if f.rpartition("/")[2] not in stems]
+    folders = (ROOT, ROOT / "batchrun", ROOT / "batchrun" / "engine")
+    for folder in re.findall(r"\b([\w/]+/)(?=[\s`)])", doc):
+        wrong += [] if any((base / folder).is_dir() for base in folders) else [folder]
+    for owner, name in set(re.findall(r"\b([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b", doc)):
+        if name in ("py", "cpp", "h", "md"):
+            continue
+        if owner in classes:
+            wrong += [] if name in classes[owner] else [f"{owner}.{name}"]
+        elif owner == "engine" and name in {f.name for f in dataclasses.fields(EngineConfig)}:
+            continue
+        elif owner in modules:
+            wrong += [] if name in modules[owner] else [f"{owner}.{name}"]
+        elif owner[0].isupper():
+            wrong.append(f"{owner}.{name}")
+    camel = set(re.findall(r"`([A-Z][a-z]+[A-Z]\w*)`", doc))
+    wrong += sorted(c for c in camel if c not in classes)
+    assert not wrong, wrong

@@ -5,6 +5,7 @@ batch-mates; the job file's Parquet output, error rows, resume; and what is refu
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pyarrow as pa
@@ -24,6 +25,7 @@ from helpers import run_cli
 from batchrun.engine.pooler import PoolerConfig
 from batchrun.errors import BadInput
 from batchrun.job import run_job
+from batchrun.model_loader import open_model
 from batchrun.pooling_worker import read_checkpoint
 
 TEXTS = [
@@ -101,7 +103,7 @@ def test_qwen3_embedding_layout_equals_sentence_transformers(bases, tmp_path, mo
     folder = save_legacy_layout(
         bases["qwen3"], tmp_path / "st", mode, normalize=True, max_seq_length=48, prompts=prompts
     )
-    plan = read_checkpoint(folder, PoolerConfig(), "test", "embed").plan
+    plan = read_checkpoint(open_model(str(folder)), PoolerConfig(), "test", "embed").plan
     assert plan.modes == (mode,) and plan.after == ("normalize",) and plan.max_length == 48
     assert_equal(ours(folder), theirs(folder))  # the long text is cut at 48 tokens in both
     assert_equal(ours(folder, prompt_name="query"), theirs(folder, prompt_name="query"))
@@ -175,7 +177,7 @@ def test_overriding_pooling_on_a_plain_checkpoint(bases):
     """No sentence-transformers files: pooler.pooling says how (sentence-transformers' default chain for a
     plain checkpoint is a mean over the transformer's states)."""
     with pytest.raises(BadInput, match=r"pooler\.pooling"):
-        read_checkpoint(bases["bert"], PoolerConfig(), "job.yaml", "embed")
+        read_checkpoint(open_model(str(bases["bert"])), PoolerConfig(), "job.yaml", "embed")
     assert_equal(ours(bases["bert"], pooling="mean"), theirs(bases["bert"]))
 
 
@@ -348,12 +350,12 @@ def test_models_and_modules_batchrun_cannot_reproduce_are_refused(bases, tmp_pat
     modules[2]["type"] = "sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm"
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(BadInput, match="LayerNorm"):
-        read_checkpoint(folder, PoolerConfig(), "job.yaml", "embed")
+        read_checkpoint(open_model(str(folder)), PoolerConfig(), "job.yaml", "embed")
     # sentence-transformers 6 saves a decoder with a chat template as taking messages, which it renders through
     # the template: batchrun does not, so it refuses the folder rather than embed other tokens
     chat = save_sentence_model(bases["qwen3"], tmp_path / "chat", pooling="lasttoken")
     with pytest.raises(BadInput, match="modality_config"):
-        read_checkpoint(chat, PoolerConfig(), "job.yaml", "embed")
+        read_checkpoint(open_model(str(chat)), PoolerConfig(), "job.yaml", "embed")
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
@@ -441,8 +443,8 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
 
     made = packed.PackedLayout.of_lengths
 
-    def seen_by_all(lengths):
-        layout = made(lengths)
+    def seen_by_all(lengths, specs=None):
+        layout = made(lengths, specs)
         layout.runs = [packed.AttentionRun(0, 1, sum(lengths))]
         return layout
 
@@ -450,6 +452,28 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
     folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
     with pytest.raises(UnsupportedModel, match="beside another text"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+
+
+def test_a_layer_whose_call_changes_after_the_load_probe_is_refused(bases, tmp_path, monkeypatch):
+    """The pooling load freezes each layer's call (its LayerSpec, as the paged path's); a later call that passes
+    other keywords is read again: one that asks for what packed attention does not compute, or for another mask
+    than at load, is refused, never run on the frozen spec; one whose extra keyword changes nothing runs as
+    before."""
+    from batchrun import LLM
+    from batchrun.engine.attention import UnsupportedModel
+
+    folder = save_sentence_model(bases["bert"], tmp_path / "st", pooling="mean")
+    llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling")
+    before = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    attention = llm.pooling.model.encoder.layer[1].attention.self
+    forward = attention.forward
+    for asks, reason in [({"softcap": 30.0}, "soft-capping"), ({"sliding_window": 2}, "other attention")]:
+        monkeypatch.setattr(attention, "forward", functools.partial(forward, **asks))
+        with pytest.raises(UnsupportedModel, match=rf"layer 1\) asks for {reason}"):
+            llm.embed(TEXTS, use_tqdm=False)
+    monkeypatch.setattr(attention, "forward", functools.partial(forward, deterministic=True))
+    after = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    assert torch.equal(after, before)
 
 
 def test_validate_checks_the_pooler_keys_against_the_checkpoint(bases, tmp_path):

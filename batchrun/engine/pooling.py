@@ -122,6 +122,7 @@ class PoolingRunner:
             self._prompt_length(plan.prompt) if plan.prompt and not plan.include_prompt else 0
         )
         self.queue: deque[PooledText] = deque()
+        self.layer_specs = None  # each layer's call, frozen by the probe's first forward
         self._probe()
 
     def _base_model(self, model):
@@ -233,7 +234,7 @@ class PoolingRunner:
         """The packed row through the model: its last hidden states [T, H] and its layout (the texts in the
         layout's packing order: text i's states are at `layout.spans()`'s i-th). `type_lists`: each text's
         segment ids (None: all 0), for a model that takes them."""
-        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists])
+        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists], self.layer_specs)
         ids = int_tensor(layout.packed(token_lists), device=self.device)[None]
         offset = self.position_offset
         positions = layout.packed([range(offset, offset + len(ids)) for ids in token_lists])
@@ -259,7 +260,9 @@ class PoolingRunner:
         """The load's checks: the engine's own probe (architecture.inspect_model: every layer reaches batchrun's
         attention function, every argument of its calls is honoured or refused), then what a packed row adds: a
         text's token states must not change beside another (its positions restart, nothing crosses texts), and
-        what the packed attention does not compute (soft-capping, sinks) is refused by its first call here."""
+        what the packed attention does not compute (soft-capping, sinks) is refused by its first call here.
+        That first forward's calls are frozen (`layer_specs`): later steps check only that each layer passes the
+        same keywords (attention.interface.packed_forward)."""
         name = type(self.model).__name__
         # LongRoPE and dynamic NTK take their factors from the longest position of the forward: over a packed
         # row of texts, a text's vector would depend on its batch-mates (generation computes them per sequence,
@@ -280,7 +283,8 @@ class PoolingRunner:
         text, other = [i % vocab for i in range(5, 11)], [i % vocab for i in range(20, 29)]
         try:
             with torch.inference_mode():
-                alone, _ = self._forward([text])
+                alone, layout = self._forward([text])
+                self.layer_specs = tuple(layout.probed)
                 beside, layout_beside = self._forward([other, text])
         except UnsupportedModel as e:
             raise UnsupportedModel(f"{name} cannot run on batchrun: {e}") from None

@@ -8,9 +8,9 @@ attending to itself, no K/V kept: vLLM's ENCODER_ONLY attention). Every other ar
 (`read_call`): honoured, known not to matter, or refused (`UnsupportedModel`), never ignored; which keys a query
 sees is the call's `MaskKind`, causal or not. The load probe (architecture.inspect_model, for both) reads each
 layer's call in full once; afterwards a paged call that passes the same keywords as at the probe runs on the
-layer's frozen `LayerSpec`, and one that does not is read again and refused if it asks for anything else; a
-packed call is read at every call (a pooling step is one forward of many texts, and a read is a few
-dictionary lookups beside its SDPA calls).
+layer's frozen `LayerSpec`, and one that does not is read again and refused if it asks for anything else. A
+packed call is frozen the same way, by the pooling load's own probe forward (a packed row's calls carry no
+chunk, which the generation probe reads from the model's layers).
 """
 
 from __future__ import annotations
@@ -179,9 +179,14 @@ def attention_forward(
 
 
 def packed_forward(layout: PackedLayout, module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    """A pooling step's layer: its call read as every call is, then attended over the packed row (packed.py),
-    which computes a plain SDPA under the call's mask kind; what else a call asks is refused, never ignored."""
+    """A pooling step's layer, attended over the packed row (packed.py), which computes a plain SDPA under the
+    call's mask kind. A call that passes the keywords the load's probe saw runs on the layer's frozen spec;
+    any other is read in full (read_call) and refused if it asks for anything else, never ignored."""
     layer = layout.calls  # a pooling model's layers attend in order, once each per forward
+    specs = layout.specs
+    spec = specs[layer] if specs is not None and layer < len(specs) else None
+    if spec is not None and spec.matches(attention_mask, dropout, kwargs):
+        return attend_packed(layout, spec.kind, query, key, value, scaling)
     call = read_call(module, layer, attention_mask, dropout, kwargs, None, query.shape)
     if not call.plain:
         asks = [
@@ -196,6 +201,13 @@ def packed_forward(layout: PackedLayout, module, query, key, value, attention_ma
         raise UnsupportedModel(
             f"{type(module).__name__} (layer {layer}) asks for {', '.join(asks)}, which batchrun's packed "
             "attention (pooling) does not compute"
+        )
+    if specs is None:  # the load's probe: the call frozen for every later step
+        layout.probed.append(LayerSpec(layer, -1, False, call))
+    elif spec is None or call.kind != spec.kind:
+        raise UnsupportedModel(
+            f"{type(module).__name__} (layer {layer}) asks for other attention than at load ({call} against "
+            f"{spec.call if spec else 'no call'})"
         )
     return attend_packed(layout, call.kind, query, key, value, scaling)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .layers import LayerSpec
 from .masks import MaskKind
 
 
@@ -47,7 +48,9 @@ class AttentionRun:
 class PackedLayout:
     """A step's packed row, built once before the forward: `order` the texts in packing order (indices into the
     step's texts), `starts[i]` where text i begins in the row, `lengths[i]` its tokens, `runs` how the row
-    attends; `calls`: the layers that attended through it so far (a refusal names the layer by it)."""
+    attends; `calls`: the layers that attended through it so far (a refusal names the layer by it); `specs`:
+    each layer's call as the pooling load's probe read it (None: this is the probe's forward, which reads every
+    call in full and records it in `probed`, for the runner to freeze)."""
 
     order: tuple[int, ...]
     starts: tuple[int, ...]
@@ -55,10 +58,13 @@ class PackedLayout:
     runs: list[AttentionRun]
     calls: int = 0
     masks: dict = field(default_factory=dict)  # (length, MaskKind) -> [L, L] bool, made once per step
+    specs: tuple[LayerSpec, ...] | None = None
+    probed: list[LayerSpec] = field(default_factory=list)
 
     @classmethod
-    def of_lengths(cls, lengths: list[int]) -> PackedLayout:
-        """The texts longest first (ties in their given order), each run of one length attending together."""
+    def of_lengths(cls, lengths: list[int], specs: tuple[LayerSpec, ...] | None = None) -> PackedLayout:
+        """The texts longest first (ties in their given order), each run of one length attending together;
+        `specs`: the layers' frozen calls (None: the load's probe)."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         starts, runs, at = [0] * len(lengths), [], 0
         for i in order:
@@ -70,7 +76,7 @@ class PackedLayout:
             else:
                 runs.append(AttentionRun(at, 1, n))
             at += n
-        return cls(tuple(order), tuple(starts), tuple(lengths), runs)
+        return cls(tuple(order), tuple(starts), tuple(lengths), runs, specs=specs)
 
     def packed(self, per_text: list[list]) -> list:
         """A per-text list (token ids, positions, segments) flattened in packing order."""
@@ -97,7 +103,7 @@ def attend_packed(
 ) -> torch.Tensor:
     """One layer's attention over the packed row, one SDPA call per run of texts of one length; returns
     [1, T, Hq, D] (the layout transformers expects), contiguous, so that the model's reshape to [1, T, Hq * D]
-    copies nothing. The call was read and checked by interface.read_call (plain: no soft-capping, sinks or
+    copies nothing. The call was checked by interface.packed_forward (plain: no soft-capping, sinks or
     per-token terms; no chunk)."""
     layout.calls += 1
     gqa = query.shape[1] != key.shape[1]
