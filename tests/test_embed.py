@@ -435,6 +435,24 @@ def test_truncate_prompt_tokens_cuts_as_max_seq_length_and_is_counted(bases, tmp
     assert summary["truncated_rows"] == sum(n > 6 for n in lengths) > 0
 
 
+def test_a_decoder_with_chunked_attention_is_refused_as_a_pooling_model(bases, tmp_path):
+    """Llama 4 marks its chunked layers only in the config's `layer_types` (the generation probe reads them,
+    architecture.ModelLayers); the packed attention has no chunk, so it would attend over the whole text: refused
+    at load, naming the layer and the chunk, never computed as full attention."""
+    from model_families import SUPPORTED, TINY
+    from transformers import AutoConfig, AutoTokenizer
+
+    from batchrun import LLM
+    from batchrun.engine.attention import UnsupportedModel
+
+    tok = AutoTokenizer.from_pretrained(bases["qwen3"])
+    overrides = {**TINY, **SUPPORTED["llama4_text"][1], "vocab_size": len(tok)}
+    config = AutoConfig.for_model("llama4_text", **overrides)
+    folder = save_base_model(config, tok, tmp_path / "llama4")
+    with pytest.raises(UnsupportedModel, match=r"layer 0 asks for chunked attention \(32 tokens\)"):
+        LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler={"pooling": "mean"})
+
+
 def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_path, monkeypatch):
     """Were the texts of a packed row to see each other (here: the layout made one text of them all), the load
     probe refuses the model rather than embed each text with its batch-mates."""

@@ -274,11 +274,21 @@ class PoolingRunner:
             )
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             raise UnsupportedModel(f"{name} cannot run on batchrun: its forward takes no position_ids")
-        if inspect_model(self.model).states is not None:
+        attention = inspect_model(self.model)
+        if attention.states is not None:
             raise UnsupportedModel(
                 f"{name} cannot run on batchrun: some of its layers keep a state from token to token (a hybrid), "
                 "which a packed row of texts does not give each text"
             )
+        # what the probe knows of a layer beyond its call (architecture.ModelLayers) and the packed attention
+        # does not compute: a chunk (Llama 4's, only in `layer_types`) or a query scale by true position
+        for i in range(attention.num_layers):
+            chunk, fix = attention.layers.chunk(i), attention.layers.query_scale_fix(i)
+            if chunk or fix:
+                what = f"chunked attention ({chunk} tokens)" if chunk else "a query scale by position"
+                raise UnsupportedModel(
+                    f"{name} cannot run on batchrun as a pooling model: layer {i} asks for {what}"
+                )
         vocab = self.model.config.vocab_size
         text, other = [i % vocab for i in range(5, 11)], [i % vocab for i in range(20, 29)]
         try:
