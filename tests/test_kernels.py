@@ -164,11 +164,19 @@ def test_write_kv_cache_matches_reference(dtype):
     ON_GPU,
     reason="the GPU check's machine has no embedded model; bench/gpu_bench.py runs random-weight models",
 )
-def test_engine_with_triton_attention_matches_torch(tok_model):
+def test_engine_with_triton_attention_matches_torch(model_dir):
+    """The engine's Triton path (interpreted here) against its torch path, token for token, on the embedded
+    model's first four layers and its own weights: the interpreter runs every layer call, and the whole model's
+    30 layers made this test one of the suite's slowest (the GPU check runs it whole on a GPU)."""
     from helpers import chat_ids, make_engine, run_engine
+    from transformers import AutoConfig
 
     from batchrun.engine import SamplingParams
+    from batchrun.engine.loading import load_model
 
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = 4
+    tok_model = load_model(model_dir, torch.float32, torch.device("cpu"), config=config)
     tok, _ = tok_model
     prompts = [chat_ids(tok, p) for p in ("Hi!", "Name a color.", "What is 3 + 4?")]
     params = SamplingParams(max_new_tokens=4)
