@@ -1,6 +1,8 @@
 """The bf16 prompt attention kernel (cpu_prompt_attention.cpp) against plain PyTorch: fp32 arithmetic on the same
 bf16 inputs, a softmax over the keys masks.py's `MaskKind.visible` lets each query see."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,9 +10,10 @@ from batchrun.engine.attention.masks import MaskKind
 from batchrun.engine.cpu_kernels import load
 
 KERNEL = load()
-pytestmark = pytest.mark.skipif(
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
+needs_bf16 = pytest.mark.skipif(
     KERNEL is None or not KERNEL.prompt_attention_bf16_supported(64, 64),
-    reason="no C++ compiler here, or a CPU without AVX512-BF16 (the SDPA path runs instead)",
+    reason="a CPU without AVX512-BF16: the kernel is not built, the SDPA path runs instead",
 )
 # tests/test_cpu_kernels.py's bf16 bound (relative, in norm): the probabilities rounded to bf16 for the PV
 # product (relative error 2^-9 each) and the output rounded once stay well inside it
@@ -97,6 +100,7 @@ QUERIES = [1, 17, 64, 100, 5, 40, 200]
 CONTEXTS = [1, 17, 64, 100, 70, 129, 333]
 
 
+@needs_bf16
 @pytest.mark.parametrize(
     "kind", [MaskKind(), MaskKind(window=20), MaskKind(window=70), MaskKind(chunk=32)], ids=str
 )
@@ -110,6 +114,7 @@ def test_prompt_attention_matches_the_reference(kind, page_size, num_kv_heads, g
     check(out, reference(*case, QUERIES, CONTEXTS, scale, kind), case[4], QUERIES)
 
 
+@needs_bf16
 @pytest.mark.parametrize(
     "extras", [dict(softcap=5.0), dict(sinks=True), dict(softcap=3.0, sinks=True)], ids=str
 )
@@ -132,17 +137,28 @@ def test_prompt_attention_with_softcap_and_sinks(extras):
     assert all(differs[1:]), "the case does not tell the feature apart"
 
 
-def test_pages_behind_a_window_may_be_null():
-    """A windowed sequence's pages wholly behind its first query's window are given back (NULL, -1): never read."""
-    queries, contexts, window = [30, 50], [300, 150], 40
-    null_before = [c - q - window for q, c in zip(queries, contexts)]
-    case = prompt_case(queries, contexts, 16, 2, 2, 64, seed=11, null_before=null_before)
-    assert (case[3] < 0).any()
+@needs_bf16
+def test_keys_no_query_sees_are_never_read():
+    """A windowed sequence's pages wholly behind its first query's window are NULL (-1) or given back and not
+    cleared since, and the slots past its context were never written: NaN there changes nothing."""
+    queries, contexts, window, P = [30, 50], [300, 150], 40, 16
+    first = [c - q - window + 1 for q, c in zip(queries, contexts)]  # the first query's first key
+    case = prompt_case(queries, contexts, P, 2, 2, 64, seed=11, null_before=[first[0], 0])
+    query, k_cache, v_cache, tables, starts = case
+    assert (tables[0] < 0).any()
     kind = MaskKind(window=window)
-    out = run_kernel(*case, queries, contexts, 0.125, kind)
-    check(out, reference(*case, queries, contexts, 0.125, kind), case[4], queries)
+    ref = reference(*case, queries, contexts, 0.125, kind)
+    for s, c in enumerate(contexts):
+        for key in range(tables.shape[1] * P):
+            page = tables[s, key // P].item()
+            if page >= 0 and (key < first[s] or key >= c):
+                k_cache[page, key % P] = float("nan")
+                v_cache[page, key % P] = float("nan")
+    assert k_cache.isnan().any()
+    check(run_kernel(*case, queries, contexts, 0.125, kind), ref, starts, queries)
 
 
+@needs_bf16
 def test_a_rows_output_is_the_same_alone_or_among_batch_mates():
     num_kv_heads, gqa, head_dim = 3, 3, 64
     case = prompt_case(QUERIES, CONTEXTS, 16, num_kv_heads, gqa, head_dim, seed=5)
@@ -155,9 +171,107 @@ def test_a_rows_output_is_the_same_alone_or_among_batch_mates():
         assert torch.equal(alone[rows], together[rows]), f"sequence {s} differs among batch-mates"
 
 
+@needs_bf16
 def test_unsupported_head_dims_are_refused():
     assert not KERNEL.prompt_attention_bf16_supported(80, 80)
     assert not KERNEL.prompt_attention_bf16_supported(64, 32)  # MLA: K and V of different dims
     case = prompt_case([4], [4], 16, 1, 1, 80, seed=2)
     with pytest.raises(RuntimeError, match="head dims"):
         run_kernel(*case, [4], [4], 0.1, MaskKind())
+
+
+def saved_tiny(tmp_path, family: str, model_dir, **overrides):
+    """A tiny bf16-able model of `family` (head dim 64, three query heads per KV head), saved with the default
+    model's tokenizer."""
+    import shutil
+
+    from model_families import perturb, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    # weights of 0.1: at TINY's 0.3 a bf16 forward is logprobs apart from the fp32 one, which would hide a kernel's
+    # fault in the tolerance
+    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, head_dim=64, vocab_size=49152)
+    shape["initializer_range"] = 0.1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, {**shape, **overrides}))
+    perturb(model, seed=0)
+    target = tmp_path / family
+    model.save_pretrained(target)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, target / f.name)
+    return target
+
+
+class Counting:
+    """The compiled module, counting its prompt kernel's calls."""
+
+    def __init__(self, kernel):
+        self.kernel, self.prompt_calls = kernel, 0
+
+    def paged_prompt_attention(self, *args):
+        self.prompt_calls += 1
+        return self.kernel.paged_prompt_attention(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def prompt_logprobs(llm, prompts) -> list[torch.Tensor]:
+    from batchrun import SamplingParams
+
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs=True)
+    return [torch.tensor(o.prompt_logprobs[1:]) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {}), ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1))],
+)
+def test_a_bf16_llm_takes_the_kernel_within_bf16_tolerance_of_hf(tmp_path, model_dir, family, overrides):
+    """Whole prompts, later chunks (48 tokens a step) and prompts behind shared pages through the kernel: their
+    prompt logprobs no farther from HF's fp32 forward than twice HF's own bf16 forward is (a window ignored by
+    the kernel lands several times past it)."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from batchrun import LLM
+
+    path = saved_tiny(tmp_path, family, model_dir, **overrides)
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", num_pages=64, max_num_batched_tokens=48)
+    backend = llm.engine.attention
+    assert backend.prompt_groups == (True,) * len(backend.prompt_groups)
+    gen = random.Random(0)
+    common = [gen.randrange(3, 49152) for _ in range(40)]
+    prompts = [common + [gen.randrange(3, 49152) for _ in range(n)] for n in (5, 30, 70)]
+    backend.kernel = counting = Counting(backend.kernel)
+    got = prompt_logprobs(llm, prompts)
+    assert counting.prompt_calls > 0
+    # bf16's own error, the scale to hold the kernel's to: HF's bf16 forward against its fp32 one
+    hf = {dt: AutoModelForCausalLM.from_pretrained(path, dtype=dt) for dt in (torch.bfloat16, torch.float32)}
+    for i, p in enumerate(prompts):
+        want = {}
+        for dt, model in hf.items():
+            with torch.inference_mode():
+                logits = model(torch.tensor([p])).logits[0].float()
+            want[dt] = logits[:-1].log_softmax(-1).gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+        bf16_err = (want[torch.bfloat16] - want[torch.float32]).abs().max().item()
+        err = (got[i] - want[torch.float32]).abs().max().item()
+        assert err <= 2 * bf16_err, f"prompt {i}: {err:.3f} from fp32's logprobs, HF's bf16 {bf16_err:.3f}"
+
+
+def test_fp32_and_head_dims_the_kernel_does_not_take_stay_on_sdpa(tmp_path, model_dir):
+    """Decided once, when the backend is made: fp32 (its tokens equal HF generate's) and head dims of 16 never
+    take the kernel."""
+    from batchrun import LLM
+
+    llama = saved_tiny(tmp_path, "llama", model_dir)
+    assert LLM(str(llama), dtype="float32", device="cpu", num_pages=16).engine.attention.prompt_groups == (
+        False,
+    )
+    narrow = saved_tiny(tmp_path / "narrow", "llama", model_dir, hidden_size=48, head_dim=16)
+    assert LLM(str(narrow), dtype="bfloat16", device="cpu", num_pages=16).engine.attention.prompt_groups == (
+        False,
+    )

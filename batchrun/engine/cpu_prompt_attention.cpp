@@ -6,8 +6,8 @@
 //
 // 1. Repack, one task per (sequence, KV head): the keys a sequence's queries can see, in 16-key blocks laid out
 // as the instruction pairs them -- K as [D/2][16 keys][2 dims] (a dim pair of 16 keys per vector), V as
-// [8 key pairs][D/16][16 dims][2 keys] (a key pair of 16 dims per vector); keys past the context or in a NULL
-// page (behind a window) are zeros, never read as garbage.
+// [8 key pairs][D/16][16 dims][2 keys] (a key pair of 16 dims per vector); keys no query of the sequence sees
+// are zeros.
 // 2. Attend, one task per (sequence, KV head, tile of kQueries queries): the tile's rows (each query times the
 // GQA heads of the KV head) share every K/V load; the key blocks of kKeys keys wholly outside the tile's visible
 // range (the causal upper triangle, behind a window or the chunk) are skipped; an online softmax (fp32 running
@@ -89,13 +89,16 @@ struct Layer {
 template <int D>
 void repack(const Layer& L, int64_t s, int64_t h, int64_t kstart, int64_t kend, at::BFloat16* kp,
             at::BFloat16* vp) {
-  const int64_t ctx = L.ctxs[s];
+  // keys no query sees (behind the first query's window or chunk, past the context) are zeros, never read from
+  // their page: NULL, given back, or never written (the pool is not cleared; a NaN there would survive a zero
+  // probability in the PV product)
+  const int64_t ctx = L.ctxs[s], seen = L.first_key(ctx - L.qlens[s]);
   const int32_t* table = L.tables + s * L.st;
   for (int64_t key = kstart; key < kend; ++key) {
     const int64_t j = key - kstart, blk = j / kBlock, lane = j % kBlock;
     at::BFloat16* kb = kp + blk * kBlock * D;
     at::BFloat16* vb = vp + blk * kBlock * D;
-    const int32_t page = key < ctx ? table[key / L.P] : -1;
+    const int32_t page = key >= seen && key < ctx ? table[key / L.P] : -1;
     if (page < 0) {
       for (int64_t d = 0; d < D / 2; ++d) std::memset(kb + (d * kBlock + lane) * 2, 0, 4);
       for (int64_t d = 0; d < D; ++d) vb[((lane / 2) * D + d) * 2 + lane % 2] = at::BFloat16(0.f);
