@@ -13,6 +13,6 @@ from __future__ import annotations
 # name -> the class's module under engine/attention/backends and its name there
 REGISTRY: dict[str, str] = {
     "triton": "triton_paged.TritonAttention",  # CUDA: the paged Triton kernels
-    "torch": "cpu_paged.TorchAttention",  # CPU: batchrun's C++ paged decode, prompts through SDPA
+    "torch": "cpu_paged.TorchAttention",  # CPU: batchrun's C++ paged decode and bf16 prompts, else SDPA
     "gather": "gather.GatherAttention",  # anywhere: plain PyTorch, pages gathered per step for SDPA
 }

@@ -23,7 +23,8 @@
 // several times slower than its amax (bench/RESULTS.md) and was most of the host's time
 // outside the forward at 256 rows a step.
 //
-// 3. The fused elementwise work of bf16/fp16 layers (RMSNorm, SiLU-and-mul): cpu_elementwise.cpp.
+// 3. The fused elementwise work of bf16/fp16 layers (RMSNorm, SiLU-and-mul): cpu_elementwise.cpp; 4. a bf16
+// layer's prompt attention: cpu_prompt_attention.cpp.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -387,6 +388,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
 // cpu_elementwise.cpp
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up);
+void register_prompt_attention(py::module_& m);  // cpu_prompt_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)",
@@ -398,4 +400,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [N, I] bf16/fp16 rows in one pass (CPU)",
         py::arg("out"), py::arg("gate"), py::arg("up"));
+  register_prompt_attention(m);
 }

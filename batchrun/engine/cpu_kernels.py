@@ -1,5 +1,6 @@
 """batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
-the greedy argmax over a step's logits; and (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul.
+the greedy argmax over a step's logits; (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul; and
+(cpu_prompt_attention.cpp) a bf16 layer's prompt attention with AVX512-BF16 dot products.
 
 Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
 (`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
@@ -23,12 +24,14 @@ from ..host import cache_dir, cpu_description
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
+PROMPTS = Path(__file__).with_name("cpu_prompt_attention.cpp")  # this one too
 HEADER = Path(__file__).with_name("cpu_vector.h")  # what both include (widen, load16, exp_nonpositive)
 _loaded: dict[str, object] = {}
 
 
 def load():
-    """The compiled module (`paged_decode_attention`, `argmax_rows`, `rms_norm`, `silu_and_mul`), or None when it cannot be built here."""
+    """The compiled module (`paged_decode_attention`, `paged_prompt_attention`, `argmax_rows`, `rms_norm`,
+    `silu_and_mul`), or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None
@@ -63,7 +66,7 @@ def _build(cpp_extension, build: Path):
     """Compile (when the source changed) and load the extension from `build`."""
     return cpp_extension.load(
         name="batchrun_cpu_kernels",
-        sources=[str(SOURCE), str(ELEMENTWISE)],
+        sources=[str(SOURCE), str(ELEMENTWISE), str(PROMPTS)],
         # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
         # no errno from math calls lets the softmax loop (floor) vectorize
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
@@ -92,7 +95,9 @@ def _build_key() -> str:
     import platform
     import sys
 
-    key = hashlib.sha256(SOURCE.read_bytes() + ELEMENTWISE.read_bytes() + HEADER.read_bytes())
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + ELEMENTWISE.read_bytes() + PROMPTS.read_bytes() + HEADER.read_bytes()
+    )
     key.update(
         f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{platform.machine()}|{cpu_description()}".encode()
     )

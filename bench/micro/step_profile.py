@@ -156,7 +156,7 @@ def hook_functions(model, scopes: Scopes) -> None:
 
     from batchrun.engine.attention import interface
 
-    interface.register(scopes.timed("attention", interface.paged_attention_forward))
+    interface.register(scopes.timed("attention", interface.attention_forward))
     code = sys.modules[type(model).__module__]
     original = getattr(code, "_untimed_apply_rotary_pos_emb", None) or getattr(
         code, "apply_rotary_pos_emb", None

@@ -5,7 +5,8 @@ registry itself, each backend's name and class in the order `auto` tries them, i
 Adding a backend is its module and its line there.
 
 - `triton` (CUDA): the paged Triton kernels (triton_paged.py; batchrun_kernels imported only once it is asked);
-- `torch` (CPU): decodes through batchrun's C++ kernel, prompts through SDPA (cpu_paged.py);
+- `torch` (CPU): decodes through batchrun's C++ kernel, bf16 prompts through its prompt kernel where it applies,
+  the others through SDPA (cpu_paged.py, prompt_kernel.py);
 - `gather` (anywhere): plain PyTorch, pages gathered per step for SDPA (gather.py).
 """
 

@@ -1,5 +1,6 @@
 """`torch`, the CPU default: decodes through batchrun's C++ paged-decode kernel (engine/cpu_kernels.cpp), which
-reads K/V in the pages with no copy; prompts through SDPA (prompts.py)."""
+reads K/V in the pages with no copy; bf16 prompts through its prompt kernel where it applies (prompt_kernel.py),
+the others through SDPA (prompts.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..masks import MaskKind
 from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
 from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
 from .capabilities import Capabilities
+from .prompt_kernel import PagedPrompts, StepPrompts, kernel_groups, prompt_attention, takes_kernel
 from .prompts import PrefillSequence, prefill_attention, prompt_plans, step_prompt_masks, write_kv
 
 
@@ -28,7 +30,8 @@ class PagedDecode:
 @dataclass
 class TorchPlan:
     decode: PagedDecode | None
-    prefills: list[PrefillSequence]
+    prefills: list[PrefillSequence]  # through SDPA
+    prompts: PagedPrompts | None = None  # through the C++ prompt kernel
 
 
 def keys_read(step: StepMetadata, kind, page_size: int) -> int:
@@ -42,8 +45,8 @@ def keys_read(step: StepMetadata, kind, page_size: int) -> int:
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
     """A step's plans for the C++ decode: each mask kind's first visible key per decode once (every group of the
-    kind shares them; None for full attention), the prompts' masks once per PromptMaskKind; then each group's
-    block tables."""
+    kind shares them; None for full attention); the prompts' arrays once for the groups whose prompts take the C++
+    prompt kernel, their masks once per PromptMaskKind for the others; then each group's block tables."""
 
     def __init__(self, backend: TorchAttention, step: StepMetadata, groups: list[GroupMetadata]):
         super().__init__(backend, step, groups)
@@ -53,13 +56,19 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
                 self.first_keys[kind] = (
                     None if kind.is_full else kind.first_keys(step.decode_context_lens - 1)
                 )
-        self.prompt_masks = step_prompt_masks(step, groups)
+        kernel = [takes_kernel(g, backend.prompt_groups) for g in groups]
+        self.prompt_masks = step_prompt_masks(step, [g for g, k in zip(groups, kernel) if not k])
+        self.step_prompts = StepPrompts(step) if step.prompts and any(kernel) else None
 
     def build(self, group: GroupMetadata) -> TorchPlan:
         step = self.step
-        prefills = prompt_plans(step, group, self.prompt_masks)
+        prompts = prefills = None
+        if self.step_prompts is not None and takes_kernel(group, self.backend.prompt_groups):
+            prompts, prefills = self.step_prompts.plan(group), []
+        else:
+            prefills = prompt_plans(step, group, self.prompt_masks)
         if not step.decodes:
-            return TorchPlan(None, prefills)
+            return TorchPlan(None, prefills, prompts)
         decode = PagedDecode(
             token_index=step.decode_tokens,
             block_tables=group.block_tables
@@ -68,12 +77,12 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=step.decode_context_lens,
             first_keys=self.first_keys[group.kind],
         )
-        return TorchPlan(decode, prefills)
+        return TorchPlan(decode, prefills, prompts)
 
 
 class TorchAttention(AttentionBackend):
-    """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); every other sequence
-    through SDPA, as in GatherAttention."""
+    """Decoding sequences through the C++ paged-decode kernel (no copy of their pages); in bf16 the others through
+    the C++ prompt kernel where it applies (prompt_kernel.py), else through SDPA, as in GatherAttention."""
 
     # the dtypes cpu_kernels.cpp's paged decode dispatches on
     capabilities = Capabilities(
@@ -81,16 +90,19 @@ class TorchAttention(AttentionBackend):
     )
     builder = TorchMetadataBuilder
 
-    def __init__(self, page_size: int, kernel):
+    def __init__(self, page_size: int, kernel, prompt_groups: tuple[bool, ...]):
         self.page_size = page_size
         self.kernel = kernel  # cpu_kernels.load(): the compiled module
+        self.prompt_groups = prompt_groups  # per KV cache group: its prompts may take the C++ prompt kernel
 
     @classmethod
     def create(cls, layers: AttentionLayers, device: torch.device) -> TorchAttention | None:
         from ... import cpu_kernels
 
         kernel = cpu_kernels.load()  # None: it could not be built here, and warned why
-        return None if kernel is None else cls(layers.kv_spec.page_size, kernel)
+        return (
+            None if kernel is None else cls(layers.kv_spec.page_size, kernel, kernel_groups(layers, kernel))
+        )
 
     def forward(self, meta: AttentionMetadata, spec: LayerSpec, call: LayerCall, q, k, v, scale: float):
         times = meta.services.times  # its parts, where `detailed` (bench/micro/profile_step.py attention)
@@ -98,7 +110,9 @@ class TorchAttention(AttentionBackend):
         plan: TorchPlan = meta.plans[spec.group]
         if spec.writes:
             with times.part(
-                "write K/V, steps with prompts" if plan.prefills else "write K/V, decode-only steps"
+                "write K/V, steps with prompts"
+                if plan.prefills or plan.prompts
+                else "write K/V, decode-only steps"
             ):
                 write_kv(k, v, k_cache, v_cache, meta.groups[spec.group])
         out = q.new_empty(*q.shape[:2], v.shape[-1])
@@ -114,6 +128,9 @@ class TorchAttention(AttentionBackend):
                 times.count(
                     "C++ decode: K/V bytes read", keys_read(meta.step, spec.kind, self.page_size) * key_bytes
                 )
+        if plan.prompts is not None:
+            with times.part("C++ prompts"):
+                prompt_attention(self.kernel, out, q, k_cache, v_cache, plan.prompts, scale, call)
         if plan.prefills:
             with times.part("prompts' attention"):
                 prefill_attention(out, q, k, v, k_cache, v_cache, plan.prefills, scale, call)
