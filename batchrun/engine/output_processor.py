@@ -143,6 +143,7 @@ class OutputProcessor:
                 sample_index=i,
             )
             child.output_token_ids = list(parent.output_token_ids)
+            child.reserved_tokens = parent.reserved_tokens
             child.images = parent.images
             child.adapter = parent.adapter
             if parent.prompt_logprobs is not None:
