@@ -284,11 +284,9 @@ class StatsCollector:
         if self.engine.lora is not None:
             self._count_adapters(step)
         self._aggregate(row)
-        for seq in self.engine.running_sequences():
-            if seq.seq_id not in self.agg.seen_reservations:
-                self.agg.seen_reservations.add(seq.seq_id)
-                self.agg.reservation_sum += self.engine.reservation(seq)
-                self.agg.reservation_n += 1
+        # a sequence first runs in a step that admits or forks (a swapped one ran before it was swapped out)
+        if self.step_index == 1 or step.plan.new_requests or step.forks:
+            self._count_reservations()
         if self.step_index == 1 or row["preemptions"] or now - self._last_kept >= self.min_interval_s:
             self.rows.append(row)
             self._last_kept = now
@@ -296,6 +294,14 @@ class StatsCollector:
         else:
             self._pending = row
         return row
+
+    def _count_reservations(self) -> None:
+        """Each running sequence's contiguous reservation, once per sequence (the summary's mean)."""
+        for seq in self.engine.running_sequences():
+            if seq.seq_id not in self.agg.seen_reservations:
+                self.agg.seen_reservations.add(seq.seq_id)
+                self.agg.reservation_sum += self.engine.reservation(seq)
+                self.agg.reservation_n += 1
 
     def _count_adapters(self, step: StepResult) -> None:
         names = self.engine.lora.names

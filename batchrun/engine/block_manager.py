@@ -63,6 +63,8 @@ class BlockManager:
         self.sequences: dict[int, SequencePages] = {}  # seq_id -> its pages, from its first lookup to its end
         self.prefix_cache = PrefixCache(self.pool, self.layout, self.pages, enabled=prefix_sharing)
         # counters for statistics
+        # entries of every block table (those behind a window too), kept as the tables change: the statistics'
+        self.num_table_entries = 0
         self.num_cow_copies = 0
         self.num_window_freed = 0  # pages released because they fell behind their group's window
 
@@ -129,6 +131,7 @@ class BlockManager:
         match = match if match is not None else self.prefix_cache.match(seq)
         self.pool.acquire_tables(match.tables)
         entry.tables = [list(t) for t in match.tables]
+        self.num_table_entries += sum(map(len, entry.tables))
         entry.unsent = [0] * self.num_groups
         entry.num_registered = match.num_blocks  # its cached prefix is indexed already
         seq.num_computed_tokens = match.num_blocks * self.page_size
@@ -196,6 +199,7 @@ class BlockManager:
                 self.num_cow_copies += 1
                 cows.append(PageCopy(page, new_page))
             skip = self.layout.first_block(g, seq.num_computed_tokens)  # blocks its queries never read
+            self.num_table_entries += max(0, end_pages - len(table))
             while len(table) < end_pages:
                 table.append(NULL_PAGE if len(table) < skip else self.pool.allocate())
             if changed < len(table):  # the runner's copy lacks entries from `changed` on
@@ -208,6 +212,7 @@ class BlockManager:
         """The child shares every page of the parent (parallel sampling)."""
         mine = self.sequences[parent.seq_id]
         self.pool.acquire_tables(mine.tables)
+        self.num_table_entries += sum(map(len, mine.tables))
         assert child.seq_id not in self.sequences, "a child is forked once"
         self.sequences[child.seq_id] = SequencePages(
             [list(t) for t in mine.tables],
@@ -223,6 +228,7 @@ class BlockManager:
         are the same."""
         entry = self.sequences[seq.seq_id]
         self.pool.release_tables(entry.tables)
+        self.num_table_entries -= sum(map(len, entry.tables))
         entry.tables = self._no_tables()
         entry.num_registered = 0
 
@@ -268,6 +274,7 @@ class BlockManager:
                     copies.append(PageCopy(c, p))
                     self.cpu_pool.release(c)
             entry.tables.append(table)
+        self.num_table_entries += sum(map(len, entry.tables))
         entry.cpu_tables = self._no_tables()
         entry.unsent = [0] * self.num_groups  # new pages: a new table to the runner
         # the swapped-in pages are private copies; re-register them only where the hash is not taken
@@ -301,4 +308,6 @@ class BlockManager:
                 expected_cpu[p] += 1
         self.pool.check(expected)
         self.cpu_pool.check(expected_cpu)
+        entries = sum(len(t) for e in self.sequences.values() for t in e.tables)
+        assert self.num_table_entries == entries, (self.num_table_entries, entries)
         assert all(len(g) == 1 for g in groups_of_page.values()), "a page is held by two groups"

@@ -62,17 +62,24 @@ class BlockTableBuffer:
                 self._fit(g, max(columns) + 1)
                 self.tables[g][int_tensor(at_rows), int_tensor(columns)] = int_tensor(pages, torch.int32)
 
-    def step_tables(self, rows: list[int]) -> list[torch.Tensor]:
-        """Per group, the step's tables [S, W] int32 (W: the longest of the step's tables, at least 1)."""
+    def step_tables(self, rows) -> list[torch.Tensor]:
+        """Per group, the step's tables [S, W] int32 (W: the longest of the step's tables, at least 1); `rows`:
+        the step's rows (a numpy array or a list)."""
+        rows = np.asarray(rows, dtype=np.int64)
         widths = self.num_blocks[:, rows].max(axis=1, initial=1).tolist()
-        first = rows[0] if rows else 0
-        if not self.pin and rows == list(range(first, first + len(rows))):
+        first = int(rows[0]) if len(rows) else 0
+        if not self.pin and (np.diff(rows) == 1).all():
             # rows in order (requests admitted together keep theirs): the step's tables are views of the buffers,
             # which nothing writes before the step has run (a pinned buffer is copied to a GPU asynchronously,
             # and the next step's writes could overtake the copy: there the rows are always gathered)
             return [t[first : first + len(rows), :w] for t, w in zip(self.tables, widths)]
-        index = int_tensor(rows)
+        index = torch.from_numpy(rows)
         return [t[:, :w].index_select(0, index) for t, w in zip(self.tables, widths)]
+
+    def pages(self, group: int, rows: np.ndarray, page_index: np.ndarray) -> np.ndarray:
+        """[T] int32: the page of each new token's cache slot in `group`, from each token's row and the index of
+        its page in that row's table (position // page_size): one gather, no Python loop over tokens."""
+        return self.tables[group].numpy()[rows, page_index]
 
     def _fit(self, group: int, width: int) -> None:
         """The group's buffer at least `width` entries wide (twice as wide as before when it grows)."""
@@ -93,9 +100,3 @@ class BlockTableBuffer:
             assert len(got) == n, (row, g, "row narrower than its table")
             for b, (want, have) in enumerate(zip(table, got)):
                 assert want == have or want == NULL_PAGE, (row, g, b, want, have)
-
-
-def slot_pages(tables: torch.Tensor, token_seq: torch.Tensor, page_index: torch.Tensor) -> torch.Tensor:
-    """[T] int64: the page of each new token's cache slot, from the step's tables [S, W], each token's sequence
-    [T] and the index of its page in its sequence's table [T] (position // page_size; host tensors)."""
-    return tables[token_seq, page_index].long()

@@ -239,6 +239,7 @@ class Engine:
         adapter_id = self.adapter_id(adapter)
         seq = Sequence(next(self.outputs.seq_ids), list(prompt_token_ids), params, request=request)
         seq.adapter = adapter_id
+        seq.reserved_tokens = min(len(seq.prompt_token_ids) + params.max_new_tokens, self.plan.max_model_len)
         if images is not None and images.num_images:
             if self.plan.images is None:
                 raise ValueError(f"this model takes no images here: {self.plan.images_refusal}")
@@ -374,9 +375,7 @@ class Engine:
 
     def reserved_slots(self, seqs) -> int:
         """`reservation` summed over `seqs` (the statistics ask it of every running sequence, every step)."""
-        limit = self.plan.max_model_len
-        tokens = sum([min(len(s.prompt_token_ids) + s.params.max_new_tokens, limit) for s in seqs])
-        return tokens * self.kv_groups.num_groups
+        return sum([s.reserved_tokens for s in seqs]) * self.kv_groups.num_groups
 
     def memory_snapshot(self, recount: bool = False) -> MemorySnapshot:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""

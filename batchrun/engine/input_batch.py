@@ -104,18 +104,19 @@ class InputBatch:
         self.num_tokens[rows] = ends + 1
 
     # ---- a step's inputs --------------------------------------------------------------------------------------
-    def rows(self, req_ids: list[int]) -> list[int]:
+    def rows(self, req_ids: list[int]) -> np.ndarray:
+        """[S] int64: the requests' rows (the step's per-sequence values are gathered by them)."""
         row_of = self.row_of
-        return [row_of[i] for i in req_ids]
+        return np.fromiter([row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
 
-    def decode_ids(self, rows: list[int], positions: list[int]) -> np.ndarray:
+    def decode_ids(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """[S] int64: each row's token at its position (a decode step's input ids)."""
         return self.token_ids[rows, positions]
 
     def slice_ids(self, row: int, start: int, end: int) -> np.ndarray:
         return self.token_ids[row, start:end]
 
-    def computed(self, rows: list[int], ends: list[int]) -> None:
+    def computed(self, rows: np.ndarray, ends: np.ndarray) -> None:
         """The step's rows have their tokens up to `ends` in the cache (it is about to run them)."""
         self.num_computed[rows] = ends
 

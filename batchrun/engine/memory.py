@@ -99,25 +99,25 @@ def _count_shared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
 
 def _count_unshared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
     """`count` while no page is held by two tables (the pool counts those): every page in the tables is
-    distinct and holds its own table's tokens, so a table of n pages whose sequence computed c tokens holds
-    min(c, n P) of them, less P for each entry given back behind a window (always before c). Integer arithmetic
-    in comprehensions over the sequences (every step, for every sequence), no sets."""
+    distinct and holds its own table's tokens, P for each page but the one a computed end falls in, less P for
+    each entry given back behind a window (always before that end). A running sequence's tables cover its
+    computed tokens (its pages are taken before they are computed), so its tables of a group hold its c computed
+    tokens: the sums need each sequence's computed count and the block manager's count of table entries (kept as
+    the tables change), not a pass over each table (every step, for every sequence)."""
     P, records = bm.page_size, bm.sequences
-    computed = [seq.num_computed_tokens for seq in running]
-    tables = [records[seq.seq_id].tables for seq in running]
-    logical_pages = sum([len(t) for group_tables in tables for t in group_tables])
-    stored = sum([min(c, len(t) * P) for c, group_tables in zip(computed, tables) for t in group_tables])
+    computed = sum([seq.num_computed_tokens for seq in running])
     freed = (
-        sum([t.count(NULL_PAGE) for group_tables in tables for t in group_tables])
+        sum([t.count(NULL_PAGE) for seq in running for t in records[seq.seq_id].tables])
         if bm.layout.windowed
         else 0
     )
-    logical_pages -= freed
+    logical_pages = bm.num_table_entries - freed  # only running sequences' tables hold entries
+    cached = bm.num_groups * computed - freed * P
     return dict(
         pages_used=logical_pages,
-        tokens_stored=stored - freed * P,
+        tokens_stored=cached,
         logical_pages=logical_pages,
-        tokens_cached_per_sequence=bm.num_groups * sum(computed) - freed * P,
+        tokens_cached_per_sequence=cached,
         window_freed_pages=freed,
     )
 

@@ -22,12 +22,12 @@ from .attention import (
     int_tensor,
     products_as_generate,
 )
-from .block_table_buffer import slot_pages
 from .input_batch import InputBatch
 from .kv_cache import text_config
 from .model_plan import ModelPlan
 from .multimodal import EncoderCache
-from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .scheduler_output import SchedulerOutput
+from .staging import StepStaging
 from .state_cache import StateCache, StepStates
 
 
@@ -67,32 +67,37 @@ class ModelRunner:
         self.batch = InputBatch(
             2 * max_num_seqs, num_groups=spec.groups.num_groups, pin=self.device.type == "cuda"
         )
+        self.staging = StepStaging(spec.groups.num_groups, self.device)  # a step's per-token tensors
 
     def prepare(
-        self, scheduled: list[ScheduledSequence]
+        self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | int, list | None]:
         """The step's tensors and metadata, the tokens whose logits are needed as the model's `logits_to_keep`
         takes them (0 for every token: a decode step where each sequence samples, no index, no copy of the
         hidden states; their indices otherwise, none an empty tensor), and for a vision-language model each
         sequence's (req_id, images, start, end) in packed order (None: a text model). Everything comes from the
         runner's batch and the plan's fields: no live Sequence is read here."""
-        # every step, for every sequence: kept lean (host time per step, bench/host.py)
-        batch = self.batch
+        # every step, for every sequence: kept lean (host time per step, bench/host.py); per-sequence values are
+        # numpy arrays over the batch's rows, staged in persistent buffers (staging.py)
+        scheduled, batch, stage = plan.scheduled, self.batch, self.staging
         rows = batch.rows([s.req_id for s in scheduled])
-        starts = batch.num_computed[rows].tolist()  # where each row's step begins
-        if sum([s.num_new_tokens for s in scheduled]) == len(scheduled) and not any(
-            [s.prompt_logprob_positions for s in scheduled]
-        ):  # decode-only (the common step): one token per sequence, at its start
-            input_ids = batch.decode_ids(rows, starts)
-            positions = starts
-            query_lens = [1] * len(scheduled)
-            context_lens = [p + 1 for p in starts]
-            logits_index = [i for i, s in enumerate(scheduled) if s.needs_sample_logits]
+        starts = batch.num_computed[rows]  # where each row's step begins
+        num_seqs = len(scheduled)
+        if plan.num_batched_tokens == num_seqs and not plan.scores_prompts:
+            # decode-only (the common step): one token per sequence, at its start
+            input_ids, positions, token_rows = batch.decode_ids(rows, starts), starts, rows
+            query_lens = [1] * num_seqs
+            ends = starts + 1
+            logits_index = (
+                None
+                if plan.num_generating == num_seqs  # each samples: every token's logits
+                else [i for i, s in enumerate(scheduled) if s.needs_sample_logits]
+            )
         else:
             pieces, positions, logits_index, products = [], [], [], []
             query_lens = [s.num_new_tokens for s in scheduled]
-            context_lens = [p + n for p, n in zip(starts, query_lens)]
-            for s, row, start, end in zip(scheduled, rows, starts, context_lens):
+            for s, row, start in zip(scheduled, rows.tolist(), starts.tolist()):
+                end = start + s.num_new_tokens
                 if self.generate_products:
                     products += products_as_generate(start, end, batch.num_prompt_tokens[row])
                 if s.prompt_logprob_positions:
@@ -101,26 +106,26 @@ class ModelRunner:
                 positions += range(start, end)
                 if s.needs_sample_logits:
                     logits_index.append(len(positions) - 1)
-            input_ids = np.concatenate(pieces)
+            input_ids, positions = np.concatenate(pieces), np.array(positions, dtype=np.int64)
+            token_rows = np.repeat(rows, query_lens)
+            ends = starts + query_lens
         dev, P = self.device, self.page_size
-        host_positions = int_tensor(positions)
-        page_index = host_positions // P  # each token's page in its sequence's table
-        offsets = (host_positions % P).to(dev)  # and its place in that page: every group's
-        step = StepMetadata(query_lens, context_lens, host_positions.to(dev), dev)
+        stage.begin()
+        context_lens = ends.tolist()
+        step = StepMetadata(query_lens, context_lens, stage.positions.put(positions), dev)
         if self.generate_products and not step.decode_only:
             step.generate_products = products
-        if (
-            self.lora is not None
-        ):  # the step's tokens by adapter (none: the base model's alone, nothing added)
+        # the step's tokens by adapter (none: the base model's alone, nothing added)
+        if self.lora is not None:
             adapters = batch.adapters
             step.lora = self.lora.step_batch([adapters[r] for r in rows], query_lens, len(positions))
-        batch.computed(rows, context_lens)
-        batch.block_tables.write(rows, [s.new_block_ids for s in scheduled])
+        batch.computed(rows, ends)
+        if plan.tables_changed:
+            batch.block_tables.write(rows.tolist(), [s.new_block_ids for s in scheduled])
         tables = batch.block_tables.step_tables(rows)
-        if step.decode_only:  # token i is sequence i's
-            token_seq = step.decode_index  # 0..S-1
-        else:
-            token_seq = torch.repeat_interleave(torch.arange(len(scheduled)), int_tensor(query_lens))
+        page_index = positions // P  # each token's page in its sequence's table
+        offsets = stage.slot_offsets.put(positions % P)  # and its place in that page: every group's
+        starts = starts.tolist()
         images = self._image_blocks(rows, starts, query_lens)
         groups = [
             GroupMetadata(
@@ -128,7 +133,7 @@ class ModelRunner:
                 self.kinds[g],
                 P,
                 table,
-                slot_pages(table, token_seq, page_index).to(dev),
+                stage.slot_pages[g].put(batch.block_tables.pages(g, token_rows, page_index)),
                 offsets,
                 images if images and self.image_blocks.applies(self.kinds[g]) else None,
                 self.token_terms[g],
@@ -150,17 +155,18 @@ class ModelRunner:
             )
             rotary = self.rope.step_embeddings(list(spans), step.positions)
         meta = AttentionMetadata(self.services, step, groups, states, self.dtype, rotary)
-        ids = torch.from_numpy(input_ids).to(dev)[None]
+        ids = stage.input_ids.put(input_ids)[None]
+        stage.end()
         pos = step.positions[None]
         chunks = None
         if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
             chunks = [
                 (s.req_id, batch.images[r], a, a + n)
-                for s, r, a, n in zip(scheduled, rows, starts, query_lens)
+                for s, r, a, n in zip(scheduled, rows.tolist(), starts, query_lens)
             ]
             if self.mrope is not None:  # [3, 1, T]
                 pos = self.mrope.step_positions(pos[0], chunks)
-        if len(logits_index) == len(input_ids):  # every token's, in order: the model keeps them all
+        if logits_index is None or len(logits_index) == len(input_ids):  # every token's, in order: all kept
             return ids, pos, meta, 0, chunks
         return ids, pos, meta, int_tensor(logits_index, device=dev), chunks
 
@@ -192,7 +198,7 @@ class ModelRunner:
         (ScheduledSequence.prompt_logprob_positions), then its sampling position if it samples."""
         self.batch.add(plan.new_requests)
         with self.times("prepare"):
-            ids, pos, meta, logits_to_keep, chunks = self.prepare(plan.scheduled)
+            ids, pos, meta, logits_to_keep, chunks = self.prepare(plan)
         images = {}
         if self.encoder is not None:
             with self.times("encode"):

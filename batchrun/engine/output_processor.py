@@ -54,30 +54,14 @@ class OutputProcessor:
         with times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
             # the positions scoring prompt tokens were fixed when the step was planned (ScheduledSequence):
             # scoring them changes what is left to score
-            if any(s.prompt_logprob_positions for s in plan.scheduled):
+            if plan.scores_prompts:
                 self._score_prompts(plan, logits)
-            sampling, rows = [], []  # sequences that sample, and the logits row each samples from
-            row = prompt_tokens = 0
-            # every step, for every sequence: kept lean (bench/host.py)
-            for s in plan.scheduled:
-                seq, start = s.seq, s.start
-                if start < len(seq.prompt_token_ids):
-                    prompt_tokens += min(len(seq.prompt_token_ids), start + s.num_new_tokens) - start
-                row += len(s.prompt_logprob_positions)
-                if s.needs_sample_logits:
-                    sampling.append(seq)
-                    rows.append(row)
-                    if seq.num_siblings_to_fork:
-                        for child in self._fork_siblings(seq):
-                            sampling.append(child)
-                            rows.append(row)
-                            result.forks.append((seq.seq_id, child.seq_id))
-                    row += 1
-                elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
-                    seq.finish_reason = "length"
-                    self.scheduler.finish(seq)
-                    result.finished.append(seq)
-            result.num_prompt_tokens += prompt_tokens
+            if plan.num_generating == len(plan.scheduled):
+                # each sequence samples its next generated token (the common step): a logits row each, in order,
+                # no prompt token to count or score, no sample to fork, none done unsampled
+                sampling, rows = [s.seq for s in plan.scheduled], None
+            else:
+                sampling, rows = self._sampling_rows(plan, result)
             tokens = self._sample(logits, rows, sampling) if sampling else []
             result.sampled = ([seq.seq_id for seq in sampling], tokens)
         with times("finish"):
@@ -93,10 +77,36 @@ class OutputProcessor:
                     self.scheduler.recompute(seq)  # Phi-3's LongRoPE switch (per_sequence_rope.py)
             result.num_generated += len(tokens)
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], sampling: list[Sequence]) -> list[int]:
-        """One token for each sampling sequence, from its logits row (grammar-masked where it has one); the
-        logprobs rows asked for, from the raw logits."""
-        if rows == list(range(logits.shape[0])):
+    def _sampling_rows(self, plan: SchedulerOutput, result) -> tuple[list[Sequence], list[int]]:
+        """The sequences that sample (forked samples of a prompt just prefilled among them) and the logits row
+        each samples from; the prompt tokens computed counted and scoring sequences finished, into `result`."""
+        sampling, rows = [], []  # sequences that sample, and the logits row each samples from
+        row = prompt_tokens = 0
+        for s in plan.scheduled:  # every step, for every sequence: kept lean (bench/host.py)
+            seq, start = s.seq, s.start
+            if start < len(seq.prompt_token_ids):
+                prompt_tokens += min(len(seq.prompt_token_ids), start + s.num_new_tokens) - start
+            row += len(s.prompt_logprob_positions)
+            if s.needs_sample_logits:
+                sampling.append(seq)
+                rows.append(row)
+                if seq.num_siblings_to_fork:
+                    for child in self._fork_siblings(seq):
+                        sampling.append(child)
+                        rows.append(row)
+                        result.forks.append((seq.seq_id, child.seq_id))
+                row += 1
+            elif s.samples:  # a scoring sequence (max_new_tokens 0): its prompt is scored, it is done
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                result.finished.append(seq)
+        result.num_prompt_tokens += prompt_tokens
+        return sampling, rows
+
+    def _sample(self, logits: torch.Tensor, rows: list[int] | None, sampling: list[Sequence]) -> list[int]:
+        """One token for each sampling sequence, from its logits row (grammar-masked where it has one; `rows`
+        None: row i is sequence i's); the logprobs rows asked for, from the raw logits."""
+        if rows is None or rows == list(range(logits.shape[0])):
             sample_logits = logits  # one row each, in order: no copy (at 256 rows it is 50 MB)
         else:  # siblings share their parent's row; scoring rows come first
             sample_logits = logits[torch.tensor(rows, device=logits.device)]
@@ -143,6 +153,7 @@ class OutputProcessor:
                 sample_index=i,
             )
             child.output_token_ids = list(parent.output_token_ids)
+            child.reserved_tokens = parent.reserved_tokens
             child.images = parent.images
             child.adapter = parent.adapter
             if parent.prompt_logprobs is not None:

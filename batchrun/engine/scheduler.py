@@ -103,7 +103,8 @@ class Scheduler:
         if not out.preempted:
             budget = self._swap_in(out, budget)
             if not self.swapped:
-                self._admit_waiting(out, budget)
+                budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget  # every path takes its tokens
         if any([s.seq.adapter is not None for s in out.scheduled]):
             # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which
             # every adapted layer reads as a slice (no gather, no scatter); the order of a step's sequences
@@ -155,6 +156,7 @@ class Scheduler:
         plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
         scheduled, slot_of = out.scheduled, kv.slot_of
+        decodes = 0
         for seq in list(running):  # a copy: preemption takes sequences off the end
             if budget <= 0:
                 break
@@ -169,6 +171,7 @@ class Scheduler:
                             register(seq, start + 1)
                         scheduled.append(ScheduledSequence.decode(seq, start, slot_of(seq)))
                         budget -= 1
+                        decodes += 1
                         continue
             n = self._chunk(seq, budget, out)
             if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
@@ -180,6 +183,7 @@ class Scheduler:
                 victim = next(reversed(self.running))  # the most recently admitted
                 self._preempt(victim, out)
                 if victim is seq:
+                    out.num_generating += decodes
                     return budget  # it preempted itself: every sequence after it is gone already
                 need = bm.num_pages_to_grow(seq, n)
             if need:  # most decodes write into a page they already own: nothing to grow
@@ -187,6 +191,7 @@ class Scheduler:
             else:
                 self._planned(seq, n, out)
             budget -= n
+        out.num_generating += decodes
         return budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -198,9 +203,12 @@ class Scheduler:
         if self.encoder is not None:
             self.encoder.take(seq, start, n)
         self.kv.planned(seq, start + n)
-        out.scheduled.append(
-            ScheduledSequence(seq, n, start, self.kv.take_new_block_ids(seq), self.kv.slot_of(seq))
-        )
+        s = ScheduledSequence(seq, n, start, self.kv.take_new_block_ids(seq), self.kv.slot_of(seq))
+        out.scheduled.append(s)
+        if s.samples and start >= len(seq.prompt_token_ids):  # generated tokens only (one, unless recomputed)
+            out.num_generating += 1
+        out.scores_prompts = out.scores_prompts or bool(s.prompt_logprob_positions)
+        out.tables_changed = out.tables_changed or s.new_block_ids is not None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         del self.running[seq]
@@ -255,7 +263,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         adapters = self._running_adapters()
         while self.waiting and budget > 0:
             seq = self._next_waiting(adapters)
@@ -287,6 +295,7 @@ class Scheduler:
             out.new_requests.append(NewRequest.of(seq))
             self._planned(seq, n, out)
             budget -= n
+        return budget
 
     def _next_waiting(self, adapters: set[int]) -> Sequence | None:
         """The next sequence to admit: the oldest waiting one, unless its LoRA adapter would make one more than a

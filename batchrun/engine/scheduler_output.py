@@ -84,10 +84,14 @@ class SchedulerOutput:
     state_forks: list[StateCopy] = field(default_factory=list)
     state_swap_out: list[StateCopy] = field(default_factory=list)
     state_swap_in: list[StateCopy] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    # what the scheduler counts as it plans, so that the runner, the output processor and the statistics need
+    # not pass over `scheduled` to learn it (every step): the tokens computed, the sequences that compute only
+    # generated tokens and sample (one logits row each, no prompt token to count or score, no sample to fork),
+    # whether a prompt position is scored, and whether a block table changed
+    num_batched_tokens: int = 0
+    num_generating: int = 0
+    scores_prompts: bool = False
+    tables_changed: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -42,6 +42,9 @@ class Sequence:
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
     images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
     adapter: int | None = None  # its LoRA adapter's id (lora.py); None: the base model
+    # prompt + max_new_tokens within the context limit: the tokens a contiguous reservation would hold for it
+    # (set where the engine makes it; the statistics sum it over the running sequences every step)
+    reserved_tokens: int = 0
 
     @property
     def cache_salt(self) -> bytes | None:
