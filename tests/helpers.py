@@ -105,6 +105,17 @@ def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192,
     return Engine(loaded, EngineConfig(**cfg), torch.device("cpu"))
 
 
+def save_with_tokenizer(model, target: Path, model_dir) -> Path:
+    """`model` saved as a model directory at `target`, with the embedded model's tokenizer files beside it."""
+    import shutil
+
+    model.save_pretrained(target)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, target / f.name)
+    return target
+
+
 def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
     """A random-weight model from a config, with batchrun's attention as the engine loads a model directory's
     (the tests' architecture matrix)."""

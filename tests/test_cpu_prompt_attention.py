@@ -1,7 +1,6 @@
 """The bf16 prompt attention kernel (cpu_prompt_attention.cpp) against plain PyTorch: fp32 arithmetic on the same
 bf16 inputs, a softmax over the keys masks.py's `MaskKind.visible` lets each query see."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -183,8 +182,7 @@ def test_unsupported_head_dims_are_refused():
 def saved_tiny(tmp_path, family: str, model_dir, **overrides):
     """A tiny bf16-able model of `family` (head dim 64, three query heads per KV head), saved with the default
     model's tokenizer."""
-    import shutil
-
+    from helpers import save_with_tokenizer
     from model_families import perturb, tiny_config
     from transformers import AutoModelForCausalLM
 
@@ -195,12 +193,7 @@ def saved_tiny(tmp_path, family: str, model_dir, **overrides):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family, {**shape, **overrides}))
     perturb(model, seed=0)
-    target = tmp_path / family
-    model.save_pretrained(target)
-    for f in Path(model_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, target / f.name)
-    return target
+    return save_with_tokenizer(model, tmp_path / family, model_dir)
 
 
 class Counting:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import paged_model_from_config, run_engine
+from helpers import paged_model_from_config, run_engine, save_with_tokenizer
 from model_families import REFUSED, SUPPORTED, WINDOW, perturb, tiny_config
 
 from batchrun.engine import SamplingParams
@@ -248,18 +248,11 @@ def test_readme_table_is_generated_from_the_matrix():
 
 def saved_model(tmp_path, family: str, overrides: dict, model_dir) -> Path:
     """A tiny model of `family` saved as a model directory, with the embedded model's tokenizer."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family, {**overrides, "vocab_size": 49152})
     model = AutoModelForCausalLM.from_config(cfg)
-    target = tmp_path / family
-    model.save_pretrained(target)
-    for f in Path(model_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, target / f.name)
-    return target
+    return save_with_tokenizer(model, tmp_path / family, model_dir)
 
 
 def test_a_refused_model_is_exit_2_at_load_naming_it(tmp_path, model_dir):

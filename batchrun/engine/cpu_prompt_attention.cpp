@@ -28,7 +28,7 @@
 
 #include <vector>
 
-#include "cpu_vector.h"  // exp_nonpositive (its polynomial, 16 lanes at once below)
+#include "cpu_vector.h"  // exp_nonpositive, exp_nonpositive16
 
 namespace {
 
@@ -39,21 +39,6 @@ constexpr int kBlock = 16;    // keys per vector (one dpbf16 lane per key)
 constexpr int kKeys = 64;     // keys per block of the online softmax
 constexpr int kQueries = 16;  // queries per task
 constexpr int kMaxRows = kQueries * 16;  // rows of a tile: queries times GQA heads (GQA up to 16)
-
-// e^x for x <= 0, 16 lanes: exp_nonpositive's polynomial, 2^i by scalef
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, i);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, i);
-}
 
 inline __m512i bcast_pair(const at::BFloat16* x) {  // two bf16 as one 32-bit lane, in every lane
   int32_t pair;
@@ -191,9 +176,9 @@ void attend_tile(const Layer& L, Tile<D>& w, int64_t s, int64_t h, int64_t q0, i
       for (int c = 0; c < kKeys / kBlock; c += 2) {  // masked keys (-inf) exactly 0
         const __m512 x0 = _mm512_loadu_ps(sr + c * kBlock), x1 = _mm512_loadu_ps(sr + (c + 1) * kBlock);
         const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                              exp16(_mm512_sub_ps(x0, mv)));
+                                              exp_nonpositive16(_mm512_sub_ps(x0, mv)));
         const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                              exp16(_mm512_sub_ps(x1, mv)));
+                                              exp_nonpositive16(_mm512_sub_ps(x1, mv)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
         const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // p0 in the low half: keys in order
         _mm512_storeu_si512(w.probs(r) + c * kBlock, (__m512i)pb);
