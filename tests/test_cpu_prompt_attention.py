@@ -1,7 +1,6 @@
 """The bf16 prompt attention kernel (cpu_prompt_attention.cpp) against plain PyTorch: fp32 arithmetic on the same
 bf16 inputs, a softmax over the keys masks.py's `MaskKind.visible` lets each query see."""
 
-
 import pytest
 import torch
 
@@ -220,7 +219,12 @@ def prompt_logprobs(llm, prompts) -> list[torch.Tensor]:
 @needs_bf16
 @pytest.mark.parametrize(
     "family,overrides",
-    [("llama", {}), ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1))],
+    [
+        ("llama", {}),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)),
+        ("gemma2", dict(sliding_window=32, num_hidden_layers=2, attn_logit_softcapping=5.0)),  # soft-capping
+        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=32)),  # sinks per head
+    ],
 )
 def test_a_bf16_llm_takes_the_kernel_within_bf16_tolerance_of_hf(tmp_path, model_dir, family, overrides):
     """Whole prompts, later chunks (48 tokens a step) and prompts behind shared pages through the kernel: their

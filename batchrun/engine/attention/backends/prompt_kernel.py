@@ -2,8 +2,8 @@
 computing several tokens (a whole prompt, a later chunk, a prompt behind cached pages) in one call per layer, its
 K/V read in the pages, where SDPA (prompts.py) ran once per prompt and gained nothing from bf16. Where the kernel
 does not apply the prompts stay on SDPA: fp32 (its tokens equal HF generate's, a promise) and fp16 pages, a build
-without AVX512-BF16, head dims it does not take, image blocks (bidirectional within an image), per-token terms,
-and groups with layers that run the eager reference (soft-capping, sinks: GroupMetadata.eager)."""
+without AVX512-BF16, head dims it does not take, image blocks (bidirectional within an image) and per-token
+terms. Soft-capping and a sink logit per head (the layers SDPA leaves to the eager reference) are the kernel's."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def kernel_groups(layers: AttentionLayers, kernel) -> tuple[bool, ...]:
 
 def takes_kernel(group: GroupMetadata, groups: tuple[bool, ...]) -> bool:
     """Whether this step's prompts of the group go to the kernel (`groups`: kernel_groups)."""
-    return groups[group.group] and group.image_blocks is None and not group.token_terms and not group.eager
+    return groups[group.group] and group.image_blocks is None and not group.token_terms
 
 
 class StepPrompts:
