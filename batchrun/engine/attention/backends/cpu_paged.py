@@ -56,14 +56,15 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
                 self.first_keys[kind] = (
                     None if kind.is_full else kind.first_keys(step.decode_context_lens - 1)
                 )
-        kernel = [takes_kernel(g, backend.prompt_groups) for g in groups]
-        self.prompt_masks = step_prompt_masks(step, [g for g, k in zip(groups, kernel) if not k])
-        self.step_prompts = StepPrompts(step) if step.prompts and any(kernel) else None
+        # the groups whose prompts take the C++ prompt kernel this step, decided once here for `build`
+        self.kernel_groups = {g.group for g in groups if takes_kernel(g, backend.prompt_groups)}
+        self.prompt_masks = step_prompt_masks(step, [g for g in groups if g.group not in self.kernel_groups])
+        self.step_prompts = StepPrompts(step) if step.prompts and self.kernel_groups else None
 
     def build(self, group: GroupMetadata) -> TorchPlan:
         step = self.step
         prompts = prefills = None
-        if self.step_prompts is not None and takes_kernel(group, self.backend.prompt_groups):
+        if self.step_prompts is not None and group.group in self.kernel_groups:
             prompts, prefills = self.step_prompts.plan(group), []
         else:
             prefills = prompt_plans(step, group, self.prompt_masks)
