@@ -114,13 +114,18 @@ def make_llm(dtype: str, max_tokens: int):
     return LLM(dtype=dtype, device="cpu", prefix_sharing=False, max_num_batched_tokens=max_tokens)
 
 
-def one_step(llm, prompts: list[list[int]], scopes: Scopes) -> tuple[float, int]:
-    """W queued, its first step run and timed, the queue dropped: (thread CPU seconds, tokens computed)."""
+def one_step(llm, prompts: list[list[int]], scopes: Scopes, decode: bool = False) -> tuple[float, int]:
+    """W queued, its first step (or with `decode`, its first step where every sequence decodes) run and timed,
+    the queue dropped: (thread CPU seconds, tokens computed)."""
     from batchrun import SamplingParams
 
     engine = llm.engine
     for ids in prompts:
-        engine.add(ids, SamplingParams(max_new_tokens=64))
+        engine.add(ids, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    if decode:  # the steps that prefill, untimed (their hooks still count: cleared below)
+        while engine.step().plan.num_generating < len(prompts):
+            pass
+        scopes.times.clear()
     t0 = time.thread_time()
     result = engine.step()
     spent = time.thread_time() - t0
@@ -128,7 +133,9 @@ def one_step(llm, prompts: list[list[int]], scopes: Scopes) -> tuple[float, int]
     return spent, result.plan.num_batched_tokens
 
 
-def profile(llms: dict[str, object], prompts, repeat: int) -> dict[str, list[dict[str, float]]]:
+def profile(
+    llms: dict[str, object], prompts, repeat: int, decode: bool = False
+) -> dict[str, list[dict[str, float]]]:
     """Each engine's step `repeat` times, alternated: per engine, one {group: seconds} per run."""
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in llms}
     scopes = {label: Scopes() for label in llms}
@@ -142,7 +149,7 @@ def profile(llms: dict[str, object], prompts, repeat: int) -> dict[str, list[dic
             s.times.clear()
             # the rotary and attention wrappers are per process: point them at this engine's scopes
             hook_functions(llms[label].engine.runner.model, s)
-            spent, tokens = one_step(llms[label], prompts, s)
+            spent, tokens = one_step(llms[label], prompts, s, decode)
             times = dict(s.times)
             times["host (outside the forward)"] = spent - sum(times.values())
             times["step"], times["tokens"] = spent, tokens
@@ -188,6 +195,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--compare", action="store_true", help="as loaded against HF's elementwise modules")
+    ap.add_argument("--decode", action="store_true", help="time W's first step where every sequence decodes")
     a = ap.parse_args()
     print(f"threads: {torch.get_num_threads()} (set OMP_NUM_THREADS=1 for CPU time to be the work)")
     llms = {"as loaded": make_llm(a.dtype, a.max_num_batched_tokens)}
@@ -199,9 +207,9 @@ def main() -> None:
         print(f"undone on the second engine: {undone} modules")
     prompts = chat_ids(llms["as loaded"].tokenizer, reference_prompts())
     load0 = os.getloadavg()[0]
-    runs = profile(llms, prompts, a.repeat)
+    runs = profile(llms, prompts, a.repeat, a.decode)
     print(
-        f"{a.dtype}, sharing off, W ({sum(map(len, prompts))} prompt tokens), load {load0:.2f} -> "
+        f"{a.dtype}, sharing off, W ({sum(map(len, prompts))} prompt tokens), {'a decode' if a.decode else 'the first'} step, load {load0:.2f} -> "
         f"{os.getloadavg()[0]:.2f}"
     )
     table(runs)
