@@ -5,7 +5,8 @@ and `max_num_seqs` texts), runs the stock base model (`AutoModel`: BERT, XLM-R, 
 batchrun's attention function, the generation engine's, given the step's packed layout (attention/packed.py: each
 text attends only to itself, no K/V kept), positions restarting at 0
 for every text, and pools each text's token states as the checkpoint says (`PoolingPlan`): pooling, then its
-Dense and Normalize modules, then Matryoshka truncation. No K/V is kept: a text is done when its step is.
+Dense and Normalize modules, then Matryoshka truncation, in fp32 whatever the model's dtype (sentence_modules.py).
+No K/V is kept: a text is done when its step is.
 
 The tokens are sentence-transformers': the prompt put before the text, the tokenizer's special tokens (an
 end-of-text appended where its post-processor appends one, as Qwen3-Embedding's does), cut at the longest text
@@ -24,15 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import BadInput
-from . import cpu_linear, fused_linear
+from . import cpu_linear, fused_elementwise, fused_linear
 from .architecture import inspect_model, rope_types
 from .attention import ATTENTION_NAME, METADATA_KEYWORD, PackedLayout, UnsupportedModel, int_tensor, register
 from .per_sequence_rope import LENGTH_DEPENDENT_ROPE
 from .pooler import PoolingPlan
-from .sentence_config import DenseLayer
+from .sentence_modules import after_pooling, load_modules, pool
 
 
 @dataclass
@@ -105,6 +105,8 @@ class PoolingRunner:
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
+        # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's (never in fp32)
+        self.fused_elementwise = fused_elementwise.fuse(self.model, dtype) if device.type == "cpu" else 0
         config = self.model.config
         self.position_offset = position_offset(self.model)
         max_positions = getattr(config, "max_position_embeddings", None)
@@ -117,7 +119,7 @@ class PoolingRunner:
             )
         self.pair_max_length = plan.pair_max_length or self.max_length
         self.takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
-        self.dense = [_load_dense(m, dtype, device) if isinstance(m, DenseLayer) else m for m in plan.after]
+        self.dense = load_modules(plan.after, device)  # fp32, as the pooling (sentence_modules.py)
         self.prompt_length = (
             self._prompt_length(plan.prompt) if plan.prompt and not plan.include_prompt else 0
         )
@@ -222,11 +224,11 @@ class PoolingRunner:
         return self._heads(hidden, texts, layout)
 
     def _heads(self, hidden: torch.Tensor, texts: list[PooledText], layout: PackedLayout) -> torch.Tensor:
-        """Each text's vector from its token states: pooled, then the checkpoint's Dense and Normalize."""
+        """Each text's fp32 vector from its token states: pooled, then the checkpoint's Dense and Normalize."""
         pooled = torch.stack(
             [pool(hidden[a:b], self.plan.modes, t.prompt_tokens) for t, (a, b) in zip(texts, layout.spans())]
         )
-        return self._after_pooling(pooled)
+        return after_pooling(pooled, self.dense, self.plan.dimensions, self.plan.normalize_output)
 
     def _forward(
         self, token_lists: list[list[int]], type_lists: list[list[int] | None] | None = None
@@ -246,15 +248,6 @@ class PoolingRunner:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         out = self.model(**inputs, use_cache=False, **{METADATA_KEYWORD: layout})
         return out.last_hidden_state[0], layout
-
-    def _after_pooling(self, x: torch.Tensor) -> torch.Tensor:
-        for module in self.dense:
-            x = F.normalize(x, p=2, dim=-1) if module == "normalize" else module(x)
-        if self.plan.dimensions is not None:
-            x = x[:, : self.plan.dimensions]
-        if self.plan.normalize_output:
-            x = F.normalize(x, p=2, dim=-1)
-        return x
 
     def _probe(self) -> None:
         """The load's checks: the engine's own probe (architecture.inspect_model: every layer reaches batchrun's
@@ -306,63 +299,6 @@ class PoolingRunner:
                 f"{name} cannot run on batchrun: a text's token states change beside another text in one packed "
                 "row (something in the model reaches across texts besides attention)"
             )
-
-
-def pool(hidden: torch.Tensor, modes: tuple[str, ...], prompt_tokens: int) -> torch.Tensor:
-    """One text's vector from its token states [n, H], as sentence-transformers' Pooling computes it for that
-    text alone: each mode over the tokens after the first `prompt_tokens` (0: every token), concatenated."""
-    n = hidden.shape[0]
-    first = prompt_tokens if prompt_tokens < n else n  # a text of prompt alone pools nothing (as theirs)
-    kept = hidden[first:]
-    out = []
-    for mode in modes:
-        if mode == "cls":
-            out.append(hidden[first if first < n else 0])
-        elif mode == "lasttoken":
-            out.append(hidden[n - 1])
-        elif mode == "max":
-            out.append(kept.max(dim=0).values if len(kept) else torch.full_like(hidden[0], float("-inf")))
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            count = torch.tensor(float(len(kept)), dtype=torch.float32).clamp(min=1e-9)
-            total = kept.sum(dim=0, dtype=torch.float32)
-            out.append((total / (count if mode == "mean" else count.sqrt())).to(hidden.dtype))
-        elif mode == "weightedmean":
-            weights = torch.arange(first + 1, n + 1, dtype=torch.float32, device=hidden.device)[:, None]
-            total = (kept.float() * weights).sum(dim=0)
-            out.append((total / weights.sum().clamp(min=1e-9)).to(hidden.dtype))
-        else:  # PoolingPlan's modes are checked against sentence_config.POOLING_MODES
-            raise ValueError(f"pooling mode {mode!r}")
-    return torch.cat(out)
-
-
-class _Dense(torch.nn.Module):
-    """sentence-transformers' Dense: a linear layer, then its activation."""
-
-    def __init__(self, layer: DenseLayer):
-        super().__init__()
-        self.linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
-        self.activation = torch.tanh if layer.activation == "tanh" else (lambda x: x)
-
-    def forward(self, x):
-        return self.activation(self.linear(x))
-
-
-def _load_dense(layer: DenseLayer, dtype, device) -> _Dense:
-    module = _Dense(layer)
-    weights = layer.folder / "model.safetensors"
-    if weights.is_file():
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights))
-    elif (layer.folder / "pytorch_model.bin").is_file():
-        state = torch.load(layer.folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise BadInput(f"model.path: the Dense module in {layer.folder} has no weights (model.safetensors)")
-    try:
-        module.linear.load_state_dict({k.removeprefix("linear."): v for k, v in state.items()})
-    except RuntimeError as e:
-        raise BadInput(f"model.path: the Dense module in {layer.folder}: {e}") from None
-    return module.to(device=device, dtype=dtype).eval()
 
 
 def load_pooling_model(
