@@ -168,6 +168,23 @@ def load_runner(
     )
 
 
+def fp32_sample_of(spec: JobSpec, runner):
+    """A bf16/fp16 job's fp32_sample.Fp32Sample: its first texts pooled again by the checkpoint loaded in fp32
+    on the job's device, with the job's pooling (None for an fp32 job)."""
+    import torch
+
+    from .fp32_sample import Fp32Sample
+
+    if runner.dtype == torch.float32:
+        return None
+    model = dataclasses.replace(spec.model, dtype="float32")
+    placement = Placement(runner.device, torch.float32)
+    return Fp32Sample(
+        lambda: load_runner(model, spec.engine, spec.pooler, spec.source_file, placement, spec.task),
+        spec.task,
+    )
+
+
 def text_of(value, what: str = "text") -> str:
     """A row's text to pool; ValueError for one that is not a string (`what`: what the text is called in the
     error, the job's column). An empty or blank text is a text: sentence-transformers and transformers tokenize it
@@ -232,6 +249,8 @@ class PoolingWorker:
     def step(self) -> list[list[OutputRow]]:
         result = self.runner.step()
         self.stats.record(result)
+        if self.stats.sample is not None:  # a bf16/fp16 job's first texts pooled again in fp32
+            self.stats.sample.take(result.finished)
         return [[self._row(text, vector)] for text, vector in result.finished]
 
     def _row(self, text, vector) -> OutputRow:

@@ -55,6 +55,20 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
+def _fp32_sample(sample: dict) -> str:
+    """A bf16/fp16 pooling job's `fp32_sample` in words (fp32_sample.py)."""
+    if sample.get("error"):
+        return f"no sample: {sample['error']}"
+    rows = sample["rows"]
+    named = ", ".join(map(str, rows[:4])) + (", ..." if len(rows) > 4 else "")
+    out = f"{len(rows)} texts pooled again in fp32 ({named}; {sample['seconds']:.1f} s)"
+    if sample.get("cosine_min") is not None:
+        out += f": cosine min {sample['cosine_min']:.6f}, mean {sample['cosine_mean']:.6f}"
+    if sample.get("score_max_abs_diff") is not None:
+        out += f"; scores within {sample['score_max_abs_diff']:.2e}"
+    return out
+
+
 def format_summary(s: dict) -> str:
     lines = [
         (
@@ -95,6 +109,8 @@ def format_summary(s: dict) -> str:
                 f"(as sentence-transformers batches), {computed + s.get('padding_tokens_sorted', 0)}",
             ),
         ]
+        if s.get("fp32_sample"):
+            lines.append(("against fp32", _fp32_sample(s["fp32_sample"])))
         return _table(lines)
     lines += [
         ("generated tokens", f"{s['generated_tokens']} ({s['generated_tokens_per_s']:.1f}/s)"),

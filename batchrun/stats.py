@@ -62,9 +62,30 @@ COLUMNS = [
 ]
 FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
 
+
+def merge_fp32_samples(samples: list) -> dict | None:
+    """Summaries' `fp32_sample`s (fp32_sample.Fp32Sample.summary; None or 0 where a run sampled nothing) as one:
+    their rows one after another, the min of their mins, their means weighted by their rows compared, the largest
+    score difference, their seconds added, and the first error."""
+    present = [s for s in samples if s]
+    if not present:
+        return None
+    compared = [(len(s["rows"]), s) for s in present if s.get("cosine_mean") is not None]
+    counted = sum(n for n, _ in compared)
+    diffs = [s["score_max_abs_diff"] for s in present if s.get("score_max_abs_diff") is not None]
+    return {
+        "rows": [row for s in present for row in s["rows"]],
+        "cosine_min": min((s["cosine_min"] for _, s in compared), default=None),
+        "cosine_mean": sum(n * s["cosine_mean"] for n, s in compared) / counted if counted else None,
+        "score_max_abs_diff": max(diffs, default=None),
+        "seconds": sum(s.get("seconds", 0.0) for s in present),
+        "error": next((s["error"] for s in present if s.get("error")), None),
+    }
+
+
 # Every key of the summary, and how summaries combine: (side by side -- shards, replicas; one after another --
 # resumed runs). "sum"; "max"; "mean" (weighted by steps); "rate" (summed tokens over the combined wall time);
-# "first" (the same for all).
+# "first" (the same for all); a function: of the values, the combined one.
 SUMMARY_KEYS = {
     "wall_s": ("max", "sum"),  # the run after the model loaded
     "load_s": ("max", "sum"),  # loading the model (replicas load side by side)
@@ -121,6 +142,8 @@ SUMMARY_KEYS = {
     # and a run sorting the texts by length first, in batches of 32, as sentence-transformers' encode batches
     "padding_tokens_sorted": ("sum", "sum"),
     "truncated_rows": ("sum", "sum"),  # a pooling job's texts cut at the longest the model takes
+    # a bf16/fp16 pooling job's first texts pooled again in fp32 (fp32_sample.py), merged row for row
+    "fp32_sample": (merge_fp32_samples, merge_fp32_samples),
     # LoRA adapters (engine/lora.py): per adapter name, the rows finished, their prompt and generated tokens
     "adapter_rows": ("counts", "counts"),
     "adapter_prompt_tokens": ("counts", "counts"),
@@ -151,6 +174,8 @@ def combine(summaries: list[dict], sequential: bool = False) -> dict:
             out[key] = sum(v * s.get("steps", 0) for v, s in zip(values, summaries)) / steps
         elif how == "counts":  # {name: count}, added name by name
             out[key] = dict(sum((Counter(v or {}) for v in values), Counter()))
+        elif callable(how):
+            out[key] = how(values)
     wall = out["wall_s"]
     out["prompt_tokens_per_s"] = out["prompt_tokens"] / wall if wall else 0.0
     out["generated_tokens_per_s"] = out["generated_tokens"] / wall if wall else 0.0
@@ -407,6 +432,7 @@ class StatsCollector:
             "padding_tokens_avoided": 0,
             "padding_tokens_sorted": 0,
             "truncated_rows": 0,
+            "fp32_sample": None,
             **self._adapter_summary(),
             **self.engine.times.summary(),
         }
@@ -450,8 +476,10 @@ class PoolingStats:
     """A pooling job's statistics (task: embed): texts, tokens computed and the padding avoided, in the summary's
     keys (no per-step rows: there are no pages to watch)."""
 
-    def __init__(self, extra: dict | None = None, replica: int = 0, load_s: float = 0.0):
+    def __init__(self, extra: dict | None = None, replica: int = 0, load_s: float = 0.0, sample=None):
+        """`sample`: a bf16/fp16 job's fp32_sample.Fp32Sample (None: an fp32 job, or LLM's calls)."""
         self.extra = dict(extra or {})
+        self.sample = sample
         self.replica = replica
         self.load_s = load_s
         self.start = time.perf_counter()
@@ -485,6 +513,7 @@ class PoolingStats:
             padding_tokens_avoided=self.padding,
             padding_tokens_sorted=padding_sorted(self.lengths),
             truncated_rows=self.truncated,
+            fp32_sample=self.sample.summary() if self.sample is not None else None,
         )
         s.update(self.extra)
         return s

@@ -249,7 +249,7 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
 
 def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | None):
     """A pooling job's worker (pooling_worker.py), whose statistics carry the facts about it for the summary."""
-    from .pooling_worker import PoolingWorker, load_runner
+    from .pooling_worker import PoolingWorker, fp32_sample_of, load_runner
     from .stats import PoolingStats
 
     t0 = time.perf_counter()
@@ -263,8 +263,10 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "model": spec.model.path,
         "packed_weights": runner.packed_weights,
         "fused_products": runner.fused_products,
+        "fused_elementwise": runner.fused_elementwise,
     }
-    stats = PoolingStats(extra=facts, replica=replica, load_s=time.perf_counter() - t0)
+    load_s = time.perf_counter() - t0
+    stats = PoolingStats(extra=facts, replica=replica, load_s=load_s, sample=fp32_sample_of(spec, runner))
     inp = spec.input
     text = "body.input" if inp.openai_batch else f"column {inp.prompt_column!r}"
     pair = f"column {inp.pair_column!r}" if inp.pair_column else None

@@ -3,7 +3,7 @@ same token ids sentence-transformers' tokenizer makes, timed on `embed` alone. R
 environment (bench/vs_vllm.py says how to make it), never in batchrun's.
 
 Usage: VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 /tmp/vllm-venv/bin/python bench/vllm_embed_peer.py \
-           MODEL_DIR IDS.json RESULT.json
+           MODEL_DIR IDS.json RESULT.json [DTYPE]
 Writes RESULT.json (vLLM prints its own lines): embed seconds, start-up seconds (imports and load), the tokens,
 the first 50 vectors, and the peak RSS of this process and its engine process together (vLLM runs its engine in
 a child process, which this process's own peak would miss: both are sampled every 0.1 s).
@@ -35,12 +35,11 @@ def main() -> None:
     peak, stop = [0.0], threading.Event()
     threading.Thread(target=watch_rss, args=(peak, stop), daemon=True).start()
     model_dir, ids_file, result_file = sys.argv[1:4]
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"  # bench/embed.py's --dtype
     from vllm import LLM
 
     ids = json.loads(open(ids_file).read())
-    llm = LLM(
-        model=model_dir, runner="pooling", dtype="float32", enforce_eager=True, enable_prefix_caching=False
-    )
+    llm = LLM(model=model_dir, runner="pooling", dtype=dtype, enforce_eager=True, enable_prefix_caching=False)
     t_ready = time.perf_counter()
     t0 = time.perf_counter()
     outs = llm.embed([{"prompt_token_ids": x} for x in ids], use_tqdm=False)

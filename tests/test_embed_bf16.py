@@ -1,0 +1,177 @@
+"""Pooling jobs in bf16 (tasks embed and classify) against sentence-transformers and transformers in fp32, and
+the summary's `fp32_sample` recounted here: the sampled rows' cosines to the fp32 vectors, and a classifier's
+largest probability difference.
+
+The bounds. bf16 keeps 8 significant bits: each rounding moves a value by at most 2^-9 of it. A token state goes
+through a few dozen roundings in each of the tiny models' two or three layers (products, norms, residual adds,
+attention), and such errors, of either sign from component to component, add up roughly as the square root of
+their number: a few percent of the vector at most, and a cosine of 1 - e^2/2 for a relative error e, so 0.999
+(e about 4.5%) holds with room (the runs give about 0.9999); two texts' vectors of these models are much further
+apart (`test_bf16_embeddings_are_within_bf16_tolerance_of_fp32` checks that too, so the bound tells a text's
+vector from another's). A probability p = softmax(logits) moves by at most p(1-p) times twice a logit's error;
+the logits are the classifier head's products of a state with a few percent's error, so 0.02 (a quarter of the
+largest p(1-p) times 0.16) is met with room.
+"""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from embedding_models import save_bases, save_legacy_layout, save_sentence_model, save_sequence_classifier
+
+from batchrun.engine import cpu_kernels
+from batchrun.engine.sentence_modules import pool
+from batchrun.fp32_sample import SAMPLE_TEXTS
+from batchrun.job import run_job
+
+TEXTS = [
+    "the cats and dogs",
+    "rain on the sea is water",
+    "a",
+    "how many people call their dogs first",
+    "what do you know about the long day when the water came down " * 4,
+    "the sea and the rain",
+    "one word",
+    "he was there when the dogs came",
+    "find the passage about the sea",
+    "what is the time",
+    "they call it water",
+    "two dogs",
+]
+COSINE = 0.999  # per vector, the module docstring's bound
+PROBS = 0.02
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory, model_dir):
+    return save_bases(tmp_path_factory.mktemp("bases"), model_dir, ["bert"])
+
+
+def folder_of(bases, tmp_path, family):
+    if family == "qwen3":
+        return save_legacy_layout(
+            bases[family], tmp_path / "st", "lasttoken", normalize=True, max_seq_length=64
+        )
+    return save_sentence_model(bases[family], tmp_path / "st", pooling="mean", normalize=True)
+
+
+def fp32(folder, texts) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+
+
+def test_pooling_sums_a_bf16_texts_states_in_fp32():
+    """A mean over 500 bf16 states is the fp32 mean of those states (a bf16 result would keep 8 bits)."""
+    torch.manual_seed(0)
+    states = (torch.randn(500, 32) + 3).bfloat16()
+    want = states.double().mean(dim=0)
+    for mode in ("mean", "mean_sqrt_len_tokens", "weightedmean", "cls", "max", "lasttoken"):
+        assert pool(states, (mode,), 0).dtype == torch.float32
+    got = pool(states, ("mean",), 0)
+    assert ((got.double() - want).abs() <= want.abs() * 1e-6).all()
+    assert (pool(states, ("cls",), 0) == states[0].float()).all()
+
+
+@pytest.mark.parametrize("family", ["bert", "qwen3"])
+def test_bf16_embeddings_are_within_bf16_tolerance_of_fp32(bases, tmp_path, family):
+    from batchrun import LLM
+
+    folder = folder_of(bases, tmp_path, family)
+    llm = LLM(str(folder), dtype="bfloat16", device="cpu", runner="pooling")
+    runner = llm.pooling
+    assert runner.dtype == torch.bfloat16 and next(runner.model.parameters()).dtype == torch.bfloat16
+    if (
+        family == "qwen3" and cpu_kernels.load() is not None
+    ):  # RMSNorms and SiLU-and-mul fused, as generation's
+        assert runner.fused_elementwise > 0
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    got = torch.tensor([o.outputs.embedding for o in outs])
+    want = fp32(folder, TEXTS)
+    cosines = F.cosine_similarity(got, want)
+    assert (cosines >= COSINE).all(), cosines
+    others = F.cosine_similarity(got, want.roll(1, dims=0))  # each against another text's fp32 vector
+    assert (others < COSINE).all(), others
+
+
+def embed_job(folder, data, out, task="embed") -> dict:
+    return {
+        "name": "bf16",
+        "task": task,
+        "model": {"path": str(folder), "dtype": "bfloat16"},
+        "input": {"parquet": str(data), "id_column": "id"},
+        "engine": {"device": "cpu", "max_num_batched_tokens": 64},  # several steps
+        "output": {"path": str(out), "rows_per_part": 2},
+    }
+
+
+def write_texts(path, texts):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(texts))], "prompt": texts}), path)
+    return path
+
+
+def recount(sample: dict, rows: dict, want: dict) -> None:
+    """The summary's cosines against the written vectors and their fp32 vectors, computed here."""
+    cosines = [
+        F.cosine_similarity(torch.tensor(rows[i]["embedding"]), want[i], dim=0).item() for i in sample["rows"]
+    ]
+    assert abs(sample["cosine_min"] - min(cosines)) < 1e-5
+    assert abs(sample["cosine_mean"] - sum(cosines) / len(cosines)) < 1e-5
+    assert min(cosines) >= COSINE
+
+
+def test_a_bf16_job_reports_its_distance_from_fp32_on_its_first_rows_and_resumes(bases, tmp_path):
+    folder = folder_of(bases, tmp_path, "bert")
+    data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
+    summary = run_job(embed_job(folder, data, out), progress=False)
+    assert summary["dtype"] == "bfloat16" and summary["steps"] > 1
+    sample = summary["fp32_sample"]
+    assert sample["rows"] == [f"r{i}" for i in range(SAMPLE_TEXTS)] and sample["error"] is None
+    assert sample["score_max_abs_diff"] is None  # an embedder writes no scores
+    want = dict(zip((f"r{i}" for i in range(len(TEXTS))), fp32(folder, TEXTS)))
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert len(rows) == len(TEXTS) == summary["rows"]  # the sample wrote no row of its own
+    recount(sample, rows, want)
+    # a run that lost the parts of the last four rows: the next one pools them, samples them, and the summary
+    # holds both runs' samples, each row once
+    later = [
+        p
+        for p in out.glob("part-*.parquet")
+        if set(pq.read_table(p).column("id").to_pylist()) <= set(list(want)[8:])
+    ]
+    assert len(later) == 2
+    for p in later:
+        p.unlink()
+    summary = run_job(embed_job(folder, data, out), progress=False)
+    assert summary["runs"] == 2
+    sample = summary["fp32_sample"]
+    assert sample["rows"] == [f"r{i}" for i in range(len(TEXTS))]
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert sorted(rows) == sorted(want) and pq.read_table(out).num_rows == len(TEXTS)
+    recount(sample, rows, want)
+
+
+def test_a_bf16_classify_job_is_within_its_bound_of_fp32_logits(bases, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    folder = save_sequence_classifier(bases["bert"], tmp_path / "classifier", labels)
+    data, out = write_texts(tmp_path / "in.parquet", TEXTS), tmp_path / "out"
+    summary = run_job(embed_job(folder, data, out, task="classify"), progress=False)
+    reference = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        logits = torch.stack([reference(**tok(t, return_tensors="pt")).logits[0] for t in TEXTS])
+    want = logits.softmax(dim=-1)
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    got = torch.tensor([rows[f"r{i}"]["probs"] for i in range(len(TEXTS))])
+    assert (got - want).abs().max().item() <= PROBS
+    sample = summary["fp32_sample"]
+    assert sample["rows"] == [f"r{i}" for i in range(SAMPLE_TEXTS)]
+    recounted = (got - want)[:SAMPLE_TEXTS].abs().max().item()
+    assert abs(sample["score_max_abs_diff"] - recounted) < 1e-5
+    assert sample["cosine_min"] >= COSINE  # of the logits
