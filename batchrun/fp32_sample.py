@@ -62,7 +62,8 @@ class Fp32Sample:
         wanted = finished[: self.size - len(self.ids)]
         t0 = time.perf_counter()
         try:
-            self.reference = self.reference or self.load_reference()
+            if self.reference is None:
+                self.reference = self.load_reference()
             references = self.reference.embed_packed([text for text, _ in wanted])
         except (torch.OutOfMemoryError, MemoryError) as e:
             self.reference, self.error = (
@@ -75,6 +76,8 @@ class Fp32Sample:
             self.ids.append(json_id(text.request.id))
         if self.full:
             self.reference = None  # the fp32 copy's memory given back at once
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         self.seconds += time.perf_counter() - t0
 
     def _compare(self, output: torch.Tensor, reference: torch.Tensor) -> None:

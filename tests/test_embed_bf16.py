@@ -23,8 +23,10 @@ from embedding_models import save_bases, save_legacy_layout, save_sentence_model
 
 from batchrun.engine import cpu_kernels
 from batchrun.engine.sentence_modules import pool
-from batchrun.fp32_sample import SAMPLE_TEXTS
+from batchrun.fp32_sample import SAMPLE_TEXTS, Fp32Sample
 from batchrun.job import run_job
+from batchrun.report import format_summary
+from batchrun.stats import SUMMARY_KEYS, merge_fp32_samples
 
 TEXTS = [
     "the cats and dogs",
@@ -136,6 +138,9 @@ def test_a_bf16_job_reports_its_distance_from_fp32_on_its_first_rows_and_resumes
     rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
     assert len(rows) == len(TEXTS) == summary["rows"]  # the sample wrote no row of its own
     recount(sample, rows, want)
+    printed = format_summary(summary)
+    assert f"against fp32     {SAMPLE_TEXTS} texts pooled again in fp32 (r0, r1, r2, r3, ...;" in printed
+    assert f"cosine min {sample['cosine_min']:.6f}" in printed
     # a run that lost the parts of the last four rows: the next one pools them, samples them, and the summary
     # holds both runs' samples, each row once
     later = [
@@ -175,3 +180,33 @@ def test_a_bf16_classify_job_is_within_its_bound_of_fp32_logits(bases, tmp_path)
     recounted = (got - want)[:SAMPLE_TEXTS].abs().max().item()
     assert abs(sample["score_max_abs_diff"] - recounted) < 1e-5
     assert sample["cosine_min"] >= COSINE  # of the logits
+
+
+def test_samples_merge_row_for_row_and_a_reference_that_does_not_fit_leaves_the_job_running():
+    a = {"rows": ["r0", "r1"], "cosine_min": 0.9991, "cosine_mean": 0.9995, "score_max_abs_diff": None}
+    b = {"rows": [5, 6, 7, 8], "cosine_min": 0.9993, "cosine_mean": 0.9999, "score_max_abs_diff": None}
+    merged = merge_fp32_samples(
+        [None, a | {"seconds": 1.0, "error": None}, 0, b | {"seconds": 2.0, "error": None}]
+    )
+    assert merged["rows"] == ["r0", "r1", 5, 6, 7, 8] and merged["cosine_min"] == 0.9991
+    assert merged["cosine_mean"] == pytest.approx((2 * 0.9995 + 4 * 0.9999) / 6) and merged["seconds"] == 3.0
+    assert merge_fp32_samples([None, 0]) is None
+
+    def too_big():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    sample = Fp32Sample(too_big, "embed")
+    sample.take([(object(), torch.ones(4))])
+    assert (
+        sample.full
+        and sample.summary()["rows"] == []
+        and "did not fit in memory" in sample.summary()["error"]
+    )
+    summary = dict.fromkeys(SUMMARY_KEYS, 0) | {
+        "task": "embed",
+        "wall_s": 1.0,
+        "fp32_sample": sample.summary(),
+    }
+    assert "against fp32     no sample: the checkpoint in fp32 did not fit in memory" in format_summary(
+        summary
+    )
