@@ -210,3 +210,31 @@ def test_samples_merge_row_for_row_and_a_reference_that_does_not_fit_leaves_the_
     assert "against fp32     no sample: the checkpoint in fp32 did not fit in memory" in format_summary(
         summary
     )
+
+
+def test_a_bf16_score_job_reports_its_largest_score_difference_from_fp32(bases, tmp_path):
+    """A cross-encoder's sigmoid scores (one logit: no cosine), against the model run on each pair in fp32."""
+    import pyarrow as pa
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = save_sequence_classifier(bases["bert"], tmp_path / "ce", {0: "relevance"})
+    queries, passages = TEXTS[:10], TEXTS[2:12]
+    data, out = tmp_path / "pairs.parquet", tmp_path / "out"
+    ids = [f"r{i}" for i in range(len(queries))]
+    pq.write_table(pa.table({"id": ids, "prompt": queries, "passage": passages}), data)
+    job = embed_job(folder, data, out, task="score")
+    job["input"]["pair_column"] = "passage"
+    summary = run_job(job, progress=False)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        want = torch.stack(
+            [model(**tok(q, p, return_tensors="pt")).logits[0, 0] for q, p in zip(queries, passages)]
+        )
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    got = torch.tensor([rows[i]["score"] for i in ids])
+    assert (got - want.sigmoid()).abs().max().item() <= PROBS  # a sigmoid's slope is at most 1/4
+    sample = summary["fp32_sample"]
+    assert sample["rows"] == ids[:SAMPLE_TEXTS] and sample["cosine_min"] is None
+    recounted = (got - want.sigmoid())[:SAMPLE_TEXTS].abs().max().item()
+    assert abs(sample["score_max_abs_diff"] - recounted) < 1e-5
