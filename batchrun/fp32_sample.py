@@ -10,7 +10,9 @@ out of the distance, and the fp32 checkpoint is what sentence-transformers or tr
 loaded when the first texts are pooled and dropped as soon as the sample is full, so the job holds it (the
 checkpoint's fp32 bytes beside its own) only for its first step or two; what loading and pooling the sample took
 is `seconds`. A reference that does not fit in memory leaves the job running: the summary says why there is no
-sample (`error`).
+sample (`error`). Whether it fits is asked before the load (`room`): on the CPU an allocation past the free memory
+is no error Python sees (the kernel's OOM killer ends the whole job), so the fp32 bytes are weighed against the
+free memory first, and an out-of-memory error during the load (a GPU's) is the second guard.
 
 The sample only reads what a step finished: output rows come from the job's runner alone, so no row is written
 twice or lost. A resumed run samples the first texts it pools itself (rows the earlier runs had not written),
@@ -38,8 +40,15 @@ class Fp32Sample:
     """The first `size` texts a runner pools, pooled again by `load_reference()` (the same checkpoint and pooling
     in fp32), compared as the module docstring says."""
 
-    def __init__(self, load_reference: Callable, task: str, size: int = SAMPLE_TEXTS):
+    def __init__(
+        self,
+        load_reference: Callable,
+        task: str,
+        size: int = SAMPLE_TEXTS,
+        room: Callable[[], str | None] = lambda: None,
+    ):
         self.load_reference = load_reference
+        self.room = room  # why the reference would not fit (None: it fits)
         self.task = task
         self.size = size
         self.reference = None
@@ -61,6 +70,9 @@ class Fp32Sample:
             return
         wanted = finished[: self.size - len(self.ids)]
         t0 = time.perf_counter()
+        if self.reference is None and (reason := self.room()) is not None:
+            self.error = reason
+            return
         try:
             if self.reference is None:
                 self.reference = self.load_reference()

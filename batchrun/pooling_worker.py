@@ -19,7 +19,7 @@ from .engine.config import EngineConfig
 from .engine.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
 from .engine.sentence_config import SentenceConfigError, read_cross_encoder_config, read_sentence_config
 from .errors import BadInput
-from .host import Placement, place
+from .host import Placement, available_ram, place
 from .model_loader import ModelFolder, load_config, open_model
 from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
@@ -179,9 +179,26 @@ def fp32_sample_of(spec: JobSpec, runner):
         return None
     model = dataclasses.replace(spec.model, dtype="float32")
     placement = Placement(runner.device, torch.float32)
+    weights = [*runner.model.parameters(), *runner.model.buffers()]
     return Fp32Sample(
         lambda: load_runner(model, spec.engine, spec.pooler, spec.source_file, placement, spec.task),
         spec.task,
+        room=lambda: fp32_room(4 * sum(t.numel() for t in weights), runner.device),
+    )
+
+
+def fp32_room(need: int, device) -> str | None:
+    """Why `need` bytes of fp32 weights (with a quarter more for the load's own buffers) would not fit beside the
+    job on `device` (None: they fit). Asked before the load: on the CPU, memory past MemAvailable is not an error
+    Python could catch but the OOM killer ending the job."""
+    import torch
+
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()
+    if need * 5 // 4 <= free:
+        return None
+    return (
+        f"the checkpoint in fp32 did not fit in memory beside the job's: it needs about {need / 2**30:.2f} GiB "
+        f"and {free / 2**30:.2f} GiB are free, so it was not loaded"
     )
 
 

@@ -21,10 +21,12 @@ import torch
 import torch.nn.functional as F
 from embedding_models import save_bases, save_legacy_layout, save_sentence_model, save_sequence_classifier
 
+from batchrun import pooling_worker
 from batchrun.engine import cpu_kernels
 from batchrun.engine.sentence_modules import pool
 from batchrun.fp32_sample import SAMPLE_TEXTS, Fp32Sample
 from batchrun.job import run_job
+from batchrun.pooling_worker import fp32_room
 from batchrun.report import format_summary
 from batchrun.stats import SUMMARY_KEYS, merge_fp32_samples
 
@@ -202,6 +204,15 @@ def test_samples_merge_row_for_row_and_a_reference_that_does_not_fit_leaves_the_
         and sample.summary()["rows"] == []
         and "did not fit in memory" in sample.summary()["error"]
     )
+    loads = []
+    weighed = Fp32Sample(
+        lambda: loads.append(1), "embed", room=lambda: fp32_room(8 << 30, torch.device("cpu"))
+    )
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(pooling_worker, "available_ram", lambda: 4 << 30)
+        weighed.take([(object(), torch.ones(4))])  # 8 GiB against 4 free: refused before any load
+    assert loads == [] and weighed.full and "needs about 8.00 GiB and 4.00 GiB are free" in weighed.error
+    assert fp32_room(1 << 20, torch.device("cpu")) is None  # a MiB fits this machine
     summary = dict.fromkeys(SUMMARY_KEYS, 0) | {
         "task": "embed",
         "wall_s": 1.0,
