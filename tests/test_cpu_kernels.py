@@ -57,9 +57,19 @@ def test_argmax_matches_torch(dtype, vocab):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(  # head dims 32, 64, 128 take the AVX-512 path (pages of 8, 16, 32 keys), 24 the generic one
+@pytest.mark.parametrize(  # head dims 32, 64, 128 take the AVX-512 path (pages of 8, 16, 32 keys) and, bf16 with
+    # AVX512-BF16, cpu_decode_bf16.cpp (GQA heads over one or more passes of its PV product); 24 and pages of an
+    # odd size the generic loops
     "page_size,num_kv_heads,gqa,head_dim",
-    [(16, 3, 3, 64), (8, 2, 1, 32), (32, 1, 4, 128), (8, 2, 2, 64), (8, 2, 1, 24)],
+    [
+        (16, 3, 3, 64),
+        (8, 2, 1, 32),
+        (32, 1, 4, 128),
+        (8, 2, 2, 64),
+        (8, 2, 1, 24),
+        (8, 1, 9, 32),
+        (5, 2, 3, 64),
+    ],
 )
 def test_paged_decode_matches_the_reference(dtype, page_size, num_kv_heads, gqa, head_dim):
     context_lens = [1, page_size, page_size + 1, 3 * page_size - 1, 200]
@@ -143,7 +153,7 @@ def test_the_build_folder_is_keyed_by_source_torch_and_cpu(tmp_path, monkeypatch
 )
 @pytest.mark.parametrize("head_dim", [64, 32, 24])  # the AVX-512 path (two unrolled dims) and the generic one
 def test_paged_decode_with_layer_features_matches_the_reference(dtype, extras, head_dim):
-    page_size, num_kv_heads, gqa = 16, 2, 2
+    page_size, num_kv_heads, gqa = 16, 2, 3
     context_lens = [1, 15, 16, 17, 33, 64, 200]
     q, kc, vc, bt, rows = decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, seed=3)
     scale = head_dim**-0.5
@@ -175,6 +185,21 @@ def test_paged_decode_with_layer_features_matches_the_reference(dtype, extras, h
     plain = torch.full_like(q, float("nan"))
     KERNEL.paged_decode_attention(plain, q, kc, vc, bt, seq_lens, rows, scale)
     assert not torch.allclose(plain[rows].float(), ref, atol=1e-3), "the case does not tell the feature apart"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoding_rows_output_is_the_same_alone_or_among_batch_mates(dtype):
+    context_lens = [1, 17, 200, 64, 333, 95]
+    q, kc, vc, bt, rows = decode_case(context_lens, 16, 3, 3, 64, dtype, seed=4)
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
+    together = torch.full_like(q, float("nan"))
+    KERNEL.paged_decode_attention(together, q, kc, vc, bt, seq_lens, rows, 0.125)
+    for g in (0, 2, 4):
+        alone = torch.full_like(q, float("nan"))
+        KERNEL.paged_decode_attention(
+            alone, q, kc, vc, bt[g : g + 1], seq_lens[g : g + 1], rows[g : g + 1], 0.125
+        )
+        assert torch.equal(alone[rows[g]], together[rows[g]]), f"sequence {g} differs among batch-mates"
 
 
 def test_paged_decode_with_unequal_key_and_value_dims():

@@ -196,14 +196,18 @@ def saved_tiny(tmp_path, family: str, model_dir, **overrides):
 
 
 class Counting:
-    """The compiled module, counting its prompt kernel's calls."""
+    """The compiled module, counting its prompt and decode kernels' calls."""
 
     def __init__(self, kernel):
-        self.kernel, self.prompt_calls = kernel, 0
+        self.kernel, self.prompt_calls, self.decode_calls = kernel, 0, 0
 
     def paged_prompt_attention(self, *args):
         self.prompt_calls += 1
         return self.kernel.paged_prompt_attention(*args)
+
+    def paged_decode_attention(self, *args):
+        self.decode_calls += 1
+        return self.kernel.paged_decode_attention(*args)
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
@@ -256,6 +260,44 @@ def test_a_bf16_llm_takes_the_kernel_within_bf16_tolerance_of_hf(tmp_path, model
             want[dt] = logits[:-1].log_softmax(-1).gather(1, torch.tensor(p[1:])[:, None])[:, 0]
         bf16_err = (want[torch.bfloat16] - want[torch.float32]).abs().max().item()
         err = (got[i] - want[torch.float32]).abs().max().item()
+        assert err <= 2 * bf16_err, f"prompt {i}: {err:.3f} from fp32's logprobs, HF's bf16 {bf16_err:.3f}"
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {}), ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1))],
+)
+def test_a_bf16_llm_decodes_within_bf16_tolerance_of_hf(tmp_path, model_dir, family, overrides):
+    """Decodes through the bf16 decode kernel (cpu_decode_bf16.cpp, AVX512-BF16 dot products), contexts past
+    the window: the generated tokens' logprobs no farther from HF's fp32 forward over the same tokens than twice
+    HF's own bf16 forward is."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from batchrun import LLM, SamplingParams
+
+    path = saved_tiny(tmp_path, family, model_dir, **overrides)
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", num_pages=64)
+    backend = llm.engine.attention
+    backend.kernel = counting = Counting(backend.kernel)
+    gen = random.Random(1)
+    prompts = [[gen.randrange(3, 49152) for _ in range(n)] for n in (5, 30, 70)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=40, logprobs=0), use_tqdm=False)
+    assert counting.decode_calls > 0
+    hf = {dt: AutoModelForCausalLM.from_pretrained(path, dtype=dt) for dt in (torch.bfloat16, torch.float32)}
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        tokens = o.outputs[0].token_ids
+        assert len(tokens) > 30, "the case decodes past the window"
+        got = torch.tensor([e["logprob"] for e in o.outputs[0].logprobs])
+        want = {}
+        for dt, model in hf.items():
+            with torch.inference_mode():
+                logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1 : -1].float()
+            want[dt] = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        bf16_err = (want[torch.bfloat16] - want[torch.float32]).abs().max().item()
+        err = (got - want[torch.float32]).abs().max().item()
         assert err <= 2 * bf16_err, f"prompt {i}: {err:.3f} from fp32's logprobs, HF's bf16 {bf16_err:.3f}"
 
 

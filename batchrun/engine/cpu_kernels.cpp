@@ -24,36 +24,17 @@
 // outside the forward at 256 rows a step.
 //
 // 3. The fused elementwise work of bf16/fp16 layers (RMSNorm, SiLU-and-mul): cpu_elementwise.cpp; 4. a bf16
-// layer's prompt attention: cpu_prompt_attention.cpp.
+// layer's prompt attention: cpu_prompt_attention.cpp; 5. the decode of bf16 pages with AVX512-BF16 dot products,
+// where the build and the shape take it: cpu_decode_bf16.cpp (the loops below widen bf16 to fp32 elsewhere).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <vector>
 
-#include "cpu_vector.h"  // widen, load16, exp_nonpositive
+#include "cpu_decode.h"  // sum_lanes16, DecodeExtras, paged_decode_bf16 (cpu_decode_bf16.cpp)
 
 namespace {
-
-#ifdef __AVX512F__
-// lane s of the result: the sum of v[s]'s 16 lanes -- 16 horizontal sums in 15 additions (halving the
-// vectors' width each round), instead of a reduction of its own for each
-inline __m512 sum_lanes16(const __m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // 128-bit quarters: [v2i 0+2, v2i 1+3, v2i+1 0+2, v2i+1 1+3]
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // quarter j: 4 partial sums of v(4i + j)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // quarter j: 2 partial sums each of v(8i + j) and v(8i + 4 + j), interleaved
-    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
-  // lane 4j + i: the sum of v(4i + j); one permutation puts sum s in lane s
-  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), d);
-}
-#endif
 
 // dot product of a widened query row (fp32) with one key row, D known at compile time (0: at run time)
 template <int kD, typename T>
@@ -137,19 +118,10 @@ inline void sum_values(const float* weights, const T* vh, const int32_t* table, 
   }
 }
 
-struct LayerExtras {
-  const int32_t* first_keys = nullptr;  // nullptr: every sequence sees its whole context
-  float softcap = 0.f;                  // 0: off
-  const float* sinks = nullptr;         // nullptr: none; else row t's sink of a head at t * sink_stride + head
-  int64_t sink_stride = 0;              // 0: one per head
-  const float* rel = nullptr;           // nullptr: none; else row t's bias of a head at t * rel_st + head * rel_sh
-  int64_t rel_extent = 0, rel_st = 0, rel_sh = 0;
-};
-
 template <int kD, typename T>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
-            double scale, const LayerExtras& extras) {
+            double scale, const batchrun::DecodeExtras& extras) {
   const int64_t G = seq_lens.size(0);
   const int64_t num_heads = query.size(1), D = query.size(2), Dv = v_cache.size(3);
   const int64_t P = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -216,7 +188,13 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
 template <typename T>
 void decode_any(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
-                double scale, const LayerExtras& extras) {
+                double scale, const batchrun::DecodeExtras& extras) {
+  // bf16 pages: AVX512-BF16 dot products where this build and the shape take them (cpu_decode_bf16.cpp)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (batchrun::paged_decode_bf16(out, query, k_cache, v_cache, block_tables, seq_lens, token_index, scale,
+                                    extras))
+      return;
+  }
   // the common head dims unrolled at compile time (where K and V share it); others take the generic loops
   const int64_t D = query.size(2);
   switch (D == v_cache.size(3) ? D : 0) {
@@ -246,7 +224,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
                   token_index.scalar_type() == at::kLong,
               "int32 block tables and lengths, int64 token index");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && out.size(2) == v_cache.size(3), "head dims: query = K, out = V");
-  LayerExtras extras;
+  batchrun::DecodeExtras extras;
   extras.softcap = static_cast<float>(softcap);
   if (first_keys.has_value()) {
     TORCH_CHECK(first_keys->scalar_type() == at::kInt && first_keys->is_contiguous() &&

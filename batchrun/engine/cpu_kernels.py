@@ -1,6 +1,7 @@
 """batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
 the greedy argmax over a step's logits; (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul; and
-(cpu_prompt_attention.cpp) a bf16 layer's prompt attention with AVX512-BF16 dot products.
+(cpu_prompt_attention.cpp, cpu_decode_bf16.cpp) a bf16 layer's prompt and decode attention with AVX512-BF16 dot
+products.
 
 Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
 (`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
@@ -25,7 +26,8 @@ from ..host import cache_dir, cpu_description
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
 PROMPTS = Path(__file__).with_name("cpu_prompt_attention.cpp")  # this one too
-HEADER = Path(__file__).with_name("cpu_vector.h")  # what both include (widen, load16, exp_nonpositive)
+DECODE_BF16 = Path(__file__).with_name("cpu_decode_bf16.cpp")  # and this one
+HEADERS = [Path(__file__).with_name(h) for h in ("cpu_vector.h", "cpu_decode.h")]  # what they include
 _loaded: dict[str, object] = {}
 
 
@@ -66,7 +68,7 @@ def _build(cpp_extension, build: Path):
     """Compile (when the source changed) and load the extension from `build`."""
     return cpp_extension.load(
         name="batchrun_cpu_kernels",
-        sources=[str(SOURCE), str(ELEMENTWISE), str(PROMPTS)],
+        sources=[str(SOURCE), str(ELEMENTWISE), str(PROMPTS), str(DECODE_BF16)],
         # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
         # no errno from math calls lets the softmax loop (floor) vectorize
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
@@ -96,7 +98,7 @@ def _build_key() -> str:
     import sys
 
     key = hashlib.sha256(
-        SOURCE.read_bytes() + ELEMENTWISE.read_bytes() + PROMPTS.read_bytes() + HEADER.read_bytes()
+        b"".join(f.read_bytes() for f in (SOURCE, ELEMENTWISE, PROMPTS, DECODE_BF16, *HEADERS))
     )
     key.update(
         f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{platform.machine()}|{cpu_description()}".encode()
