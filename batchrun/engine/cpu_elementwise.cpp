@@ -12,8 +12,11 @@
 // the multiply as HF's two operations do; e^x by the same polynomial as the attention's softmax (relative error
 // about 2e-7, against torch's vectorized exp), so a value can differ from HF's in its last bf16 place.
 //
-// Both take an AVX-512 path for rows whose width is a multiple of 16 and the generic (scalar) loops otherwise,
-// or where the compiler has no AVX-512. fp32 never comes here: the sums' order would show (fused_elementwise.py).
+// Both take their tensors' [..., H] rows as they come where the leading dims are one run of rows one stride
+// apart (a layer's [1, T, H] hidden states, a column slice of the fused product), no reshape or view per call,
+// and return false for any other layout (the module then makes it contiguous). Both take an AVX-512 path for
+// rows whose width is a multiple of 16 and the generic (scalar) loops otherwise, or where the compiler has no
+// AVX-512. fp32 never comes here: the sums' order would show (fused_elementwise.py).
 //
 // 3. rotary_embedding: HF's `apply_rotary_pos_emb` (q * cos + rotate_half(q) * sin, and k's) in one call, for fp32
 // and bf16/fp16 alike (engine/fused_rotary.py): each value is HF's own, bit for bit. The two products are rounded
@@ -24,6 +27,8 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+
+#include <optional>
 
 #include "cpu_vector.h"  // widen, load16, exp_nonpositive(16)
 
@@ -188,26 +193,53 @@ void rotary_row(T* out, const T* x, const T* c, const T* s, int64_t rot, int64_t
   if (rot < dim) std::memcpy(out + rot, x + rot, (dim - rot) * sizeof(T));
 }
 
+// a tensor's rows: every dim but the last, as one run of `count` rows `stride` apart (unit last stride)
+struct Rows {
+  int64_t count, stride;
+};
+
+// t's rows where its leading dims collapse into one stride (a view of [N, H] rows: a decoder layer's [1, T, H]
+// hidden states, a column slice of a wider product), else nullopt
+std::optional<Rows> rows_of(const at::Tensor& t) {
+  if (t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
+  const int64_t n = t.size(-1);
+  int64_t stride = -1, next = -1;
+  for (int64_t i = t.dim() - 2; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (stride < 0) {
+      stride = t.stride(i);
+      next = stride * t.size(i);
+    } else if (t.stride(i) != next) {
+      return std::nullopt;
+    } else {
+      next *= t.size(i);
+    }
+  }
+  if (stride < 0) stride = n;  // one row
+  if (stride < n) return std::nullopt;  // overlapping rows
+  return Rows{n == 0 ? 0 : t.numel() / n, stride};
+}
+
 template <typename T>
-void rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, float eps) {
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0), out_stride = out.stride(0);
+void rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, float eps, Rows xr, Rows outr) {
+  const int64_t n = x.size(-1);
   const T* src = reinterpret_cast<const T*>(x.data_ptr());
   const T* weight = reinterpret_cast<const T*>(w.data_ptr());
   T* dst = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(dst + r * out_stride, src + r * stride, weight, n, eps);
+  at::parallel_for(0, xr.count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(dst + r * outr.stride, src + r * xr.stride, weight, n, eps);
   });
 }
 
 template <typename T>
-void silu_and_mul_typed(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
-  const int64_t rows = gate.size(0), n = gate.size(1);
-  const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
+void silu_and_mul_typed(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up, Rows gr, Rows ur, Rows outr) {
+  const int64_t n = gate.size(-1);
   const T* g = reinterpret_cast<const T*>(gate.data_ptr());
   const T* u = reinterpret_cast<const T*>(up.data_ptr());
   T* dst = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_and_mul_row(dst + r * os, g + r * gs, u + r * us, n);
+  at::parallel_for(0, gr.count, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      silu_and_mul_row(dst + r * outr.stride, g + r * gr.stride, u + r * ur.stride, n);
   });
 }
 
@@ -251,47 +283,54 @@ at::Tensor empty_as(const at::Tensor& x) {
   return at::empty_strided(x.sizes(), strides, x.options());
 }
 
-void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, what, ": [N, H] on the CPU, unit last stride");
-  TORCH_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), what, ": shapes or dtypes differ");
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* what) {  // like's own: on the CPU
+  TORCH_CHECK(t.device().is_cpu() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), what,
+              ": shapes, dtypes or devices differ");
 }
 
 }  // namespace
 
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
-  check_rows(x, x, "rms_norm");
-  check_rows(out, x, "rms_norm");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+// Both return false, computing nothing, where a tensor's rows are not one stride apart (the caller then makes
+// them so): any leading dims, a unit last stride.
+bool rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  check_like(x, x, "rms_norm");
+  check_like(out, x, "rms_norm");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1) &&
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm: a contiguous [H] weight of the input's dtype");
+  const auto xr = rows_of(x), outr = rows_of(out);
+  if (!xr || !outr) return false;
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      rms_norm_typed<at::BFloat16>(out, x, weight, static_cast<float>(eps));
+      rms_norm_typed<at::BFloat16>(out, x, weight, static_cast<float>(eps), *xr, *outr);
       break;
     case at::kHalf:
-      rms_norm_typed<at::Half>(out, x, weight, static_cast<float>(eps));
+      rms_norm_typed<at::Half>(out, x, weight, static_cast<float>(eps), *xr, *outr);
       break;
     default:
       TORCH_CHECK(false, "rms_norm: bfloat16 or float16");
   }
+  return true;
 }
 
-void silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
-  check_rows(gate, gate, "silu_and_mul");
-  check_rows(up, gate, "silu_and_mul");
-  check_rows(out, gate, "silu_and_mul");
+bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
+  check_like(gate, gate, "silu_and_mul");
+  check_like(up, gate, "silu_and_mul");
+  check_like(out, gate, "silu_and_mul");
+  const auto gr = rows_of(gate), ur = rows_of(up), outr = rows_of(out);
+  if (!gr || !ur || !outr) return false;
   switch (gate.scalar_type()) {
     case at::kBFloat16:
-      silu_and_mul_typed<at::BFloat16>(out, gate, up);
+      silu_and_mul_typed<at::BFloat16>(out, gate, up, *gr, *ur, *outr);
       break;
     case at::kHalf:
-      silu_and_mul_typed<at::Half>(out, gate, up);
+      silu_and_mul_typed<at::Half>(out, gate, up, *gr, *ur, *outr);
       break;
     default:
       TORCH_CHECK(false, "silu_and_mul: bfloat16 or float16");
   }
+  return true;
 }
-
 
 // HF's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim) as new tensors (q's, k's layout), or nothing where the
 // call is not of the form computed here (engine/fused_rotary.py then calls HF's function): q/k [B, H, T, D]
