@@ -422,6 +422,28 @@ LLAMA_FORM.update(
     }
 )
 
+# the families whose attention calls its modeling file's `apply_rotary_pos_emb` in a form batchrun's rotary kernel
+# computes (engine/fused_rotary.py), read from each modeling file: Llama's (q * cos + rotate_half(q) * sin with
+# Llama's rotate_half), OLMo's (the same, cast to q's dtype), or partial rotary (cos's width rotated, the rest
+# passed through: GPT-NeoX's, Phi-3's own, the Qwen 3.5 / Next and hybrids' copies). Not here: Cohere's
+# (interleaved halves in fp32), GLM's and DeepSeek's interleaved pairs (DeepSeek-V3's config interleaves by
+# default), Gemma 4's one-tensor function, GPT-OSS's own halves, Llama 4's complex products, the families with
+# a rotary function of another name (DeepSeek-V2, Kimi, Bailing, LongCat, Inkling) and those without rotary
+# (GPT-2, Jamba, Nemotron-H, and Granite's hybrid, whose config asks for none by default).
+ROTARY_FORM = frozenset(
+    {
+        *("llama", "llama:dynamic_ntk", "exaone", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3_text"),
+        *("granite", "hunyuan_v1_moe", "lfm2", "minimax", "mistral", "mixtral", "phi"),
+        *("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "starcoder2", "zamba2"),
+        *("olmo2", "olmo3", "olmo_hybrid", "lfm3"),  # OLMo's casts
+        *("bamba", "gpt_neox", "phi3", "phi3:longrope", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
+        "recurrent_gemma",
+    }
+)
+# of those, the families whose rotary module gives cos/sin in fp32 whatever the model's dtype (hence OLMo's casts):
+# in bf16 each call mixes dtypes, which the kernel declines, and HF's function runs
+ROTARY_COS_IN_FP32 = frozenset({"olmo2", "olmo3", "olmo_hybrid", "lfm3"})
+
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
     "stablelm": ("does not pass batchrun's step metadata", {}),

@@ -56,6 +56,25 @@ def test_rms_norm_equals_hf_modules_own_output(dtype, width):
     assert torch.equal(alone, got[:, 7:9])
 
 
+def test_rows_that_are_not_one_stride_apart_are_made_so():
+    """The kernels take [..., H] rows as they come where every row is one stride from the last (a layer's
+    [1, T, H] hidden states, a column slice of a wider product) and decline other layouts, which the modules then
+    make contiguous: both ways HF's values."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    dtype = torch.bfloat16
+    hf = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    x = rows(50, 64, dtype, seed=3).reshape(2, 25, 64)[:, :20]  # two runs of rows, a gap between them
+    out = torch.empty(x.shape, dtype=dtype)
+    assert KERNEL.rms_norm(out, x, hf.weight, 1e-5) is False
+    assert KERNEL.silu_and_mul(out, x, x) is False
+    one = torch.empty(x[:1].shape, dtype=dtype)
+    assert KERNEL.rms_norm(one, x[:1], hf.weight, 1e-5) is True  # one run: taken as it is
+    assert within_ulps(one, hf(x[:1]), 1)
+    got = FusedRMSNorm(hf, KERNEL)(x)
+    assert within_ulps(got, hf(x), 1) and got.shape == x.shape
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [128, 24])
 def test_silu_and_mul_equals_hf_mlp(dtype, width):

@@ -12,11 +12,23 @@
 // the multiply as HF's two operations do; e^x by the same polynomial as the attention's softmax (relative error
 // about 2e-7, against torch's vectorized exp), so a value can differ from HF's in its last bf16 place.
 //
-// Both take an AVX-512 path for rows whose width is a multiple of 16 and the generic (scalar) loops otherwise,
-// or where the compiler has no AVX-512. fp32 never comes here: the sums' order would show (fused_elementwise.py).
+// Both take their tensors' [..., H] rows as they come where the leading dims are one run of rows one stride
+// apart (a layer's [1, T, H] hidden states, a column slice of the fused product), no reshape or view per call,
+// and return false for any other layout (the module then makes it contiguous). Both take an AVX-512 path for
+// rows whose width is a multiple of 16 and the generic (scalar) loops otherwise, or where the compiler has no
+// AVX-512. fp32 never comes here: the sums' order would show (fused_elementwise.py).
+//
+// 3. rotary_embedding: HF's `apply_rotary_pos_emb` (q * cos + rotate_half(q) * sin, and k's) in one call, for fp32
+// and bf16/fp16 alike (engine/fused_rotary.py): each value is HF's own, bit for bit. The two products are rounded
+// to the dtype, the second's sign flipped where rotate_half negates (exact), and their sum rounded, as HF's
+// separate operations do; no FMA (an asm barrier keeps the compiler from contracting a product into the add,
+// whatever -ffp-contract says). A bf16/fp16 product is exact in fp32, so its one rounding is the dtype's, as
+// torch's. Dims past cos's width (partial rotary) are copied, as HF's `torch.cat` of the pass-through part.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+
+#include <optional>
 
 #include "cpu_vector.h"  // widen, load16, exp_nonpositive(16)
 
@@ -118,66 +130,236 @@ void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = narrow<T>(widen(narrow<T>(silu(widen(gate[j])))) * widen(up[j]));
 }
 
+// x kept in a register the compiler cannot see into: a product it passes is never fused into the next add
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+inline float opaque(float x) {
+  asm("" : "+x"(x));
+  return x;
+}
+#else
+inline float opaque(float x) {
+  volatile float v = x;
+  return v;
+}
+#endif
+#ifdef __AVX512F__
+inline __m512 opaque16(__m512 x) {
+  asm("" : "+v"(x));
+  return x;
+}
+// a vector rounded to the dtype and widened back; fp32's own already is
 template <typename T>
-void rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, float eps) {
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0), out_stride = out.stride(0);
+inline __m512 rounded16(__m512 v) {
+  return round16<T>(v);
+}
+template <>
+inline __m512 rounded16<float>(__m512 v) {
+  return v;
+}
+inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+#endif
+
+template <typename T>
+inline float rounded(float x) {  // to the dtype and back (fp32: itself)
+  return widen(narrow<T>(x));
+}
+
+// one head's row: out[j] = x[j] cos[j] - x[j + h] sin[j], out[j + h] = x[j + h] cos[j + h] + x[j] sin[j + h] for
+// j < h = rot / 2, each product and the sum rounded to the dtype; out[j] = x[j] past rot
+template <typename T>
+void rotary_row(T* out, const T* x, const T* c, const T* s, int64_t rot, int64_t dim) {
+  const int64_t h = rot / 2;
+  int64_t j = 0;
+#ifdef __AVX512F__
+  if (h % 16 == 0) {
+    for (; j < h; j += 16) {
+      const __m512 x1 = load16(x + j), x2 = load16(x + j + h);
+      const __m512 a1 = opaque16(rounded16<T>(_mm512_mul_ps(x1, load16(c + j))));
+      const __m512 b1 = opaque16(rounded16<T>(_mm512_mul_ps(x2, load16(s + j))));
+      const __m512 a2 = opaque16(rounded16<T>(_mm512_mul_ps(x2, load16(c + j + h))));
+      const __m512 b2 = opaque16(rounded16<T>(_mm512_mul_ps(x1, load16(s + j + h))));
+      store16(out + j, _mm512_sub_ps(a1, b1));
+      store16(out + j + h, _mm512_add_ps(a2, b2));
+    }
+  }
+#endif
+  for (; j < h; ++j) {
+    const float x1 = widen(x[j]), x2 = widen(x[j + h]);
+    const float a1 = opaque(rounded<T>(x1 * widen(c[j]))), b1 = opaque(rounded<T>(x2 * widen(s[j])));
+    const float a2 = opaque(rounded<T>(x2 * widen(c[j + h]))), b2 = opaque(rounded<T>(x1 * widen(s[j + h])));
+    out[j] = narrow<T>(a1 - b1);
+    out[j + h] = narrow<T>(a2 + b2);
+  }
+  if (rot < dim) std::memcpy(out + rot, x + rot, (dim - rot) * sizeof(T));
+}
+
+// a tensor's rows: every dim but the last, as one run of `count` rows `stride` apart (unit last stride)
+struct Rows {
+  int64_t count, stride;
+};
+
+// t's rows where its leading dims collapse into one stride (a view of [N, H] rows: a decoder layer's [1, T, H]
+// hidden states, a column slice of a wider product), else nullopt
+std::optional<Rows> rows_of(const at::Tensor& t) {
+  if (t.dim() == 0 || t.stride(-1) != 1) return std::nullopt;
+  const int64_t n = t.size(-1);
+  int64_t stride = -1, next = -1;
+  for (int64_t i = t.dim() - 2; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (stride < 0) {
+      stride = t.stride(i);
+      next = stride * t.size(i);
+    } else if (t.stride(i) != next) {
+      return std::nullopt;
+    } else {
+      next *= t.size(i);
+    }
+  }
+  if (stride < 0) stride = n;  // one row
+  if (stride < n) return std::nullopt;  // overlapping rows
+  return Rows{n == 0 ? 0 : t.numel() / n, stride};
+}
+
+template <typename T>
+void rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, float eps, Rows xr, Rows outr) {
+  const int64_t n = x.size(-1);
   const T* src = reinterpret_cast<const T*>(x.data_ptr());
   const T* weight = reinterpret_cast<const T*>(w.data_ptr());
   T* dst = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(dst + r * out_stride, src + r * stride, weight, n, eps);
+  at::parallel_for(0, xr.count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(dst + r * outr.stride, src + r * xr.stride, weight, n, eps);
   });
 }
 
 template <typename T>
-void silu_and_mul_typed(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
-  const int64_t rows = gate.size(0), n = gate.size(1);
-  const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
+void silu_and_mul_typed(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up, Rows gr, Rows ur, Rows outr) {
+  const int64_t n = gate.size(-1);
   const T* g = reinterpret_cast<const T*>(gate.data_ptr());
   const T* u = reinterpret_cast<const T*>(up.data_ptr());
   T* dst = reinterpret_cast<T*>(out.data_ptr());
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_and_mul_row(dst + r * os, g + r * gs, u + r * us, n);
+  at::parallel_for(0, gr.count, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      silu_and_mul_row(dst + r * outr.stride, g + r * gr.stride, u + r * ur.stride, n);
   });
 }
 
-void check_rows(const at::Tensor& t, const at::Tensor& like, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, what, ": [N, H] on the CPU, unit last stride");
-  TORCH_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), what, ": shapes or dtypes differ");
+// [B, H, T, D] (unsqueeze_dim 1) or [B, T, H, D] (2) tensors, cos/sin [B or 1, T, rot]: every head of each token
+template <typename T>
+void rotary_typed(const at::Tensor& q, const at::Tensor& k, at::Tensor& qo, at::Tensor& ko, const at::Tensor& cos,
+                  const at::Tensor& sin, int64_t token_axis) {
+  const int64_t head_axis = 3 - token_axis, B = q.size(0), S = q.size(token_axis), D = q.size(3);
+  const int64_t rot = cos.size(2);
+  const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), sb = sin.size(0) == 1 ? 0 : sin.stride(0);
+  const T* c = reinterpret_cast<const T*>(cos.data_ptr());
+  const T* s = reinterpret_cast<const T*>(sin.data_ptr());
+  at::parallel_for(0, B * S, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / S, t = i % S;
+      const T* ct = c + b * cb + t * cos.stride(1);
+      const T* st = s + b * sb + t * sin.stride(1);
+      for (const auto* pair : {&q, &k}) {
+        const at::Tensor& x = *pair;
+        at::Tensor& o = pair == &q ? qo : ko;
+        const T* src = reinterpret_cast<const T*>(x.data_ptr()) + b * x.stride(0) + t * x.stride(token_axis);
+        T* dst = reinterpret_cast<T*>(o.data_ptr()) + b * o.stride(0) + t * o.stride(token_axis);
+        for (int64_t hd = 0; hd < x.size(head_axis); ++hd)
+          rotary_row(dst + hd * o.stride(head_axis), src + hd * x.stride(head_axis), ct, st, rot, D);
+      }
+    }
+  });
+}
+
+// an empty tensor of x's shape whose dims lie in memory in the order of x's strides (as torch's elementwise
+// operations lay out their output: what follows, a transpose back to tokens first, finds the layout HF's has)
+at::Tensor empty_as(const at::Tensor& x) {
+  std::vector<int64_t> order{0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  std::vector<int64_t> strides(4);
+  int64_t step = 1;
+  for (int64_t i = 3; i >= 0; --i) {
+    strides[order[i]] = step;
+    step *= x.size(order[i]);
+  }
+  return at::empty_strided(x.sizes(), strides, x.options());
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* what) {  // like's own: on the CPU
+  TORCH_CHECK(t.device().is_cpu() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), what,
+              ": shapes, dtypes or devices differ");
 }
 
 }  // namespace
 
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
-  check_rows(x, x, "rms_norm");
-  check_rows(out, x, "rms_norm");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+// Both return false, computing nothing, where a tensor's rows are not one stride apart (the caller then makes
+// them so): any leading dims, a unit last stride.
+bool rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  check_like(x, x, "rms_norm");
+  check_like(out, x, "rms_norm");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1) &&
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm: a contiguous [H] weight of the input's dtype");
+  const auto xr = rows_of(x), outr = rows_of(out);
+  if (!xr || !outr) return false;
   switch (x.scalar_type()) {
     case at::kBFloat16:
-      rms_norm_typed<at::BFloat16>(out, x, weight, static_cast<float>(eps));
+      rms_norm_typed<at::BFloat16>(out, x, weight, static_cast<float>(eps), *xr, *outr);
       break;
     case at::kHalf:
-      rms_norm_typed<at::Half>(out, x, weight, static_cast<float>(eps));
+      rms_norm_typed<at::Half>(out, x, weight, static_cast<float>(eps), *xr, *outr);
       break;
     default:
       TORCH_CHECK(false, "rms_norm: bfloat16 or float16");
   }
+  return true;
 }
 
-void silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
-  check_rows(gate, gate, "silu_and_mul");
-  check_rows(up, gate, "silu_and_mul");
-  check_rows(out, gate, "silu_and_mul");
+bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
+  check_like(gate, gate, "silu_and_mul");
+  check_like(up, gate, "silu_and_mul");
+  check_like(out, gate, "silu_and_mul");
+  const auto gr = rows_of(gate), ur = rows_of(up), outr = rows_of(out);
+  if (!gr || !ur || !outr) return false;
   switch (gate.scalar_type()) {
     case at::kBFloat16:
-      silu_and_mul_typed<at::BFloat16>(out, gate, up);
+      silu_and_mul_typed<at::BFloat16>(out, gate, up, *gr, *ur, *outr);
       break;
     case at::kHalf:
-      silu_and_mul_typed<at::Half>(out, gate, up);
+      silu_and_mul_typed<at::Half>(out, gate, up, *gr, *ur, *outr);
       break;
     default:
       TORCH_CHECK(false, "silu_and_mul: bfloat16 or float16");
   }
+  return true;
+}
+
+// HF's apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim) as new tensors (q's, k's layout), or nothing where the
+// call is not of the form computed here (engine/fused_rotary.py then calls HF's function): q/k [B, H, T, D]
+// (unsqueeze_dim 1) or [B, T, H, D] (2) with unit last stride, cos/sin [B or 1, T, rot], one dtype throughout
+// (fp32, bf16 or fp16), rot even and equal to D (or at most D where `partial`: the rest passes through)
+std::vector<at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin,
+                                         int64_t unsqueeze_dim, bool partial) {
+  const auto dtype = q.scalar_type();
+  if (unsqueeze_dim != 1 && unsqueeze_dim != 2) return {};
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return {};
+  for (const auto* t : {&q, &k, &cos, &sin})
+    if (!t->device().is_cpu() || t->scalar_type() != dtype || t->is_conj() || t->is_neg() ||
+        t->dim() != (t == &cos || t == &sin ? 3 : 4) || t->stride(-1) != 1)
+      return {};
+  const int64_t token_axis = unsqueeze_dim == 1 ? 2 : 1, B = q.size(0), S = q.size(token_axis), D = q.size(3);
+  const int64_t rot = cos.size(2);
+  if (k.size(0) != B || k.size(token_axis) != S || k.size(3) != D || cos.sizes() != sin.sizes()) return {};
+  if ((cos.size(0) != B && cos.size(0) != 1) || cos.size(1) != S || rot % 2 != 0 || rot > D) return {};
+  if (rot != D && !partial) return {};
+  at::Tensor qo = empty_as(q), ko = empty_as(k);
+  switch (dtype) {
+    case at::kFloat:
+      rotary_typed<float>(q, k, qo, ko, cos, sin, token_axis);
+      break;
+    case at::kBFloat16:
+      rotary_typed<at::BFloat16>(q, k, qo, ko, cos, sin, token_axis);
+      break;
+    default:
+      rotary_typed<at::Half>(q, k, qo, ko, cos, sin, token_axis);
+  }
+  return {qo, ko};
 }

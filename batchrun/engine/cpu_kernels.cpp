@@ -364,8 +364,10 @@ at::Tensor argmax_rows(at::Tensor logits) {
 }
 
 // cpu_elementwise.cpp
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up);
+bool rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up);
+std::vector<at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin,
+                                         int64_t unsqueeze_dim, bool partial);
 void register_prompt_attention(py::module_& m);  // cpu_prompt_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -374,9 +376,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("token_index"), py::arg("scale"), py::arg("first_keys") = py::none(),
         py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("relative_bias") = py::none());
   m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
-  m.def("rms_norm", &rms_norm, "Llama-style RMSNorm of [N, H] bf16/fp16 rows in one pass (CPU)", py::arg("out"),
+  m.def("rms_norm", &rms_norm, "Llama-style RMSNorm of [..., H] bf16/fp16 rows in one pass, or false (CPU)", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [N, I] bf16/fp16 rows in one pass (CPU)",
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [..., I] bf16/fp16 rows in one pass, or false (CPU)",
         py::arg("out"), py::arg("gate"), py::arg("up"));
+  m.def("rotary_embedding", &rotary_embedding, "HF's apply_rotary_pos_emb of q and k in one call, or [] (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("unsqueeze_dim"), py::arg("partial"));
   register_prompt_attention(m);
 }

@@ -1,7 +1,7 @@
 """batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
-the greedy argmax over a step's logits; (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul; and
-(cpu_prompt_attention.cpp, cpu_decode_bf16.cpp) a bf16 layer's prompt and decode attention with AVX512-BF16 dot
-products.
+the greedy argmax over a step's logits; (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul, and
+HF's rotary in any dtype; and (cpu_prompt_attention.cpp, cpu_decode_bf16.cpp) a bf16 layer's prompt and decode
+attention with AVX512-BF16 dot products.
 
 Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
 (`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
@@ -33,7 +33,7 @@ _loaded: dict[str, object] = {}
 
 def load():
     """The compiled module (`paged_decode_attention`, `paged_prompt_attention`, `argmax_rows`, `rms_norm`,
-    `silu_and_mul`), or None when it cannot be built here."""
+    `silu_and_mul`, `rotary_embedding`), or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None

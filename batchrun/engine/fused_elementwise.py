@@ -97,12 +97,11 @@ class FusedRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.requires_grad:
             return self._hf[0](x)  # HF's promotion rules or autograd: its own code
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape, dtype=x.dtype)
-        self._kernels.rms_norm(out, rows, self.weight, self.variance_epsilon)
-        return out.view(x.shape)
+        out = torch.empty(x.shape, dtype=x.dtype)  # the kernel takes [..., H] rows: no reshape, no view
+        eps = self.variance_epsilon
+        if not self._kernels.rms_norm(out, x, self.weight, eps):  # rows not one stride apart: made so
+            self._kernels.rms_norm(out, x.contiguous(), self.weight, eps)
+        return out
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, one pass (C++)"
@@ -122,13 +121,11 @@ class SiluAndMulMLP(torch.nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if gate.dtype not in DTYPES or up.dtype != gate.dtype or gate.shape != up.shape or gate.requires_grad:
             return self.down_proj(self.act_fn(gate) * up)
-        # views of the fused gate/up product's halves: rows strided, columns not
-        g, u = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
-        g = g if g.stride(-1) == 1 else g.contiguous()
-        u = u if u.stride(-1) == 1 else u.contiguous()
-        h = torch.empty(g.shape, dtype=g.dtype)
-        self._kernels.silu_and_mul(h, g, u)
-        return self.down_proj(h.view(gate.shape))
+        # views of the fused gate/up product's halves (rows strided, columns not), taken as they are
+        h = torch.empty(gate.shape, dtype=gate.dtype)
+        if not self._kernels.silu_and_mul(h, gate, up):
+            self._kernels.silu_and_mul(h, gate.contiguous(), up.contiguous())
+        return self.down_proj(h)
 
 
 def norm_fits(module: torch.nn.Module, dtype: torch.dtype) -> bool:

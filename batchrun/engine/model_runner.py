@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import fused_rotary
 from .attention import (
     AttentionMetadata,
     AttentionServices,
@@ -68,6 +69,8 @@ class ModelRunner:
             2 * max_num_seqs, num_groups=spec.groups.num_groups, pin=self.device.type == "cuda"
         )
         self.staging = StepStaging(spec.groups.num_groups, self.device)  # a step's per-token tensors
+        # the attention modules whose HF rotary runs as one C++ call within the forward (fused_rotary.py)
+        self.fused_rotary = fused_rotary.install(model) if self.device.type == "cpu" else 0
 
     def prepare(
         self, plan: SchedulerOutput
@@ -203,7 +206,7 @@ class ModelRunner:
         if self.encoder is not None:
             with self.times("encode"):
                 images = self.encoder.step_inputs(chunks)
-        with self.times("forward"), meta.running():
+        with self.times("forward"), meta.running(), fused_rotary.applied():
             if not isinstance(logits_to_keep, int) and logits_to_keep.numel() == 0 and not images:
                 # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
                 self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
