@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput
-from . import cpu_linear, fused_elementwise, fused_linear
+from . import cpu_linear, fused_elementwise, fused_linear, fused_rotary
 from .architecture import inspect_model, rope_types
 from .attention import ATTENTION_NAME, METADATA_KEYWORD, PackedLayout, UnsupportedModel, int_tensor, register
 from .per_sequence_rope import LENGTH_DEPENDENT_ROPE
@@ -107,6 +107,7 @@ class PoolingRunner:
         self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
         # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's (never in fp32)
         self.fused_elementwise = fused_elementwise.fuse(self.model, dtype) if device.type == "cpu" else 0
+        self.fused_rotary = fused_rotary.install(self.model) if device.type == "cpu" else 0  # as generation's
         config = self.model.config
         self.position_offset = position_offset(self.model)
         max_positions = getattr(config, "max_position_embeddings", None)
@@ -246,7 +247,8 @@ class PoolingRunner:
             inputs["token_type_ids"] = int_tensor(layout.packed(segments), device=self.device)[None]
         elif self.takes_token_types:
             inputs["token_type_ids"] = torch.zeros_like(ids)
-        out = self.model(**inputs, use_cache=False, **{METADATA_KEYWORD: layout})
+        with fused_rotary.applied():
+            out = self.model(**inputs, use_cache=False, **{METADATA_KEYWORD: layout})
         return out.last_hidden_state[0], layout
 
     def _probe(self) -> None:
