@@ -17,6 +17,7 @@ there); a finished or aborted request's row goes back.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,9 @@ class InputBatch:
         self.adapters: list[int | None] = [None] * capacity
         self.images: list = [None] * capacity  # each row's ImageInputs (None: none)
         self.row_of: dict[int, int] = {}  # req_id -> its row
-        self._free = list(range(capacity - 1, -1, -1))
+        # the free rows as a heap, lowest first: requests admitted together then take rows in order, whatever
+        # order the rows came back in, and a step's tables stay views of the buffers (block_table_buffer.py)
+        self._free = list(range(capacity))
 
     # ---- rows in and out ------------------------------------------------------------------------------------
     def add(self, requests: list[NewRequest]) -> None:
@@ -88,7 +91,7 @@ class InputBatch:
         for req_id in req_ids:
             row = self.row_of.pop(req_id, None)
             if row is not None:
-                self._free.append(row)
+                heapq.heappush(self._free, row)
 
     def clear(self) -> None:
         self.remove(list(self.row_of))
@@ -148,8 +151,8 @@ class InputBatch:
             self.num_prompt_tokens += [0] * old
             self.adapters += [None] * old
             self.images += [None] * old
-            self._free = list(range(2 * old - 1, old - 1, -1))
-        return self._free.pop()
+            self._free = list(range(old, 2 * old))
+        return heapq.heappop(self._free)
 
     def _fit(self, width: int) -> None:
         """At least `width` tokens a row (twice as wide as before when it grows)."""

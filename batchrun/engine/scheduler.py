@@ -71,10 +71,14 @@ class Scheduler:
         # in admission order: a dict as an ordered set, so that a finished or preempted sequence leaves in O(1)
         self.running: dict[Sequence, None] = {}
         self.swapped: deque[Sequence] = deque()  # in preemption order
+        # whether any request given so far has a LoRA adapter (a fork has its parent's): until one has, a step
+        # needs no pass over its sequences to order them by adapter
+        self.adapted = False
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.adapted = self.adapted or seq.adapter is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -105,7 +109,7 @@ class Scheduler:
             if not self.swapped:
                 budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget  # every path takes its tokens
-        if any([s.seq.adapter is not None for s in out.scheduled]):
+        if self.adapted and any([s.seq.adapter is not None for s in out.scheduled]):
             # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which
             # every adapted layer reads as a slice (no gather, no scatter); the order of a step's sequences
             # changes nothing else (each row is computed apart, its outputs are matched by place)
@@ -156,11 +160,13 @@ class Scheduler:
         plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
         scheduled, slot_of = out.scheduled, kv.slot_of
+        stateless = kv.states is None  # every slot -1: not asked sequence by sequence
+        decode = ScheduledSequence.decode
         decodes = 0
         for seq in list(running):  # a copy: preemption takes sequences off the end
             if budget <= 0:
                 break
-            if seq not in running:
+            if out.preempted and seq not in running:
                 break  # preempted for an older one: so is every sequence after it
             if plain:
                 start = seq.num_computed_tokens
@@ -169,7 +175,7 @@ class Scheduler:
                     if record.unsent is None and start < P * min(map(len, record.tables)):
                         if register is not None:
                             register(seq, start + 1)
-                        scheduled.append(ScheduledSequence.decode(seq, start, slot_of(seq)))
+                        scheduled.append(decode(seq, start, -1 if stateless else slot_of(seq)))
                         budget -= 1
                         decodes += 1
                         continue
@@ -236,12 +242,16 @@ class Scheduler:
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapters the running sequences use (a step runs at most engine.max_loras of them)."""
+        if not self.adapted:
+            return set()
         return {s.adapter for s in self.running if s.adapter is not None}
 
     def _admits_adapter(self, seq: Sequence, adapters: set[int]) -> bool:
         return seq.adapter is None or seq.adapter in adapters or len(adapters) < self.config.max_loras
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.swapped:
+            return budget
         adapters = self._running_adapters()
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -264,6 +274,8 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.waiting:
+            return budget
         adapters = self._running_adapters()
         while self.waiting and budget > 0:
             seq = self._next_waiting(adapters)
