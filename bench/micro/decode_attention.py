@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from batchrun.engine.cpu_kernels import load
 
-HQ, HKV, D, PAGE = 9, 3, 64, 16  # SmolLM2-135M
-
-
-def cpu_ms(fn) -> float:
-    t0 = time.thread_time()
-    fn()
-    return (time.thread_time() - t0) * 1e3
+from .prompt_attention import HKV, HQ, PAGE, D, alternate  # SmolLM2-135M's shape, one thread's CPU time
 
 
 def decode_case(sequences: int, seed: int = 0):
@@ -89,12 +82,7 @@ def main() -> None:
         ways["prompt kernel"] = lambda: kernel.paged_prompt_attention(
             out["prompt kernel"], query, k_cache, v_cache, tables, i32(range(G)), ones, seq_lens, scale
         )
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for fn in ways.values():  # warm up
-        fn()
-    for _ in range(a.repeat):
-        for name, fn in ways.items():
-            times[name].append(cpu_ms(fn))
+    times = alternate(ways, a.repeat)
     ref = out["PyTorch fp32"]
     for name, ts in times.items():
         best, med = min(ts), statistics.median(ts)

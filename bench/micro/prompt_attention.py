@@ -30,6 +30,17 @@ def cpu_ms(fn) -> float:
     return (time.thread_time() - t0) * 1e3
 
 
+def alternate(ways: dict, repeat: int) -> dict[str, list[float]]:
+    """Each way once to warm up, then all of them in turn `repeat` times: {name: [thread CPU ms]}."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for fn in ways.values():
+        fn()
+    for _ in range(repeat):
+        for name, fn in ways.items():
+            times[name].append(cpu_ms(fn))
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=35)
@@ -80,12 +91,7 @@ def main() -> None:
             out["SDPA loop fp32"], q32, k32, v32, None, None, prefills, scale, call
         ),
     }
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for fn in ways.values():  # warm up
-        fn()
-    for _ in range(a.repeat):
-        for name, fn in ways.items():
-            times[name].append(cpu_ms(fn))
+    times = alternate(ways, a.repeat)
     ref = out["SDPA loop fp32"]
     for name, ts in times.items():
         best, med = min(ts), statistics.median(ts)
