@@ -197,6 +197,12 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
         plan = scheduler.schedule()
         assert not plan.is_empty or plan.preempted, "no progress: deadlock"
         assert bm.num_used_pages <= bm.num_pages
+        # the counts the scheduler keeps as it plans (for the runner and the statistics), recounted from the plan
+        scheduled = plan.scheduled
+        assert plan.num_batched_tokens == sum(s.num_new_tokens for s in scheduled)
+        assert plan.num_generating == sum(s.samples and s.start >= s.seq.num_prompt_tokens for s in scheduled)
+        assert plan.scores_prompts == any(s.prompt_logprob_positions for s in scheduled)
+        assert plan.tables_changed == any(s.new_block_ids is not None for s in scheduled)
         for s in plan.scheduled:
             # every group's pages hold the tokens the step writes, and what the plan says of a sequence is what
             # ScheduledSequence works out from its tokens (the scheduler plans most decodes by a shorter path)
@@ -256,7 +262,10 @@ def test_scheduler_never_deadlocks_or_leaks(
         KVCacheCoordinator(bm),
     )
     for i, (p, m, n) in enumerate(lengths):
-        sched.add(seq(i, [i % 2] * p, max_new=m, n=n))
+        s = seq(i, [i % 2] * p, max_new=m, n=n)
+        if n == 1 and i % 3 == 0:  # it scores its prompt (marked as the engine marks such a sequence)
+            s.prompt_logprobs = [None]
+        sched.add(s)
     done = drive(sched)
     assert len(done) == sum(n for _, _, n in lengths)
     assert not bm.sequences  # nothing kept of a finished sequence
