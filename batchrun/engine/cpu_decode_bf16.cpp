@@ -29,14 +29,6 @@ using bf16 = at::BFloat16;
 
 inline __m512i load_row32(const bf16* x) { return _mm512_loadu_si512(x); }  // 32 bf16
 
-inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
-
-inline __m512i bcast_pair(const bf16* x) {  // two bf16 as one 32-bit lane, in every lane
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof pair);
-  return _mm512_set1_epi32(pair);
-}
-
 struct Pages {  // where a task's keys and values lie
   const bf16 *kh, *vh;  // the KV head's first key and value in page 0
   const int32_t* table;  // from the page holding the first visible key

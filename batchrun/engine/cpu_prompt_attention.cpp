@@ -40,16 +40,6 @@ constexpr int kKeys = 64;     // keys per block of the online softmax
 constexpr int kQueries = 16;  // queries per task
 constexpr int kMaxRows = kQueries * 16;  // rows of a tile: queries times GQA heads (GQA up to 16)
 
-inline __m512i bcast_pair(const at::BFloat16* x) {  // two bf16 as one 32-bit lane, in every lane
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof pair);
-  return _mm512_set1_epi32(pair);
-}
-
-inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
 struct Layer {
   const at::BFloat16 *q, *k, *v;
   at::BFloat16* o;

@@ -1,7 +1,7 @@
-// What batchrun's C++ CPU kernels share (cpu_kernels.cpp, cpu_elementwise.cpp, cpu_prompt_attention.cpp, compiled
-// into one module by cpu_kernels.py): widening a value of the model's dtype to fp32, 16 of them at once on AVX-512,
-// and e^x for x <= 0 in plain arithmetic (one value or 16 lanes). Inside an unnamed namespace: each source gets its
-// own copy, no symbol is exported.
+// What batchrun's C++ CPU kernels share (cpu_kernels.cpp, cpu_elementwise.cpp, cpu_prompt_attention.cpp,
+// cpu_decode_bf16.cpp, compiled into one module by cpu_kernels.py): widening a value of the model's dtype to fp32,
+// 16 of them at once on AVX-512, e^x for x <= 0 in plain arithmetic (one value or 16 lanes), and the bf16 pair
+// products of AVX512-BF16. Inside an unnamed namespace: each source gets its own copy, no symbol is exported.
 #pragma once
 
 #include <torch/extension.h>
@@ -69,6 +69,18 @@ inline __m512 exp_nonpositive16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// the bf16 attention kernels' products (cpu_prompt_attention.cpp, cpu_decode_bf16.cpp): two bf16 as one 32-bit
+// lane, in every lane; and acc + the pairs' dot products, lane by lane (vdpbf16ps)
+inline __m512i bcast_pair(const at::BFloat16* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof pair);
+  return _mm512_set1_epi32(pair);
+}
+
+inline __m512 dot2(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 #endif
 
 }  // namespace
