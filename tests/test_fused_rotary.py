@@ -134,9 +134,7 @@ def test_the_fused_function_is_hfs_outside_batchrun_s_forward(monkeypatch):
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2))
     assert fused_rotary.install(model) == 2  # its two attention modules
     fused = modeling_llama.apply_rotary_pos_emb
-    assert isinstance(fused, fused_rotary.FusedRotary) and "transformers.models.llama.modeling_llama" in (
-        fused_rotary.installed()
-    )
+    assert isinstance(fused, fused_rotary.FusedRotary)  # the modeling module's own global
     calls = []
     real = KERNEL.rotary_embedding
     monkeypatch.setattr(KERNEL, "rotary_embedding", lambda *a: calls.append(1) or real(*a))

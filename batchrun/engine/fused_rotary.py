@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 from contextvars import ContextVar
 
 import torch
@@ -151,9 +150,3 @@ def install(model: torch.nn.Module) -> int:
             fn = globals_[NAME] = FusedRotary(fn, kernels, partial)
         count += 1
     return count
-
-
-def installed() -> list[str]:
-    """The modeling modules whose `apply_rotary_pos_emb` is a FusedRotary, by name."""
-    modules = list(sys.modules.items())
-    return sorted(n for n, m in modules if isinstance(getattr(m, "__dict__", {}).get(NAME), FusedRotary))
