@@ -263,7 +263,6 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "model": spec.model.path,
         "packed_weights": runner.packed_weights,
         "fused_products": runner.fused_products,
-        "fused_elementwise": runner.fused_elementwise,
     }
     load_s = time.perf_counter() - t0
     stats = PoolingStats(extra=facts, replica=replica, load_s=load_s, sample=fp32_sample_of(spec, runner))
