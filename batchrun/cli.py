@@ -180,7 +180,7 @@ def validate(job_file: Path, overrides) -> None:
     from .model_loader import check_model_path
 
     spec = load_job(job_file, overrides)
-    source = check_job(spec, spec.input.limit)
+    source = check_job(spec, spec.input.limit).source
     model = check_model_path(spec.model.path, spec.source_file)
     if (
         spec.model.adapters

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import storage
 from .config import JobSpec
@@ -30,7 +30,7 @@ from .host import place
 from .lock import LeaseLock, shard_lock
 from .loop import drive
 from .model_loader import fingerprint_dtype, load_config
-from .pooling_worker import task_columns
+from .pooling_worker import PoolingCheckpoint, open_checkpoint, task_columns
 from .progress import BAR_FORMAT, RemainingTime
 from .replicas import replica_count, run_replicas
 from .rows import InputRow, OutputRow, Shard
@@ -139,16 +139,15 @@ class Job:
         self.limit = limit if limit is not None else spec.input.limit
         self.progress = progress
         self.replicas = replicas if replicas is not None else spec.engine.replicas
-        self.source = check_job(spec, self.limit)
+        self.source, self.checkpoint = check_job(spec, self.limit)
         self.placement = place(spec.engine.device, spec.model.dtype)  # once: the fingerprint, then the load
         check_writable(spec.output_dir, "output.path", src)
         self.lock = shard_lock(spec.state_dir, self.shard.index, self.shard.count, enabled=lock)
         self.lock.acquire(wait, spec.output_dir, src, **(waiting or {}))
         try:
             dtype = fingerprint_dtype(spec.model.dtype, self.placement)
-            # a pooling job's own columns (an embedding's length), from the checkpoint's files: its pooler keys
-            # are checked here, before any model loads
-            task_types = task_columns(spec) if spec.task != "generate" else None
+            # a pooling job's own columns (an embedding's length), from the checkpoint check_job read
+            task_types = task_columns(spec, self.checkpoint) if self.checkpoint is not None else None
             self.sink = OutputSink(
                 spec,
                 self.shard,
@@ -267,7 +266,7 @@ class Job:
 
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
-        worker = self.worker or load_worker(self.spec, placement=self.placement)
+        worker = self.worker or load_worker(self.spec, placement=self.placement, checkpoint=self.checkpoint)
         self.worker = worker  # kept: whoever made this job may run another shard on it
         self.loaded()
         stats_file.start()
@@ -339,20 +338,28 @@ class Job:
         )
 
 
-def check_job(spec: JobSpec, limit: int | None) -> InputSource | OpenAIBatchSource:
+class CheckedJob(NamedTuple):
+    """What checking a job opened and read, handed on rather than read again: its input, and a pooling job's
+    checkpoint (None for generation), which gives the job its output columns and its runner."""
+
+    source: InputSource | OpenAIBatchSource
+    checkpoint: PoolingCheckpoint | None
+
+
+def check_job(spec: JobSpec, limit: int | None) -> CheckedJob:
     """Everything about a job that needs no model weights, checked before any loads (`batchrun validate` too):
     the input opens and its columns hold what they should, ids are unique, a job-wide response format
-    compiles into an enforced grammar, a pooling job's pooler keys fit its checkpoint. Returns the opened input."""
+    compiles into an enforced grammar, a pooling job's pooler keys fit its checkpoint (read here, once)."""
     source = open_source(spec.input, spec.source_file, spec.task)
     source.check_unique_ids(limit)
-    if spec.task != "generate":  # the pooler keys against the checkpoint's files (an impossible combination)
-        task_columns(spec)
+    # a pooling job's pooler keys against the checkpoint's files (an impossible combination)
+    checkpoint = open_checkpoint(spec) if spec.task != "generate" else None
     if spec.sampling.structured:
         try:
             check_format(spec.sampling.response_format)
         except ValueError as e:
             raise BadInput(f"{spec.source_file}: key `sampling.response_format`: {e}.") from None
-    return source
+    return CheckedJob(source, checkpoint)
 
 
 def check_outputs(spec: JobSpec) -> None:

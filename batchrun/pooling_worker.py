@@ -28,9 +28,12 @@ from .vocabulary import embedding_rows, token_id_error
 
 @dataclasses.dataclass(frozen=True)
 class PoolingCheckpoint:
-    """A pooling checkpoint as a job reads it, once, in one direction (read_checkpoint): its task, the plan
-    of that task, and the transformers config of its model's folder, which the runner loads the model from."""
+    """A pooling checkpoint as a job reads it, once, in one direction (read_checkpoint): its folder, its task,
+    the plan of that task, and the transformers config of its model's folder, which the runner loads the model
+    from. A job reads it when it checks the job (job.check_job) and hands it on to its output columns, its
+    runner and its fp32 sample's runner."""
 
+    model_dir: Path
     task: str
     plan: PoolingPlan
     config: Any
@@ -85,7 +88,7 @@ def read_checkpoint(
     model_dir, config = model.path, model.config
     task = task or task_of(config)
     if task != "embed":
-        return PoolingCheckpoint(task, _head_plan(model_dir, config, options, where, task), config)
+        return PoolingCheckpoint(model_dir, task, _head_plan(model_dir, config, options, where, task), config)
     try:
         sentence = read_sentence_config(model_dir)
     except SentenceConfigError as e:
@@ -93,7 +96,7 @@ def read_checkpoint(
     if sentence.transformer_path:  # the transformers model in a subfolder: its config is that folder's
         config = load_config(model_dir / sentence.transformer_path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return PoolingCheckpoint(task, resolve(sentence, text.hidden_size, options, where), config)
+    return PoolingCheckpoint(model_dir, task, resolve(sentence, text.hidden_size, options, where), config)
 
 
 def _head_plan(model_dir: Path, config, options: PoolerConfig, where: str, task: str) -> PoolingPlan:
@@ -125,11 +128,16 @@ def _head_plan(model_dir: Path, config, options: PoolerConfig, where: str, task:
     )
 
 
-def task_columns(spec: JobSpec) -> dict[str, pa.DataType]:
-    """The Arrow types of a pooling job's own output columns (sinks.output_schema)."""
-    plan = read_checkpoint(
+def open_checkpoint(spec: JobSpec) -> PoolingCheckpoint:
+    """A pooling job's checkpoint: its folder found and config read (open_model), then its other files."""
+    return read_checkpoint(
         open_model(spec.model.path, spec.source_file), spec.pooler, spec.source_file, spec.task
-    ).plan
+    )
+
+
+def task_columns(spec: JobSpec, checkpoint: PoolingCheckpoint) -> dict[str, pa.DataType]:
+    """The Arrow types of a pooling job's own output columns (sinks.output_schema)."""
+    plan = checkpoint.plan
     if spec.task == "classify":
         return {"label": pa.string(), "probs": pa.list_(pa.float32(), plan.output_dim)}
     if spec.task in ("score", "reward"):
@@ -145,19 +153,21 @@ def load_runner(
     source: str,
     placement: Placement | None = None,
     task: str | None = None,
+    checkpoint: PoolingCheckpoint | None = None,
 ):
     """The pooling runner of a job's (or LLM(runner="pooling")'s) model, engine and pooler settings; `task`
-    None: as the checkpoint is (task_of). The folder and its config are found and read once (open_model), the
-    checkpoint's other files once (read_checkpoint), and the runner loads the model from what was read."""
+    None: as the checkpoint is (task_of). `checkpoint`: the one the job read when it was checked; None (the
+    Python API, a replica's process): the folder and its config are found and read here, once (open_model), the
+    checkpoint's other files once (read_checkpoint). The runner loads the model from what was read."""
     from .engine.classifier import ClassifierRunner
     from .engine.pooling import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
-    folder = open_model(model.path, source)
-    checkpoint = read_checkpoint(folder, pooler, source, task)
+    if checkpoint is None:
+        checkpoint = read_checkpoint(open_model(model.path, source), pooler, source, task)
     runner = PoolingRunner if checkpoint.task == "embed" else ClassifierRunner
     return runner(
-        folder.path,
+        checkpoint.model_dir,
         checkpoint.plan,
         checkpoint.config,
         placement.dtype,
@@ -168,9 +178,9 @@ def load_runner(
     )
 
 
-def fp32_sample_of(spec: JobSpec, runner):
-    """A bf16/fp16 job's fp32_sample.Fp32Sample: its first texts pooled again by the checkpoint loaded in fp32
-    on the job's device, with the job's pooling (None for an fp32 job)."""
+def fp32_sample_of(spec: JobSpec, runner, checkpoint: PoolingCheckpoint):
+    """A bf16/fp16 job's fp32_sample.Fp32Sample: its first texts pooled again by the checkpoint (as the job
+    read it) loaded in fp32 on the job's device, with the job's pooling (None for an fp32 job)."""
     import torch
 
     from .fp32_sample import Fp32Sample
@@ -181,7 +191,9 @@ def fp32_sample_of(spec: JobSpec, runner):
     placement = Placement(runner.device, torch.float32)
     weights = [*runner.model.parameters(), *runner.model.buffers()]
     return Fp32Sample(
-        lambda: load_runner(model, spec.engine, spec.pooler, spec.source_file, placement, spec.task),
+        lambda: load_runner(
+            model, spec.engine, spec.pooler, spec.source_file, placement, spec.task, checkpoint
+        ),
         spec.task,
         room=lambda: fp32_room(4 * sum(t.numel() for t in weights), runner.device),
     )

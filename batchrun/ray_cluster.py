@@ -143,7 +143,7 @@ class RayRun:
         self.replicas = replicas if replicas is not None else spec.engine.replicas
         self.limit = limit if limit is not None else spec.input.limit
         self.progress, self.lock = progress, lock
-        source = check_job(self.spec, self.limit)  # before any actor starts: a bad job is exit 2 here
+        source = check_job(self.spec, self.limit).source  # before any actor starts: a bad job is exit 2 here
         total = source.num_rows()
         self.total_rows = (
             None if total is None else (min(total, self.limit) if self.limit is not None else total)

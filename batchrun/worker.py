@@ -217,13 +217,15 @@ class RowWorker:
         return state.results
 
 
-def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = None) -> RowWorker:
+def load_worker(
+    spec: JobSpec, replica: int = 0, placement: Placement | None = None, checkpoint=None
+) -> RowWorker:
     """The LLM of a job file and its worker, whose statistics carry the facts about them for the summary. A
     job-wide response format that does not compile stops the job here, before any row. `placement`: the device
     and dtype the job resolved (a replica resolves its own device). A pooling task's job gets its own worker
-    (pooling_worker.py)."""
+    (pooling_worker.py), from the checkpoint the job read when it was checked (`checkpoint`; None: read here)."""
     if spec.task != "generate":
-        return _load_pooling_worker(spec, replica, placement)
+        return _load_pooling_worker(spec, replica, placement, checkpoint)
     t0 = time.perf_counter()
     llm = LLM.from_spec(spec.model, spec.engine, spec.source_file, placement)
     load_s = time.perf_counter() - t0
@@ -247,13 +249,16 @@ def load_worker(spec: JobSpec, replica: int = 0, placement: Placement | None = N
     return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica, load_s=load_s))
 
 
-def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | None):
+def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | None, checkpoint):
     """A pooling job's worker (pooling_worker.py), whose statistics carry the facts about it for the summary."""
-    from .pooling_worker import PoolingWorker, fp32_sample_of, load_runner
+    from .pooling_worker import PoolingWorker, fp32_sample_of, load_runner, open_checkpoint
     from .stats import PoolingStats
 
     t0 = time.perf_counter()
-    runner = load_runner(spec.model, spec.engine, spec.pooler, spec.source_file, placement, spec.task)
+    checkpoint = checkpoint or open_checkpoint(spec)
+    runner = load_runner(
+        spec.model, spec.engine, spec.pooler, spec.source_file, placement, spec.task, checkpoint
+    )
     facts = {
         "job": spec.name,
         "task": spec.task,
@@ -265,7 +270,9 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "fused_products": runner.fused_products,
     }
     load_s = time.perf_counter() - t0
-    stats = PoolingStats(extra=facts, replica=replica, load_s=load_s, sample=fp32_sample_of(spec, runner))
+    stats = PoolingStats(
+        extra=facts, replica=replica, load_s=load_s, sample=fp32_sample_of(spec, runner, checkpoint)
+    )
     inp = spec.input
     text = "body.input" if inp.openai_batch else f"column {inp.prompt_column!r}"
     pair = f"column {inp.pair_column!r}" if inp.pair_column else None
