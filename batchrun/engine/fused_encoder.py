@@ -69,6 +69,7 @@ class DenseGELU(torch.nn.Module):
         super().__init__()
         self.dense, self.intermediate_act_fn = hf.dense, hf.intermediate_act_fn
         self._hf = [hf]  # in a list: no child (its parameters are counted once, under this module's names)
+        self.train(hf.training)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dense = self.dense
@@ -88,6 +89,7 @@ class DenseAddNorm(torch.nn.Module):
         super().__init__()
         self.dense, self.dropout, self.LayerNorm = hf.dense, hf.dropout, hf.LayerNorm
         self._hf = [hf]
+        self.train(hf.training)  # a new module is in training mode: the model's, as it was loaded
 
     def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         dense = self.dense
