@@ -461,8 +461,8 @@ def test_the_load_probe_refuses_a_model_that_reaches_across_texts(bases, tmp_pat
 
     made = packed.PackedLayout.of_lengths
 
-    def seen_by_all(lengths, specs=None):
-        layout = made(lengths, specs)
+    def seen_by_all(lengths, specs=None, kernel=None):
+        layout = made(lengths, specs, kernel)
         layout.runs = [packed.AttentionRun(0, 1, sum(lengths))]
         return layout
 

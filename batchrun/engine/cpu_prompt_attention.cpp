@@ -16,7 +16,9 @@
 //
 // Visible keys of a query at position p (masks.py MaskKind): k <= p, and k > p - window (window > 0) or
 // k // chunk == p // chunk (chunk > 0); soft-capping (softcap > 0) and a sink logit per query head (sinks [Hq]
-// fp32) as in the decode kernel. Shapes:
+// fp32) as in the decode kernel. `causal` false (an encoder's layer, no window or chunk): every key of the
+// sequence, k < context (a pooling step's packed row, attention/packed.py, passes its rows as pages of one token).
+// Shapes:
 //   query [T, Hq, D], out [T, Hq, D] bf16 (any strides but a unit last one)
 //   k_cache, v_cache [num_pages, P, Hkv, D] bf16 (unit last stride)
 //   block_tables [S, W] int32; starts, query_lens, context_lens [S] int32 (context: the queries included)
@@ -47,6 +49,7 @@ struct Layer {
   int64_t sq_t, sq_h, so_t, so_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, st;
   int64_t P, Hq, Hkv, gqa;
   int64_t window, chunk;
+  bool causal;
   float scale, softcap;
   const float* sinks;
 
@@ -117,6 +120,7 @@ void attend_tile(const Layer& L, Tile<D>& w, int64_t s, int64_t h, int64_t q0, i
     qrow[r] = L.q + t * L.sq_t + head * L.sq_h;
     pos[r] = base + q0 + rr / L.gqa;
     lo[r] = L.first_key(pos[r]);
+    if (!L.causal) pos[r] = ctx - 1;  // the last key the row sees: the sequence's last
     m[r] = -INFINITY;
     l[r] = 0.f;
     std::fill(w.acc(r), w.acc(r) + D, 0.f);
@@ -259,7 +263,7 @@ bool prompt_attention_bf16_supported(int64_t head_dim, int64_t v_head_dim) {
 void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor starts, at::Tensor query_lens,
                             at::Tensor context_lens, double scale, int64_t window, int64_t chunk, double softcap,
-                            c10::optional<at::Tensor> sinks) {
+                            c10::optional<at::Tensor> sinks, bool causal) {
   const int64_t D = query.size(2);
   TORCH_CHECK(prompt_attention_bf16_supported(D, v_cache.size(3)), "paged_prompt_attention: head dims ", D, "/",
               v_cache.size(3), " not built here (prompt_attention_bf16_supported)");
@@ -277,6 +281,7 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
                   block_tables.size(0) == starts.size(0),
               "block_tables: [S, W] int32");
   const int64_t Hq = query.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(causal || (window == 0 && chunk == 0), "paged_prompt_attention: a window or chunk is causal here");
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "paged_prompt_attention: up to 16 query heads per KV head");
 #ifdef BATCHRUN_PROMPT_BF16
   Layer L{};
@@ -293,7 +298,7 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
   L.sv_p = v_cache.stride(0), L.sv_s = v_cache.stride(1), L.sv_h = v_cache.stride(2);
   L.st = block_tables.stride(0);
   L.P = k_cache.size(1), L.Hq = Hq, L.Hkv = Hkv, L.gqa = Hq / Hkv;
-  L.window = window, L.chunk = chunk;
+  L.window = window, L.chunk = chunk, L.causal = causal;
   L.scale = static_cast<float>(scale), L.softcap = static_cast<float>(softcap);
   L.sinks = nullptr;
   if (sinks.has_value()) {
@@ -321,5 +326,5 @@ void register_prompt_attention(py::module_& m) {  // called by cpu_kernels.cpp's
   m.def("paged_prompt_attention", &paged_prompt_attention, "bf16 prompt attention of a step over the pages (CPU)",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("starts"), py::arg("query_lens"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
-        py::arg("chunk") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+        py::arg("chunk") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("causal") = true);
 }

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput
-from . import cpu_linear, fused_elementwise, fused_linear, fused_rotary
+from . import cpu_kernels, cpu_linear, fused_elementwise, fused_encoder, fused_linear, fused_rotary
 from .architecture import inspect_model, rope_types
 from .attention import ATTENTION_NAME, METADATA_KEYWORD, PackedLayout, UnsupportedModel, int_tensor, register
 from .per_sequence_rope import LENGTH_DEPENDENT_ROPE
@@ -105,9 +105,14 @@ class PoolingRunner:
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
+        # a BERT-style block's GELU and residual add as post-ops of its packed products (fp32 bit-equal)
+        self.fused_encoder = fused_encoder.fuse(self.model) if self.packed_weights else 0
         # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's (never in fp32)
         self.fused_elementwise = fused_elementwise.fuse(self.model, dtype) if device.type == "cpu" else 0
         self.fused_rotary = fused_rotary.install(self.model) if device.type == "cpu" else 0  # as generation's
+        # bf16 texts of a few dozen tokens or more attend by generation's C++ prompt kernel (attention/packed.py)
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        self.attention_kernel = cpu_kernels.load() if cpu_bf16 else None
         config = self.model.config
         self.position_offset = position_offset(self.model)
         max_positions = getattr(config, "max_position_embeddings", None)
@@ -237,7 +242,9 @@ class PoolingRunner:
         """The packed row through the model: its last hidden states [T, H] and its layout (the texts in the
         layout's packing order: text i's states are at `layout.spans()`'s i-th). `type_lists`: each text's
         segment ids (None: all 0), for a model that takes them."""
-        layout = PackedLayout.of_lengths([len(ids) for ids in token_lists], self.layer_specs)
+        layout = PackedLayout.of_lengths(
+            [len(ids) for ids in token_lists], self.layer_specs, self.attention_kernel
+        )
         ids = int_tensor(layout.packed(token_lists), device=self.device)[None]
         offset = self.position_offset
         positions = layout.packed([range(offset, offset + len(ids)) for ids in token_lists])

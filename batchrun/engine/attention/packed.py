@@ -13,6 +13,13 @@ reads each text's states back through `spans` (input order), so the order never 
 query sees is the layer's `MaskKind` (masks.py): bidirectional for an encoder (BERT, XLM-R, ModernBERT), causal
 for a decoder (Qwen3-Embedding), a sliding window (ModernBERT's local layers) on both sides for an encoder.
 
+A bf16 step on a CPU with AVX512-BF16 attends its texts of at least `KERNEL_MIN_LENGTH` tokens in one call of
+batchrun's C++ prompt kernel (engine/cpu_prompt_attention.cpp, generation's, `causal` as the layer's kind says)
+instead, where SDPA gains nothing from bf16: the kernel reads K/V as pages, and the packed row is given to it as
+pages of one token each (a text's block table: its rows), so nothing is copied. Shorter texts stay on SDPA: the
+kernel computes keys in blocks of 64, and a shorter text pays for the whole block (a step with and without the
+kernel: bench/micro/embed_profile.py --compare). Full attention only (no window or chunk: ModernBERT's local layers stay on SDPA).
+
 Why not pad texts of near lengths into one call: on the CPU, SDPA costs the same per text in a batch of one as in
 a batch of sixteen (bench/RESULTS.md, issue 41), while padding adds gathers, scatters, masks (a masked call is
 slower) and the padding's own arithmetic. On a GPU each run is a kernel launch of its own (a step of texts of many
@@ -23,12 +30,16 @@ and is not written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .layers import LayerSpec
 from .masks import MaskKind
+from .metadata import int_tensor
+
+KERNEL_MIN_LENGTH = 64  # tokens: a text shorter than the prompt kernel's key block stays on SDPA
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,8 @@ class PackedLayout:
     step's texts), `starts[i]` where text i begins in the row, `lengths[i]` its tokens, `runs` how the row
     attends; `calls`: the layers that attended through it so far (a refusal names the layer by it); `specs`:
     each layer's call as the pooling load's probe read it (None: this is the probe's forward, which reads every
-    call in full and records it in `probed`, for the runner to freeze)."""
+    call in full and records it in `probed`, for the runner to freeze); `kernel`: batchrun's C++ kernels where
+    the runner chose the bf16 prompt kernel (None: SDPA only)."""
 
     order: tuple[int, ...]
     starts: tuple[int, ...]
@@ -60,11 +72,15 @@ class PackedLayout:
     masks: dict = field(default_factory=dict)  # (length, MaskKind) -> [L, L] bool, made once per step
     specs: tuple[LayerSpec, ...] | None = None
     probed: list[LayerSpec] = field(default_factory=list)
+    kernel: Any = None
+    _kernel_texts: tuple | None = None  # (block tables, starts, lengths) of the kernel's texts, made once
 
     @classmethod
-    def of_lengths(cls, lengths: list[int], specs: tuple[LayerSpec, ...] | None = None) -> PackedLayout:
+    def of_lengths(
+        cls, lengths: list[int], specs: tuple[LayerSpec, ...] | None = None, kernel: Any = None
+    ) -> PackedLayout:
         """The texts longest first (ties in their given order), each run of one length attending together;
-        `specs`: the layers' frozen calls (None: the load's probe)."""
+        `specs`: the layers' frozen calls (None: the load's probe); `kernel`: as the field."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         starts, runs, at = [0] * len(lengths), [], 0
         for i in order:
@@ -76,7 +92,7 @@ class PackedLayout:
             else:
                 runs.append(AttentionRun(at, 1, n))
             at += n
-        return cls(tuple(order), tuple(starts), tuple(lengths), runs, specs=specs)
+        return cls(tuple(order), tuple(starts), tuple(lengths), runs, specs=specs, kernel=kernel)
 
     def packed(self, per_text: list[list]) -> list:
         """A per-text list (token ids, positions, segments) flattened in packing order."""
@@ -97,6 +113,25 @@ class PackedLayout:
             self.masks[key] = kind.visible(pos, pos)
         return self.masks[key]
 
+    def kernel_texts(self) -> tuple:
+        """The block tables [S, L] (each text's rows of the packed row, a page of one token each), starts and
+        lengths [S] int32 of the texts the prompt kernel attends (the longest runs: the row's head), and where
+        their rows end; made at the first layer, kept for the others."""
+        if self._kernel_texts is None:
+            runs = [r for r in self.runs if r.length >= KERNEL_MIN_LENGTH]
+            starts = [r.start + i * r.length for r in runs for i in range(r.count)]
+            lengths = [r.length for r in runs for _ in range(r.count)]
+            longest = lengths[0] if lengths else 0
+            tables = int_tensor(starts, torch.int32)[:, None] + torch.arange(longest, dtype=torch.int32)
+            end = runs[-1].end if runs else 0
+            self._kernel_texts = (
+                tables,
+                int_tensor(starts, torch.int32),
+                int_tensor(lengths, torch.int32),
+                end,
+            )
+        return self._kernel_texts
+
 
 def attend_packed(
     layout: PackedLayout, kind: MaskKind, query, key, value, scale: float | None
@@ -109,7 +144,10 @@ def attend_packed(
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, Hq, D]
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
+    done = attend_by_kernel(layout, kind, out, q, k, v, scale)  # the row's first `done` tokens
     for run in layout.runs:
+        if run.start < done:
+            continue
         n, length = run.count, run.length
         mask = layout.mask(length, kind, query.device)
         # [n, H, L, D]: views of the row, as the run's texts sit side by side in it
@@ -119,3 +157,26 @@ def attend_packed(
         )
         out[run.start : run.end].unflatten(0, (n, length)).copy_(o.transpose(1, 2))
     return out[None]
+
+
+def attend_by_kernel(layout: PackedLayout, kind: MaskKind, out, q, k, v, scale: float | None) -> int:
+    """The texts the prompt kernel takes, attended into `out` [T, Hq, D]; returns where their rows end (0: none
+    taken: no kernel chosen, another dtype, a window or chunk, a head dim or GQA the build does not take)."""
+    kernel = layout.kernel
+    if (
+        kernel is None
+        or q.dtype != torch.bfloat16
+        or not kind.is_full
+        or q.shape[0] > 16 * k.shape[0]
+        or not kernel.prompt_attention_bf16_supported(q.shape[-1], v.shape[-1])
+    ):
+        return 0
+    tables, starts, lengths, end = layout.kernel_texts()
+    if not end:
+        return 0
+    pages = [x.transpose(0, 1)[:, None] for x in (k, v)]  # [T, 1, Hkv, D]: a page per token, a view
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kernel.paged_prompt_attention(
+        out, q.transpose(0, 1), *pages, tables, starts, lengths, lengths, scale, causal=kind.causal
+    )
+    return end

@@ -1,0 +1,79 @@
+"""A bf16 pooling step's packed attention by the C++ prompt kernel (attention/packed.py, cpu_prompt_attention.cpp
+with `causal` false for an encoder): the texts of at least KERNEL_MIN_LENGTH tokens through the kernel, the
+shorter ones through SDPA, each text attending to itself alone under its layer's mask, against plain softmax
+attention over that text alone in fp32 (the bf16 tolerance of tests/test_cpu_prompt_attention.py); a window
+leaves the whole row on SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.engine.attention import METADATA_KEYWORD, PackedLayout
+from batchrun.engine.attention.interface import attention_forward
+from batchrun.engine.attention.packed import KERNEL_MIN_LENGTH
+from batchrun.engine.cpu_kernels import load
+
+KERNEL = load()
+pytestmark = pytest.mark.skipif(
+    KERNEL is None or not KERNEL.prompt_attention_bf16_supported(32, 32),
+    reason="no AVX512-BF16 prompt kernel",
+)
+LENGTHS = [70, 5, 130, 70, 20, 64, 1]  # three runs for the kernel (130, 70 twice, 64), three for SDPA
+
+
+def reference(q, k, v, a, b, causal, window, scale):
+    """Text [a, b)'s output [L, Hq, D] by plain softmax attention over it alone, in fp32 (GQA: 2 query heads per
+    KV head)."""
+    q, k, v = (x[0, :, a:b].float() for x in (q, k, v))
+    k, v = (x.repeat_interleave(q.shape[0] // x.shape[0], dim=0) for x in (k, v))
+    back = torch.arange(b - a)[:, None] - torch.arange(b - a)[None, :]
+    seen = (back >= 0) if causal else torch.ones_like(back, dtype=torch.bool)
+    if window is not None:
+        seen &= back.abs() < window
+    scores = (q @ k.transpose(1, 2) * scale).masked_fill(~seen, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 50)])
+def test_a_bf16_packed_call_is_each_text_alone(causal, window):
+    torch.manual_seed(0)
+    layout = PackedLayout.of_lengths(LENGTHS, kernel=KERNEL)
+    T, D = sum(LENGTHS), 32
+    q, k, v = (torch.randn(1, h, T, D).to(torch.bfloat16) for h in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal = causal
+    out, _ = attention_forward(
+        module, q, k, v, None, scaling=0.2, sliding_window=window, **{METADATA_KEYWORD: layout}
+    )
+    assert out.shape == (1, T, 4, D) and out.dtype == torch.bfloat16
+    tables, starts, lengths, end = layout.kernel_texts()
+    assert sorted(lengths.tolist()) == sorted(n for n in LENGTHS if n >= KERNEL_MIN_LENGTH)
+    assert end == sum(lengths.tolist())  # the kernel's texts are the row's head, longest first
+    for a, b in layout.spans():
+        want = reference(q, k, v, a, b, causal, window, 0.2)
+        err = (out[0, a:b].float() - want).norm() / want.norm()
+        assert err.item() < 1e-2, (b - a, err)
+        assert (out[0, a:b].float() - want).abs().max().item() < 3e-2
+
+
+def test_the_kernel_and_sdpa_agree_on_a_long_text():
+    """The same text of 100 tokens through the kernel and through SDPA (no kernel chosen): within bf16 rounding."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 100, 32).to(torch.bfloat16) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = False
+    outs = [
+        attention_forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            scaling=None,
+            **{METADATA_KEYWORD: PackedLayout.of_lengths([100], kernel=kernel)},
+        )[0].float()
+        for kernel in (KERNEL, None)
+    ]
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 1e-2
+    assert not torch.equal(outs[0], outs[1])  # two computations (the kernel was called), not one
