@@ -390,11 +390,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("gate_up"));
   m.def("rotary_embedding", &rotary_embedding, "HF's apply_rotary_pos_emb of q and k in one call, or [] (CPU)",
         py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("unsqueeze_dim"), py::arg("partial"));
-  m.def("write_kv", &write_kv, "a layer's new K/V [T, H, D] into their pages at (page, offset), or false (CPU)",
-        py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"),
-        py::arg("offsets"));
-  m.def("residual_add", &residual_add, "x += residual in place, as torch adds, or false (CPU)", py::arg("x"),
-        py::arg("residual"));
+  m.def("write_kv", &write_kv, "a layer's new K/V [T, H, D] into their pages, or false (CPU)", py::arg("key"),
+        py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"), py::arg("offsets"));
+  m.def("residual_add", &residual_add, "x += residual in place, or false (CPU)", py::arg("x"), py::arg("residual"));
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place, then out = rms_norm(x), or false (CPU)",
         py::arg("out"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   register_prompt_attention(m);
