@@ -38,6 +38,37 @@ def decode_case(context_lens, page_size, num_kv_heads, gqa, head_dim, dtype, see
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])  # one decode, a few, a prompt over several threads' share
+def test_write_kv_puts_each_tokens_k_and_v_where_index_put_does(dtype, tokens):
+    """K/V as the attention module gives them ([1, H, T, D] seen as [T, H, D]: head-major), keys wider than
+    values (MLA), into pages with a page stride of their own (kv_cache.py's views): the bytes index_put_ writes."""
+    gen = torch.Generator().manual_seed(tokens)
+    pages, page_size, heads, dk, dv = 40, 16, 3, 24, 16
+    pool = torch.randn(pages, page_size * heads * (dk + dv) + 5, generator=gen).to(dtype)
+    k_cache = pool[:, : page_size * heads * dk].unflatten(1, (page_size, heads, dk))
+    v_cache = pool[:, page_size * heads * dk : page_size * heads * (dk + dv)].unflatten(
+        1, (page_size, heads, dv)
+    )
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
+    slot_pages, slot_offsets = slots // page_size, slots % page_size
+    key = torch.randn(1, heads, tokens, dk, generator=gen).to(dtype)[0].transpose(0, 1)
+    value = torch.randn(1, heads, tokens, dv, generator=gen).to(dtype)[0].transpose(0, 1)
+    want = pool.clone()
+    want_k = want[:, : page_size * heads * dk].unflatten(1, (page_size, heads, dk))
+    want_v = want[:, page_size * heads * dk : page_size * heads * (dk + dv)].unflatten(
+        1, (page_size, heads, dv)
+    )
+    want_k.index_put_((slot_pages, slot_offsets), key)
+    want_v.index_put_((slot_pages, slot_offsets), value)
+    assert KERNEL.write_kv(key, value, k_cache, v_cache, slot_pages, slot_offsets)
+    assert torch.equal(pool, want)  # the padding past each page's V untouched too
+    other = key.to(torch.float16)  # a dtype the cache does not have: declined, nothing written
+    assert not KERNEL.write_kv(other, value, k_cache, v_cache, slot_pages, slot_offsets)
+    with pytest.raises(RuntimeError, match="out of range"):
+        KERNEL.write_kv(key, value, k_cache, v_cache, slot_pages + pages, slot_offsets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 15, 64, 65, 1000, 49152])  # under one vector, whole vectors, a tail
 def test_argmax_matches_torch(dtype, vocab):
     gen = torch.Generator().manual_seed(vocab)

@@ -91,10 +91,40 @@ def test_silu_and_mul_equals_hf_mlp(dtype, width):
         KERNEL.silu_and_mul(h, gate[0], up[0])
         assert within_ulps(h, want_h[0], 2)
         assert (h == want_h[0]).float().mean().item() > 0.99
+        # the fused gate/up product's output taken whole (gate's columns then up's): the same values, bit for bit
+        halves = torch.empty_like(h)
+        assert KERNEL.silu_and_mul_halves(halves, torch.cat([gate[0], up[0]], -1))
+        assert torch.equal(halves, h)
         fused = SiluAndMulMLP(hf, KERNEL)
         want, got = hf(x), fused(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[dtype]
     assert fused.gate_proj is hf.gate_proj and fused.down_proj is hf.down_proj
+
+
+def test_an_mlp_whose_gate_and_up_are_one_product_reads_it_whole():
+    """gate_proj and up_proj packed as one fused product (cpu_linear.py): the fused MLP computes that product
+    once per call and takes no column views of it; the output equals HF's within bf16's ulps, a row's its own."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from batchrun.engine.fused_linear import fuse_siblings
+
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    hf = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=48)).to(dtype).eval()
+    x = rows(21, 32, dtype, seed=5)[None]
+    with torch.inference_mode():
+        want = hf(x)
+        assert fuse_siblings(hf, lambda name, m: type(m) is torch.nn.Linear, lambda m: m) == 1
+        fused = SiluAndMulMLP(hf, KERNEL)
+        group = fused._joined[0]
+        got = fused(x)
+        assert group.products == 1 and group.calls == 2
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[dtype]
+        assert torch.equal(fused(x[:, 4:6]), got[:, 4:6])
+    unequal = LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=48)).to(dtype)
+    unequal.up_proj = torch.nn.Linear(32, 48, bias=False).to(dtype)  # not one product: each called by itself
+    assert SiluAndMulMLP(unequal, KERNEL)._joined is None
 
 
 @pytest.mark.parametrize("width", [64, 24])

@@ -30,7 +30,7 @@
 
 #include <optional>
 
-#include "cpu_vector.h"  // widen, load16, exp_nonpositive(16)
+#include "cpu_vector.h"  // widen, load16, store16, round16, exp_nonpositive(16)
 
 namespace {
 
@@ -53,31 +53,6 @@ inline float silu(float x) {
 }
 
 #ifdef __AVX512F__
-// round to nearest even (a NaN to bf16's quiet NaN), as c10::BFloat16's conversion: the bf16 in each lane's low half
-inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-}
-inline void store16(at::BFloat16* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
-inline void store16(at::Half* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-// v rounded to the dtype and widened back, in registers
-template <typename T>
-inline __m512 round16(__m512 v);
-template <>
-inline __m512 round16<at::BFloat16>(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-}
-template <>
-inline __m512 round16<at::Half>(__m512 v) {
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
 inline __m512 silu16(__m512 x) {  // as silu above
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512 a = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));
@@ -156,7 +131,6 @@ template <>
 inline __m512 rounded16<float>(__m512 v) {
   return v;
 }
-inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
 #endif
 
 template <typename T>
@@ -231,12 +205,9 @@ void rms_norm_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, f
   });
 }
 
+// g and u: each row's gate and up, n wide (the rows of two tensors, or the halves of one)
 template <typename T>
-void silu_and_mul_typed(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up, Rows gr, Rows ur, Rows outr) {
-  const int64_t n = gate.size(-1);
-  const T* g = reinterpret_cast<const T*>(gate.data_ptr());
-  const T* u = reinterpret_cast<const T*>(up.data_ptr());
-  T* dst = reinterpret_cast<T*>(out.data_ptr());
+void silu_and_mul_typed(T* dst, const T* g, const T* u, int64_t n, Rows gr, Rows ur, Rows outr) {
   at::parallel_for(0, gr.count, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       silu_and_mul_row(dst + r * outr.stride, g + r * gr.stride, u + r * ur.stride, n);
@@ -321,13 +292,43 @@ bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
   if (!gr || !ur || !outr) return false;
   switch (gate.scalar_type()) {
     case at::kBFloat16:
-      silu_and_mul_typed<at::BFloat16>(out, gate, up, *gr, *ur, *outr);
+      silu_and_mul_typed(out.data_ptr<at::BFloat16>(), gate.data_ptr<at::BFloat16>(), up.data_ptr<at::BFloat16>(),
+                         gate.size(-1), *gr, *ur, *outr);
       break;
     case at::kHalf:
-      silu_and_mul_typed<at::Half>(out, gate, up, *gr, *ur, *outr);
+      silu_and_mul_typed(out.data_ptr<at::Half>(), gate.data_ptr<at::Half>(), up.data_ptr<at::Half>(),
+                         gate.size(-1), *gr, *ur, *outr);
       break;
     default:
       TORCH_CHECK(false, "silu_and_mul: bfloat16 or float16");
+  }
+  return true;
+}
+
+// silu_and_mul of the fused gate/up product's output taken whole: each [..., 2I] row's gate is its first I
+// columns and its up the last I, read at their offsets (no column views made per call); false as above
+bool silu_and_mul_halves(at::Tensor out, at::Tensor gate_up) {
+  check_like(out, out, "silu_and_mul_halves");
+  const int64_t n = out.size(-1);
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == out.scalar_type() && gate_up.dim() == out.dim() &&
+                  gate_up.sizes().slice(0, out.dim() - 1) == out.sizes().slice(0, out.dim() - 1) &&
+                  gate_up.size(-1) == 2 * n,
+              "silu_and_mul_halves: gate_up [..., 2I] and out [..., I] of one dtype");
+  const auto gr = rows_of(gate_up), outr = rows_of(out);
+  if (!gr || !outr) return false;
+  switch (out.scalar_type()) {
+    case at::kBFloat16: {
+      const auto* g = gate_up.data_ptr<at::BFloat16>();
+      silu_and_mul_typed(out.data_ptr<at::BFloat16>(), g, g + n, n, *gr, *gr, *outr);
+      break;
+    }
+    case at::kHalf: {
+      const auto* g = gate_up.data_ptr<at::Half>();
+      silu_and_mul_typed(out.data_ptr<at::Half>(), g, g + n, n, *gr, *gr, *outr);
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "silu_and_mul_halves: bfloat16 or float16");
   }
   return true;
 }

@@ -366,9 +366,14 @@ at::Tensor argmax_rows(at::Tensor logits) {
 // cpu_elementwise.cpp
 bool rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up);
+bool silu_and_mul_halves(at::Tensor out, at::Tensor gate_up);
 std::vector<at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin,
                                          int64_t unsqueeze_dim, bool partial);
 void register_prompt_attention(py::module_& m);  // cpu_prompt_attention.cpp
+bool write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor pages,
+              at::Tensor offsets);  // cpu_kv_write.cpp
+bool residual_add(at::Tensor x, at::Tensor residual);  // cpu_residual.cpp
+bool add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)",
@@ -380,7 +385,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [..., I] bf16/fp16 rows in one pass, or false (CPU)",
         py::arg("out"), py::arg("gate"), py::arg("up"));
+  m.def("silu_and_mul_halves", &silu_and_mul_halves,
+        "silu(gate) * up of the [..., 2I] rows of the fused gate/up product, taken whole, or false (CPU)",
+        py::arg("out"), py::arg("gate_up"));
   m.def("rotary_embedding", &rotary_embedding, "HF's apply_rotary_pos_emb of q and k in one call, or [] (CPU)",
         py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("unsqueeze_dim"), py::arg("partial"));
+  m.def("write_kv", &write_kv, "a layer's new K/V [T, H, D] into their pages, or false (CPU)", py::arg("key"),
+        py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pages"), py::arg("offsets"));
+  m.def("residual_add", &residual_add, "x += residual in place, or false (CPU)", py::arg("x"), py::arg("residual"));
+  m.def("add_rms_norm", &add_rms_norm, "x += residual in place, then out = rms_norm(x), or false (CPU)",
+        py::arg("out"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   register_prompt_attention(m);
 }

@@ -1,7 +1,8 @@
 """batchrun's C++ kernels for the CPU (cpu_kernels.cpp): paged decode attention that reads K/V in the pages, and
 the greedy argmax over a step's logits; (cpu_elementwise.cpp) a bf16/fp16 layer's RMSNorm and SiLU-and-mul, and
 HF's rotary in any dtype; and (cpu_prompt_attention.cpp, cpu_decode_bf16.cpp) a bf16 layer's prompt and decode
-attention with AVX512-BF16 dot products.
+attention with AVX512-BF16 dot products; (cpu_kv_write.cpp) a layer's K/V written to their pages; and
+(cpu_residual.cpp) a decoder layer's residual adds in place.
 
 Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
 (`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
@@ -27,13 +28,15 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
 PROMPTS = Path(__file__).with_name("cpu_prompt_attention.cpp")  # this one too
 DECODE_BF16 = Path(__file__).with_name("cpu_decode_bf16.cpp")  # and this one
+KV_WRITE = Path(__file__).with_name("cpu_kv_write.cpp")  # and these two
+RESIDUAL = Path(__file__).with_name("cpu_residual.cpp")
 HEADERS = [Path(__file__).with_name(h) for h in ("cpu_vector.h", "cpu_decode.h")]  # what they include
 _loaded: dict[str, object] = {}
 
 
 def load():
     """The compiled module (`paged_decode_attention`, `paged_prompt_attention`, `argmax_rows`, `rms_norm`,
-    `silu_and_mul`, `rotary_embedding`), or None when it cannot be built here."""
+    `silu_and_mul`, `silu_and_mul_halves`, `rotary_embedding`, `write_kv`, `residual_add`, `add_rms_norm`), or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None
@@ -68,7 +71,7 @@ def _build(cpp_extension, build: Path):
     """Compile (when the source changed) and load the extension from `build`."""
     return cpp_extension.load(
         name="batchrun_cpu_kernels",
-        sources=[str(SOURCE), str(ELEMENTWISE), str(PROMPTS), str(DECODE_BF16)],
+        sources=[str(f) for f in (SOURCE, ELEMENTWISE, PROMPTS, DECODE_BF16, KV_WRITE, RESIDUAL)],
         # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
         # no errno from math calls lets the softmax loop (floor) vectorize
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
@@ -98,7 +101,9 @@ def _build_key() -> str:
     import sys
 
     key = hashlib.sha256(
-        b"".join(f.read_bytes() for f in (SOURCE, ELEMENTWISE, PROMPTS, DECODE_BF16, *HEADERS))
+        b"".join(
+            f.read_bytes() for f in (SOURCE, ELEMENTWISE, PROMPTS, DECODE_BF16, KV_WRITE, RESIDUAL, *HEADERS)
+        )
     )
     key.update(
         f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{platform.machine()}|{cpu_description()}".encode()

@@ -1,7 +1,7 @@
 // What batchrun's C++ CPU kernels share (cpu_kernels.cpp, cpu_elementwise.cpp, cpu_prompt_attention.cpp,
-// cpu_decode_bf16.cpp, compiled into one module by cpu_kernels.py): widening a value of the model's dtype to fp32,
-// 16 of them at once on AVX-512, e^x for x <= 0 in plain arithmetic (one value or 16 lanes), and the bf16 pair
-// products of AVX512-BF16. Inside an unnamed namespace: each source gets its own copy, no symbol is exported.
+// cpu_decode_bf16.cpp, cpu_residual.cpp, compiled into one module by cpu_kernels.py): widening a value of the
+// model's dtype to fp32, 16 of them at once on AVX-512, and 16 fp32 lanes stored in it (rounded as torch rounds);
+// e^x for x <= 0 in plain arithmetic (one value or 16 lanes), and the bf16 pair products of AVX512-BF16. Inside an unnamed namespace: each source gets its own copy, no symbol is exported.
 #pragma once
 
 #include <torch/extension.h>
@@ -69,6 +69,34 @@ inline __m512 exp_nonpositive16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+#endif
+
+#ifdef __AVX512F__
+// 16 fp32 lanes stored in the dtype (cpu_elementwise.cpp, cpu_residual.cpp): round to nearest even (a NaN to bf16's quiet NaN), as c10::BFloat16's conversion: the bf16 in each lane's low half
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+inline void store16(at::BFloat16* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+inline void store16(at::Half* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+// v rounded to the dtype and widened back, in registers
+template <typename T>
+inline __m512 round16(__m512 v);
+template <>
+inline __m512 round16<at::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+template <>
+inline __m512 round16<at::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)

@@ -26,7 +26,8 @@ import torch
 from transformers.activations import SiLUActivation
 
 from . import cpu_kernels
-from .cpu_linear import hooked
+from .cpu_linear import PackedLinear, hooked
+from .fused_linear import FusedMember, FusedProduct
 
 # the forwards the kernels compute (Llama's, and the same statements under the families' own class names)
 NORM_FORWARDS = (
@@ -109,16 +110,37 @@ class FusedRMSNorm(torch.nn.Module):
 
 class SiluAndMulMLP(torch.nn.Module):
     """A gated MLP of MLP_FORWARDS with `act_fn(gate) * up` as one C++ pass; its projections stay its children
-    under their names (packed, fused or wrapped by an adapter: called as HF's code calls them)."""
+    under their names (packed, fused or wrapped by an adapter: called as HF's code calls them). Where gate_proj
+    and up_proj are the two members, in that order, of one fused product (fused_linear.py) and feed nothing but
+    this MLP, the kernel reads the product's output whole, gate and up at their offsets, rather than the two
+    column views the members would hand out. Where down_proj is a plain or packed linear layer, unhooked, the
+    activation it alone reads is written into `scratch`, the model's MLPs' one tensor (outside autograd)."""
 
-    def __init__(self, hf: torch.nn.Module, kernels):
+    def __init__(self, hf: torch.nn.Module, kernels, scratch: Scratch | None = None):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = hf.gate_proj, hf.up_proj, hf.down_proj
         self.act_fn = hf.act_fn
         self._hf, self._kernels = [hf], kernels
+        self._joined = joined_product(self.gate_proj, self.up_proj)  # in a list or None: no child module
+        plain = type(self.down_proj) in (torch.nn.Linear, PackedLinear) and not hooked(self.down_proj)
+        self._scratch = scratch if plain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self._joined is not None:
+            gate_up = self._joined[0].whole(x)
+            n = gate_up.shape[-1] // 2
+            if gate_up.dtype in DTYPES and not gate_up.requires_grad:
+                shape = (*gate_up.shape[:-1], n)
+                scratch = self._scratch
+                if scratch is None or torch.is_grad_enabled():
+                    h = torch.empty(shape, dtype=gate_up.dtype)
+                else:
+                    h = scratch.get(shape, gate_up.dtype)
+                if self._kernels.silu_and_mul_halves(h, gate_up):
+                    return self.down_proj(h)
+            gate, up = gate_up.narrow(-1, 0, n), gate_up.narrow(-1, n, n)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if gate.dtype not in DTYPES or up.dtype != gate.dtype or gate.shape != up.shape or gate.requires_grad:
             return self.down_proj(self.act_fn(gate) * up)
         # views of the fused gate/up product's halves (rows strided, columns not), taken as they are
@@ -126,6 +148,31 @@ class SiluAndMulMLP(torch.nn.Module):
         if not self._kernels.silu_and_mul(h, gate, up):
             self._kernels.silu_and_mul(h, gate.contiguous(), up.contiguous())
         return self.down_proj(h)
+
+
+class Scratch:
+    """One tensor that a model's fused MLPs write their activation into, one after another: each is read by its
+    down_proj alone, which makes a new tensor of its own, before the next MLP runs. Kept at the last call's
+    shape (a decode step's every layer, and the steps after, reuse it); another shape replaces it."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self.tensor
+        if t is None or t.shape != shape or t.dtype != dtype:
+            t = self.tensor = torch.empty(shape, dtype=dtype)
+        return t
+
+
+def joined_product(gate: torch.nn.Module, up: torch.nn.Module) -> list[FusedProduct] | None:
+    """[the fused product] whose only members are `gate` then `up`, of equal widths; else None."""
+    if not (isinstance(gate, FusedMember) and isinstance(up, FusedMember)) or gate.group is not up.group:
+        return None
+    group = gate.group
+    if (gate.index, up.index) != (0, 1) or len(group.widths) != 2 or group.widths[0] != group.widths[1]:
+        return None
+    return [group]
 
 
 def norm_fits(module: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -160,13 +207,13 @@ def fuse(model: torch.nn.Module, dtype: torch.dtype) -> int:
     kernels = cpu_kernels.load()
     if kernels is None:
         return 0
-    swaps = []
+    swaps, scratch = [], Scratch()
     for parent in model.modules():
         for name, child in parent.named_children():
             if norm_fits(child, dtype):
                 swaps.append((parent, name, FusedRMSNorm(child, kernels)))
             elif mlp_fits(child):
-                swaps.append((parent, name, SiluAndMulMLP(child, kernels)))
+                swaps.append((parent, name, SiluAndMulMLP(child, kernels, scratch)))
     for parent, name, fused in swaps:
         setattr(parent, name, fused)
     return len(swaps)

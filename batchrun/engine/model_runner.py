@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import fused_rotary
+from . import fused_residual, fused_rotary
 from .attention import (
     AttentionMetadata,
     AttentionServices,
@@ -71,6 +71,8 @@ class ModelRunner:
         self.staging = StepStaging(spec.groups.num_groups, self.device)  # a step's per-token tensors
         # the attention modules whose HF rotary runs as one C++ call within the forward (fused_rotary.py)
         self.fused_rotary = fused_rotary.install(model) if self.device.type == "cpu" else 0
+        # the decoder layers whose residual adds are made in place (fused_residual.py)
+        self.fused_residual = fused_residual.install(model) if self.device.type == "cpu" else 0
 
     def prepare(
         self, plan: SchedulerOutput

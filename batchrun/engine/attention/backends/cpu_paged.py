@@ -1,5 +1,6 @@
-"""`torch`, the CPU default: decodes through batchrun's C++ paged-decode kernel (engine/cpu_kernels.cpp), which
-reads K/V in the pages with no copy; bf16 prompts through its prompt kernel where it applies (prompt_kernel.py),
+"""`torch`, the CPU default: each layer's new K/V written to their pages by one C++ call (cpu_kv_write.cpp);
+decodes through batchrun's C++ paged-decode kernel (engine/cpu_kernels.cpp), which reads K/V in the pages with
+no copy; bf16 prompts through its prompt kernel where it applies (prompt_kernel.py),
 the others through SDPA (prompts.py)."""
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ class TorchAttention(AttentionBackend):
                 if plan.prefills or plan.prompts
                 else "write K/V, decode-only steps"
             ):
-                write_kv(k, v, k_cache, v_cache, meta.groups[spec.group])
+                group = meta.groups[spec.group]
+                if not self.kernel.write_kv(k, v, k_cache, v_cache, group.slot_pages, group.slot_offsets):
+                    write_kv(k, v, k_cache, v_cache, group)  # a layout the kernel does not take
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         if plan.decode is not None:
             d = plan.decode
