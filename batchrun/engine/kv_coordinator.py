@@ -59,7 +59,7 @@ class KVCacheCoordinator:
         self.take_new_block_ids = block_manager.take_new_block_ids  # the runner's tables' news (the plan's)
         # per kind: copies since the last plan (made first in the next), and the plan being made's copies
         self._pending: list[list[KindCopy]] = [[] for _ in kinds]
-        self._plan: list[KindCopies] = []
+        self._plan = [KindCopies(k) for k in kinds]
         usable = [k.usable for k in kinds if type(k).usable is not KindManager.usable]
         self._usable = (
             None
