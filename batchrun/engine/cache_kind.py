@@ -3,8 +3,9 @@ kind other than full attention: `MambaSpec` and its manager beside `FullAttentio
 
 Pages are first-class: every model has them, and the scheduler's hot decode path asks the block manager for them
 itself (block_manager.py). Anything else a sequence holds (a hybrid model's state slots: state_kind.py) is a
-*kind*: one module declaring a `CacheKind` subclass, listed in cache_kinds.py, with no edit elsewhere. A kind
-brings two halves, made once per engine from the model plan:
+*kind*: one module declaring a `CacheKind` subclass, listed in cache_kinds.py (what else still names the one
+kind there is: docs/ARCHITECTURE.md, "Where a new piece goes"). A kind brings two halves, made once per engine
+from the model plan:
 
 - its manager (`KindManager`): pure integers, like the block manager. The KV cache coordinator
   (kv_coordinator.py) calls every kind's manager in each of its actions (admit, fork, finish, swap, ...), and
@@ -13,7 +14,8 @@ brings two halves, made once per engine from the model plan:
   step's view of them is for the layers that read them (the runner builds it from the plan each step).
 
 The kind itself (`CacheKind`) is found from the model plan (`of`), takes its share of the memory budget
-(`pool`: sizing.pool_sizes asks it), builds both halves, and names its usage columns (memory.py, stats.py).
+(`pool`: sizing.pool_sizes asks it) and builds both halves; its manager counts its usage columns (`usage`:
+memory.py's snapshot, stats.py's rows) and the kind gives the run's summary its fixed figures (`summary`).
 """
 
 from __future__ import annotations
