@@ -422,7 +422,7 @@ class StatsCollector:
             "bytes_per_page": bytes_per_page,
             "state_slots_total": m.state_slots_total,
             "peak_state_slots_used": a.peak_state_slots_used,
-            "bytes_per_state_slot": self.engine.bytes_per_state_slot,
+            **self.engine.kind_summary(),  # a hybrid's bytes_per_state_slot
             "rows_with_images": self.rows_with_images,
             **self.engine.image_counts(),
             "structured_rows": self.structured_rows,

@@ -11,9 +11,10 @@ from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
+from batchrun.engine.cache_kind import KindCopies, KindCopy
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.state_cache import LayerStates, StateCache, StateShape, StateSpec
-from batchrun.engine.state_slots import SequenceSlots, StateCopy, StateSlots
+from batchrun.engine.state_slots import SequenceSlots, StateSlots
 from batchrun.errors import BadInput
 
 FAMILY = "qwen3_5_text"  # 3 Gated DeltaNet layers (a conv and a recurrent state each) : 1 attention
@@ -28,15 +29,15 @@ def test_swap_moves_the_states_and_equals_hf(family):
 
     def check(eng, result):
         eng.check_integrity()
-        swaps.append((len(result.plan.state_swap_out), len(result.plan.state_swap_in)))
+        swaps.append((len(result.plan.kind_copies[0].swap_out), len(result.plan.kind_copies[0].swap_in)))
 
     got, steps, engine = run(model, family, "torch", full_pages=8, preemption="swap", on_step=check)
     assert sum(o for o, _ in swaps) > 0 and sum(i for _, i in swaps) > 0, "no state was swapped"
     assert not any(s.plan.recomputed for s in steps), "swap fell back to recompute"
     assert got == expected
     assert (
-        engine.state_slots.num_used == 0
-        and engine.state_slots.num_free_cpu == engine.state_slots.num_cpu_slots
+        engine.kv.kinds[0].num_used == 0
+        and engine.kv.kinds[0].num_free_cpu == engine.kv.kinds[0].num_cpu_slots
     )
 
 
@@ -48,13 +49,13 @@ def test_swap_copies_a_slot_bit_for_bit():
     for t in cache.tensors:
         t.copy_(torch.randn(t.shape).to(t.dtype))
     before = [t[1].clone() for t in cache.tensors]
-    cache.apply([], swap_out=[StateCopy(1, 0)], swap_in=[])
+    cache.apply(KindCopies(None, swap_out=[KindCopy(1, 0)]))
     for t in cache.tensors:
         t[1].zero_()
-    cache.apply([], swap_out=[], swap_in=[StateCopy(0, 3)])
+    cache.apply(KindCopies(None, swap_in=[KindCopy(0, 3)]))
     for t, b in zip(cache.tensors, before):
         assert torch.equal(t[3], b)
-    cache.apply([StateCopy(3, 2)], [], [])  # a fork's copy
+    cache.apply(KindCopies(None, [KindCopy(3, 2)]))  # a fork's copy
     for t, b in zip(cache.tensors, before):
         assert torch.equal(t[2], b)
 
@@ -74,7 +75,7 @@ def test_parallel_samples_copy_the_state(family):
         engine,
         token_lists,
         SamplingParams(max_new_tokens=NEW_TOKENS, n=2),
-        on_step=lambda e, r: (e.check_integrity(), forks.append(len(r.plan.state_forks))),
+        on_step=lambda e, r: (e.check_integrity(), forks.append(len(r.plan.kind_copies[0].device))),
     )
     assert sum(forks) == len(token_lists)
     for i, samples in enumerate(seqs):
@@ -117,12 +118,12 @@ def test_statistics_count_state_slots():
     def check(eng, result):
         counted = eng.memory_snapshot()
         assert counted == eng.memory_snapshot(recount=True)
-        held = sum(1 + len(eng.state_slots.sequences[s.seq_id].reserved) for s in eng.running_sequences())
+        held = sum(1 + len(eng.kv.kinds[0].sequences[s.seq_id].reserved) for s in eng.running_sequences())
         assert counted.state_slots_used == held and counted.state_slots_total == 4
         used.append(counted.state_slots_used)
 
     run_engine(engine, prompts(256), SamplingParams(max_new_tokens=4, n=2), on_step=check)
-    assert max(used) == 4 and engine.bytes_per_state_slot > 0
+    assert max(used) == 4 and engine.kind_summary()["bytes_per_state_slot"] > 0
 
 
 def test_slot_bookkeeping_catches_a_double_hold():
@@ -142,19 +143,22 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
     not, or when they would take more than half of it; a budget that holds no sequence is a bad job naming the
     key."""
     from batchrun.engine.sizing import pool_sizes
+    from batchrun.engine.state_kind import StateKind
 
     cpu = torch.device("cpu")
-    roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, 10_000, cpu)
+    # a state slot of 10,000 bytes: one stateful layer's 2,500 fp32 values
+    kind = [StateKind(StateSpec((LayerStates(0, (StateShape((2500,), torch.float32),), ()),)))]
+    roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, kind, cpu)
     # 8 slots for sequences, 2 keeping shared prefixes' states (a quarter as many), the rest pages
-    assert (roomy.num_slots, roomy.num_snapshots) == (8, 2)
+    assert (roomy.kinds[0].num_slots, roomy.kinds[0].num_snapshots) == (8, 2)
     assert roomy.num_pages == (2**20 - 10 * 10_000) // 1000
     config = EngineConfig(kv_cache_memory="50000", max_num_seqs=8, prefix_sharing=False)
-    tight = pool_sizes(config, 1000, 2, 10_000, cpu)
+    tight = pool_sizes(config, 1000, 2, kind, cpu)
     # one page a slot would allow 4 slots (50,000 // 12,000); at most half the budget in slots allows 2
-    assert tight.num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
-    assert tight.num_snapshots == 0
+    assert tight.kinds[0].num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
+    assert tight.kinds[0].num_snapshots == 0
     with pytest.raises(BadInput, match="kv_cache_memory"):
-        pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, 10_000, cpu)
+        pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, kind, cpu)
 
 
 @pytest.mark.parametrize("family", sorted(set(HYBRID) - WHOLE_PROMPTS))
@@ -177,10 +181,10 @@ def test_prefix_sharing_restores_the_state_at_the_prefix_end(family):
         engine,
         rows,
         SamplingParams(max_new_tokens=NEW_TOKENS),
-        on_step=lambda e, r: (e.check_integrity(), restores.append(len(r.plan.state_forks))),
+        on_step=lambda e, r: (e.check_integrity(), restores.append(len(r.plan.kind_copies[0].device))),
     )
     assert [s[0].output_token_ids for s in seqs] == expected
-    slots = engine.state_slots
+    slots = engine.kv.kinds[0]
     assert slots.snapshots_taken == 1 and slots.snapshots_restored == len(rows) - 1
     assert engine.block_manager.prefix_cache.hit_tokens == 48 * (len(rows) - 1)
 
@@ -195,7 +199,7 @@ def test_a_prefix_without_a_kept_state_is_computed():
     first, _ = run_engine(engine, rows[:1], SamplingParams(max_new_tokens=4))
     second, _ = run_engine(engine, rows[1:], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert second[0][0].output_token_ids == hf_tokens(ref, rows[1:])[0]
-    assert engine.block_manager.prefix_cache.hit_tokens == 0 and engine.state_slots.snapshots_taken == 0
+    assert engine.block_manager.prefix_cache.hit_tokens == 0 and engine.kv.kinds[0].snapshots_taken == 0
 
 
 def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch):
@@ -208,7 +212,7 @@ def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch
     model, expected = model_and_reference("jamba")
     rows = prompts(256)
     got, steps, engine = run(model, "jamba", "torch", max_num_batched_tokens=16)
-    assert not engine.plan.states.continues_state and engine.state_slots.num_snapshots == 0
+    assert not engine.plan.states.continues_state and engine.kv.kinds[0].num_snapshots == 0
     lengths = {len(p) for p in rows}
     for step in steps:
         for s in step.plan.scheduled:

@@ -49,7 +49,7 @@ from .attention.reference import attend
 from .families import QueryScaleFix
 from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
 from .per_sequence_rope import PerSequenceRope
-from .state_cache import StateProbe, StateSpec
+from .state_cache import StateCache, StateProbe, StateSpec
 from .stateful_layers import prepare_stateful_layers, stateful_modules
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
@@ -229,7 +229,7 @@ def inspect_model(model) -> ModelAttention:
     device = next(model.parameters()).device
     services = AttentionServices(probe, None, None, specs=None, layers=layers)  # specs None: read every call
     step = StepMetadata([T], [T], torch.arange(T, device=device), device)
-    meta = AttentionMetadata(services, step, [], states=states)
+    meta = AttentionMetadata(services, step, [], views={StateCache: states})
     try:
         with torch.inference_mode(), meta.running():
             model(

@@ -17,6 +17,7 @@ from ..vocabulary import token_id_error
 from . import memory
 from .attention import AttentionLayers, AttentionServices, make_backend
 from .block_manager import BlockManager
+from .cache_kinds import KINDS
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .kv_coordinator import KVCacheCoordinator
@@ -34,8 +35,6 @@ from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
 from .sequence import Sequence
 from .sizing import pool_sizes
-from .state_cache import StateCache
-from .state_slots import StateSlots
 from .timing import PhaseTimes
 
 
@@ -117,14 +116,14 @@ class Engine:
         self.encoder_budget_bytes = (
             self.encoder.max_tokens * image_feature_bytes(model) if self.encoder else 0
         )
-        state_spec = plan.states  # a hybrid model's per-sequence states; None: none
+        # what sequences hold beside pages, as the plan has it (cache_kinds.py: a hybrid's state slots)
+        self.kinds = [kind for kind in (cls.of(plan) for cls in KINDS) if kind is not None]
         sizes = pool_sizes(
             config,
             plan.kv_spec.bytes_per_page,
             self.kv_groups.num_groups,
-            state_spec.bytes_per_slot if state_spec else 0,
+            self.kinds,
             device,
-            keeps_prefix_states=plan.keeps_prefix_states,
             reserved_bytes=self.encoder_budget_bytes + (plan.lora.slot_bytes if plan.lora else 0),
         )
         self.num_pages = sizes.num_pages
@@ -137,9 +136,9 @@ class Engine:
         )
         if plan.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
             block_manager.prefix_cache.shareable_tokens = plan.rope.shareable_tokens
-        # what each sequence holds in the cache: pages, and a hybrid model's state slots (None: no such layers)
-        states = StateSlots(sizes.num_slots, sizes.num_cpu_slots, sizes.num_snapshots) if state_spec else None
-        self.kv = KVCacheCoordinator(block_manager, states)
+        # what each sequence holds in the cache: pages, and each kind's units (its manager)
+        managers = [kind.manager(pool) for kind, pool in zip(self.kinds, sizes.kinds)]
+        self.kv = KVCacheCoordinator(block_manager, *managers)
         self.scheduler = Scheduler(config, self.kv, plan.chunks, encoder=self.encoder)
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
@@ -147,11 +146,7 @@ class Engine:
                 f"sequence; give it more pages or memory."
             )
         self.kv_cache = KVCache(plan.kv_spec, self.num_pages, sizes.num_cpu_pages, device)
-        self.state_cache = (
-            StateCache(state_spec, sizes.num_slots + sizes.num_snapshots, sizes.num_cpu_slots, device)
-            if state_spec
-            else None
-        )
+        self.kind_tensors = [kind.tensors(pool, device) for kind, pool in zip(self.kinds, sizes.kinds)]
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
         services = AttentionServices(
             self.attention,
@@ -159,7 +154,7 @@ class Engine:
             self.times,
             specs=specs,
             layers=plan.attention.layers,
-            state_cache=self.state_cache,
+            kinds=tuple(self.kind_tensors),
             encoder=self.encoder,
         )
         self.runner = ModelRunner(model, plan, services, config.max_num_seqs)
@@ -203,12 +198,9 @@ class Engine:
                 self.grammars.compile(params.response_format)
             except ValueError as e:
                 return str(e)
-        slots = self.kv.num_state_slots  # a hybrid model's (0: none): each sample holds one
-        if slots and params.n > slots:
-            return (
-                f"{params.n} samples need {params.n} state slots at once (one each); this engine has {slots} "
-                "(engine.max_num_seqs, or fewer where the KV budget holds fewer)"
-            )
+        units = self.kv.admission_error(params.n)  # a kind's (a hybrid's state slots: each sample holds one)
+        if units:
+            return units
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
         pages = self.kv.bm.layout.pages_to_run(
@@ -285,8 +277,8 @@ class Engine:
         with self.times("schedule"):
             plan = self.scheduler.schedule()
             self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
-            if self.state_cache is not None:
-                self.state_cache.apply(plan.state_forks, plan.state_swap_out, plan.state_swap_in)
+            for tensors, copies in zip(self.kind_tensors, plan.kind_copies):  # the kinds' order, both
+                tensors.apply(copies)
             if self.encoder is not None:  # a preempted prompt encodes its images again when it resumes
                 self.encoder.release(plan.preempted)
         result = StepResult(plan)
@@ -338,15 +330,13 @@ class Engine:
         """The coordinator's pages (its counters: prefix-cache hits, copies on write, pages freed by windows)."""
         return self.kv.bm
 
-    @property
-    def state_slots(self) -> StateSlots | None:
-        """The coordinator's state slots (a hybrid model's; None: no stateful layers)."""
-        return self.kv.states
-
-    @property
-    def bytes_per_state_slot(self) -> int:
-        """A hybrid model's state bytes per sequence (0: no stateful layers)."""
-        return self.state_cache.spec.bytes_per_slot if self.state_cache is not None else 0
+    def kind_summary(self) -> dict[str, int]:
+        """The kinds' fixed figures for the run's summary (a hybrid's bytes per state slot), 0 for a kind the
+        model does not have."""
+        out = {key: 0 for cls in KINDS for key in cls.summary_keys}
+        for kind in self.kinds:
+            out.update(kind.summary)
+        return out
 
     def image_counts(self) -> dict[str, int]:
         """Images encoded (each distinct image of a step once), image tokens computed, the most image-feature
@@ -382,7 +372,7 @@ class Engine:
         counter = memory.recount if recount else memory.count
         return counter(
             self.kv.bm,
-            self.kv.states,
+            self.kv.kinds,
             self.scheduler.running,
             self.num_waiting,
             self.num_swapped,

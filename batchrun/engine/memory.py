@@ -28,7 +28,8 @@ class MemorySnapshot:
     prefix_query_tokens: int  # counters since the engine started
     prefix_hit_tokens: int
     cow_copies: int
-    # a hybrid model's state slots (state_cache.py; 0 for a model without stateful layers)
+    # the kinds' usage columns (cache_kind.KindManager.usage): a hybrid model's state slots (state_slots.py; 0
+    # for a model without stateful layers)
     state_slots_total: int = 0
     state_slots_used: int = 0  # held by running sequences (with those reserved for samples still to fork)
 
@@ -55,14 +56,14 @@ class MemorySnapshot:
 
 
 def count(
-    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
+    bm: BlockManager, kinds, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
     """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
     `reserved_slots(seqs)`: what contiguous reservations for those sequences would hold (Engine.reserved_slots)."""
     counter = _count_shared if bm.pool.num_shared else _count_unshared
     counted = counter(bm, running)
     counted["reserved_slots_contiguous"] = reserved_slots(running)
-    return _snapshot(bm, states, running, num_waiting, num_swapped, **counted)
+    return _snapshot(bm, kinds, running, num_waiting, num_swapped, False, **counted)
 
 
 def _count_shared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
@@ -123,7 +124,7 @@ def _count_unshared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]
 
 
 def recount(
-    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
+    bm: BlockManager, kinds, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
     """The same by brute force: mark every slot that holds a computed token, count holders page by page."""
     P = bm.page_size
@@ -144,15 +145,12 @@ def recount(
                     holders[page] = holders.get(page, 0) + 1
     return _snapshot(
         bm,
-        states,
+        kinds,
         running,
         num_waiting,
         num_swapped,
+        True,  # the kinds' units sequence by sequence too
         pages_used=len(holders),
-        # slot by slot: the ones the running sequences hold, their own and those reserved for forks
-        state_slots_used=len({s for seq in running for s in states.held_by(seq)})
-        if states is not None
-        else 0,
         pages_allocatable=sum(1 for c in bm.pool.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
         logical_pages=sum(holders.values()),
@@ -163,13 +161,20 @@ def recount(
 
 
 def _snapshot(
-    bm: BlockManager, states, running: list[Sequence], num_waiting: int, num_swapped: int, **counted: int
+    bm: BlockManager,
+    kinds,
+    running: list[Sequence],
+    num_waiting: int,
+    num_swapped: int,
+    recount: bool,
+    **counted: int,
 ) -> MemorySnapshot:
     """A snapshot of what was counted, with the queue sizes and the block manager's own counters (and, unless
-    recounted, the free pages and used state slots as their managers count them). `states`: a hybrid model's
-    state slots (state_slots.StateSlots; None: no stateful layers)."""
+    recounted, the free pages as it counts them), and each kind's usage columns (`kinds`: the coordinator's
+    managers, cache_kind.KindManager.usage; `recount`: sequence by sequence)."""
     counted.setdefault("pages_allocatable", bm.num_free_pages)
-    counted.setdefault("state_slots_used", states.num_used if states is not None else 0)
+    for kind in kinds:
+        counted.update(kind.usage(running, recount))
     return MemorySnapshot(
         num_running=len(running),
         num_waiting=num_waiting,
@@ -179,6 +184,5 @@ def _snapshot(
         prefix_query_tokens=bm.prefix_cache.query_tokens,
         prefix_hit_tokens=bm.prefix_cache.hit_tokens,
         cow_copies=bm.num_cow_copies,
-        state_slots_total=states.num_slots if states is not None else 0,
         **counted,
     )

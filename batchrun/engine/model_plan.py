@@ -141,8 +141,3 @@ class ModelPlan:
     @property
     def states(self) -> StateSpec | None:
         return self.attention.states
-
-    @property
-    def keeps_prefix_states(self) -> bool:
-        """A hybrid's states may be kept at a shared prefix and continued from there."""
-        return self.states is None or self.states.continues_state

@@ -29,7 +29,6 @@ from .model_plan import ModelPlan
 from .multimodal import EncoderCache
 from .scheduler_output import SchedulerOutput
 from .staging import StepStaging
-from .state_cache import StateCache, StepStates
 
 
 class ModelRunner:
@@ -51,7 +50,7 @@ class ModelRunner:
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
         self.encoder: EncoderCache | None = services.encoder
-        self.state_cache: StateCache | None = services.state_cache
+        self.cache_kinds = services.kinds  # each kind's tensors (cache_kind.KindTensors), for its step view
         self.times = services.times
         self.services = services  # the backend (make_backend), the KV cache, the layers' specs
         spec = services.kv_cache.spec
@@ -146,10 +145,7 @@ class ModelRunner:
             )
             for g, table in enumerate(tables)
         ]
-        states = None
-        if self.state_cache is not None:
-            slots = [s.state_slot for s in scheduled]
-            states = StepStates(self.state_cache, slots, query_lens, starts)
+        views = {type(k): k.step_view(scheduled, query_lens, starts) for k in self.cache_kinds}
         rotary = None
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors, from its lengths
             spans = zip(
@@ -159,7 +155,7 @@ class ModelRunner:
                 query_lens,
             )
             rotary = self.rope.step_embeddings(list(spans), step.positions)
-        meta = AttentionMetadata(self.services, step, groups, states, self.dtype, rotary)
+        meta = AttentionMetadata(self.services, step, groups, views, self.dtype, rotary)
         ids = stage.input_ids.put(input_ids)[None]
         stage.end()
         pos = step.positions[None]

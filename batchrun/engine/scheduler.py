@@ -17,7 +17,7 @@ from itertools import islice
 
 from .config import EngineConfig
 from .input_batch import NewRequest
-from .kv_coordinator import KVCacheCoordinator, add_copy
+from .kv_coordinator import KVCacheCoordinator
 from .multimodal import EncoderCache
 from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
@@ -99,7 +99,8 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(state_forks=self.kv.new_step())  # forks and snapshots of the last plan first
+        # the kinds' copies (a hybrid's states): those the last plan left first (forks, kept prefixes)
+        out = SchedulerOutput(kind_copies=self.kv.new_step())
         if self.encoder is not None:
             self.encoder.new_step()
         budget = self.config.max_num_batched_tokens
@@ -160,7 +161,7 @@ class Scheduler:
         plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
         scheduled, slot_of = out.scheduled, kv.slot_of
-        stateless = kv.states is None  # every slot -1: not asked sequence by sequence
+        stateless = not kv.kinds  # every slot -1: not asked sequence by sequence
         decode = ScheduledSequence.decode
         decodes = 0
         for seq in list(running):  # a copy: preemption takes sequences off the end
@@ -221,9 +222,7 @@ class Scheduler:
         seq.num_preemptions += 1
         out.preempted.append(seq)
         if self.config.preemption == "swap" and self.kv.can_swap_out(seq):
-            pages, state = self.kv.swap_out(seq)
-            out.swap_out.extend(pages)
-            add_copy(out.state_swap_out, state)
+            out.swap_out.extend(self.kv.swap_out(seq))
             self.swapped.append(seq)
         else:
             self._drop_for_recompute(seq)
@@ -263,9 +262,7 @@ class Scheduler:
             if not self.kv.can_swap_in(seq, n):  # its pages come back, plus what its next tokens need
                 break
             self.swapped.popleft()
-            pages, state = self.kv.swap_in(seq)
-            out.swap_in.extend(pages)
-            add_copy(out.state_swap_in, state)
+            out.swap_in.extend(self.kv.swap_in(seq))
             self.running[seq] = None
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
@@ -301,8 +298,7 @@ class Scheduler:
                 adapters.add(seq.adapter)
             self.kv.keep_prefix_state(seq, match, self.waiting)
             # again: the snapshot it may have been given ends its first chunk
-            n, restore = self.kv.admit(seq, self._chunk(seq, budget, out, start), match)
-            add_copy(out.state_forks, restore)
+            n = self.kv.admit(seq, self._chunk(seq, budget, out, start), match)
             self.running[seq] = None
             out.new_requests.append(NewRequest.of(seq))
             self._planned(seq, n, out)

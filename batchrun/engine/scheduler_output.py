@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .cache_kind import KindCopies
 from .input_batch import NewRequest
 from .page_pool import PageCopy
 from .sequence import Sequence
-from .state_slots import StateCopy
 
 _NONE = range(0)
 
@@ -33,7 +33,7 @@ class ScheduledSequence:
     num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
     start: int  # = seq.num_computed_tokens when scheduled (the runner keeps its own count: input_batch.py)
     new_block_ids: NewBlockIds  # what changed in its block tables since the runner last saw them
-    state_slot: int  # a hybrid's state slot (state_slots.py); -1: a model without stateful layers
+    state_slot: int  # the coordinator's `slot_of` (a hybrid's state slot, state_slots.py); -1: none
     req_id: int = field(init=False)  # seq.seq_id: the runner's row of it
     # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
     # sequence with max_new_tokens 0, the sequence is done)
@@ -80,10 +80,9 @@ class SchedulerOutput:
     copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
     preempted: list[Sequence] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)
-    # a hybrid model's state slots (state_cache.StateCache.apply): forks' copies, swap out, swap in
-    state_forks: list[StateCopy] = field(default_factory=list)
-    state_swap_out: list[StateCopy] = field(default_factory=list)
-    state_swap_in: list[StateCopy] = field(default_factory=list)
+    # each kind's copies beside the pages' (cache_kind.KindCopies: a hybrid's state slots), in the coordinator's
+    # order of kinds, which is the engine's (none for a model with pages alone)
+    kind_copies: list[KindCopies] = field(default_factory=list)
     # what the scheduler counts as it plans, so that the runner, the output processor and the statistics need
     # not pass over `scheduled` to learn it (every step): the tokens computed, the sequences that compute only
     # generated tokens and sample (one logits row each, no prompt token to count or score, no sample to fork),

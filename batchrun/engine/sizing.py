@@ -90,64 +90,43 @@ def model_max_len(model_config) -> int:
 
 @dataclass(frozen=True)
 class PoolSizes:
-    """The engine's pools: KV pages and (a hybrid model's) state slots, on the device and on the CPU."""
+    """The engine's pools: KV pages on the device and on the CPU, and each other kind's pool (its own sizes, in
+    the kinds' order: cache_kind.CacheKind.pool; a hybrid model's state slots)."""
 
     num_pages: int
     num_cpu_pages: int
-    num_slots: int = 0
-    num_cpu_slots: int = 0
-    num_snapshots: int = 0  # state slots that keep shared prefixes' states (prefix sharing)
-
-
-MAX_SNAPSHOTS = 16  # shared prefixes whose state a hybrid keeps at once: a job has few system prompts
+    kinds: tuple = ()
 
 
 def pool_sizes(
     config: EngineConfig,
     bytes_per_page: int,
     num_groups: int,
-    bytes_per_slot: int,
+    kinds,
     device: torch.device,
-    keeps_prefix_states: bool = True,
     reserved_bytes: int = 0,
 ) -> PoolSizes:
-    """Pages, and for a hybrid model (`bytes_per_slot` > 0) state slots, from the KV budget and the swap space.
-
-    One budget serves both, split by what the scheduler needs: a running sequence holds one state slot and at
-    least one page per KV cache group, and at most `max_num_seqs` sequences run at once. So there are
-    `max_num_seqs` slots (fewer where the budget cannot hold that many slots with a page per group each, or
-    where they would take more than half of it), and the rest of the budget is pages. With prefix sharing, a few more slots (a quarter as many, at most
-    MAX_SNAPSHOTS) keep shared prefixes' states. The swap space is split the same way. An explicit
-    `engine.num_pages` is the pages alone; the slots then come on top.
+    """Pages, and each of `kinds`' pools (cache_kind.CacheKind: a hybrid model's state slots), from the KV budget
+    and the swap space: each kind takes its share of what the kinds before it left (`CacheKind.pool`), and the
+    rest is pages. An explicit `engine.num_pages` is the pages alone; the kinds then come on top.
 
     `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
     waiting for prefill (multimodal.EncoderCache)."""
     swap = parse_size(config.swap_space)
-    if not bytes_per_slot:
+    if not kinds:
         return PoolSizes(
             num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page
         )
-    per_seq = bytes_per_slot + num_groups * bytes_per_page
-    cpu_slots = min(config.max_num_seqs, swap // per_seq)
-    cpu_pages = (swap - cpu_slots * bytes_per_slot) // bytes_per_page
-    keeps = config.prefix_sharing and keeps_prefix_states  # False: the layers cannot start from a kept state
-    snapshots = lambda slots: min(MAX_SNAPSHOTS, max(1, slots // 4)) if keeps else 0
-    if config.num_pages is not None:
-        slots = config.max_num_seqs
-        return PoolSizes(config.num_pages, cpu_pages, slots, cpu_slots, snapshots(slots))
-    budget = num_pages_for(config, 1, device, reserved_bytes)  # the budget in bytes: "pages" of one byte
-    # at most half the budget in slots: at a small budget, slots for max_num_seqs would leave too few pages for
-    # them (one page each is no sequence's length), and sequences at once would be bounded by pages anyway
-    slots = min(config.max_num_seqs, budget // per_seq, max(1, budget // 2 // bytes_per_slot))
-    if slots < 1:
-        raise BadInput(
-            f"key `engine.kv_cache_memory`: {config.kv_cache_memory!r} holds no sequence of this hybrid model "
-            f"(a state slot of {bytes_per_slot} bytes and {num_groups} KV page(s) of {bytes_per_page} bytes); "
-            "give more memory or set engine.num_pages."
-        )
-    kept = snapshots(slots) if budget >= (slots + snapshots(slots)) * bytes_per_slot + bytes_per_page else 0
-    pages = (budget - (slots + kept) * bytes_per_slot) // bytes_per_page
-    return PoolSizes(pages, cpu_pages, slots, cpu_slots, kept)
+    # the budget in bytes ("pages" of one byte); None: engine.num_pages fixes the pages
+    budget = None if config.num_pages is not None else num_pages_for(config, 1, device, reserved_bytes)
+    pools = []
+    for kind in kinds:
+        pool = kind.pool(config, budget, swap, bytes_per_page, num_groups)
+        pools.append(pool)
+        swap -= pool.cpu_bytes
+        budget = None if budget is None else budget - pool.device_bytes
+    pages = config.num_pages if budget is None else budget // bytes_per_page
+    return PoolSizes(pages, swap // bytes_per_page, tuple(pools))
 
 
 def num_pages_for(

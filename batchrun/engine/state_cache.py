@@ -11,7 +11,8 @@ holding every stateful layer's states, beside the pages of the attention layers:
 - `StateSlots` (state_slots.py): which slot each sequence holds (pure integers, like page_pool.py):
   accelerator slots and CPU swap slots, a slot reserved at admission for each parallel sample still to be
   forked.
-- `StateCache`: the slot tensors and the copies between them (swap out, swap in, a fork's copy).
+- `StateCache`: the slot tensors and the copies between them (swap out, swap in, a fork's copy): the state
+  kind's tensors (cache_kind.KindTensors; state_kind.StateKind makes them and the slots' manager).
 - `StepStates`: one step's view, passed to the layers with the attention metadata. Each stateful layer runs its
   own `transformers` code, never a re-implementation: on a `transformers` cache whose layer objects
   (`LinearAttentionLayer`, with its own padding and update rules) hold views of the sequence's slot. The
@@ -33,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import families
-from .state_slots import StateCopy
+from .cache_kind import KindCopies, KindCopy, KindTensors
 
 
 class StateShape(NamedTuple):
@@ -77,9 +78,10 @@ class StateSpec:
         return tuple(layer.layer for layer in self.layers)
 
 
-class StateCache:
+class StateCache(KindTensors):
     """The slot tensors: per stateful layer and state index, [num_slots, *shape] on the device and
-    [num_cpu_slots, *shape] on the CPU (pinned on CUDA)."""
+    [num_cpu_slots, *shape] on the CPU (pinned on CUDA). A step's view of them is `StepStates`, which the
+    stateful layers read as `AttentionMetadata.views[StateCache]` (stateful_layers.py)."""
 
     def __init__(self, spec: StateSpec, num_slots: int, num_cpu_slots: int, device: torch.device):
         self.spec = spec
@@ -101,9 +103,10 @@ class StateCache:
     def tensors(self) -> list[torch.Tensor]:
         return [t for d in (self.conv, self.recurrent) for ts in d.values() for t in ts if t is not None]
 
-    def apply(self, forks: list[StateCopy], swap_out: list[StateCopy], swap_in: list[StateCopy]) -> None:
-        """A step's copies, in the only safe order: forks (from slots still held), out, in."""
-        for wave in _waves(forks):
+    def apply(self, copies: KindCopies) -> None:
+        """A step's copies, in the only safe order: forks and kept prefixes (from slots still held), out, in."""
+        swap_out, swap_in = copies.swap_out, copies.swap_in
+        for wave in _waves(copies.device):
             src = torch.tensor([c.src for c in wave], device=self.device)
             dst = torch.tensor([c.dst for c in wave], device=self.device)
             for t in self.tensors:
@@ -119,11 +122,15 @@ class StateCache:
             for t, cpu in zip(self.tensors, self.cpu):
                 t[dst] = cpu[src].to(self.device, non_blocking=True)
 
+    def step_view(self, scheduled: list, query_lens: list[int], starts: list[int]) -> StepStates:
+        """The step's slots, one per scheduled sequence in packed order (its `state_slot`)."""
+        return StepStates(self, [s.state_slot for s in scheduled], query_lens, starts)
 
-def _waves(copies: list[StateCopy]) -> list[list[StateCopy]]:
+
+def _waves(copies: list[KindCopy]) -> list[list[KindCopy]]:
     """The copies in order, batched where no copy reads a slot an earlier one of its batch writes (a snapshot
     kept, then restored into a new sequence in the same step: the second reads what the first wrote)."""
-    waves: list[list[StateCopy]] = []
+    waves: list[list[KindCopy]] = []
     written: set[int] = set()
     for c in copies:
         if not waves or c.src in written:

@@ -3,20 +3,18 @@
 A hybrid model's running sequence holds one accelerator slot for its stateful layers' states (and one reserved
 for each parallel sample it will fork), a swapped one a CPU slot; a few more slots keep the states at the ends of
 shared prefixes (snapshots), so that a row behind a shared prefix starts from a copy rather than recomputing it.
-A model without stateful layers has none: the KV cache coordinator (kv_coordinator.py), through which the
-scheduler reaches these slots beside the pages, then holds no state manager.
+`StateSlots` is the state kind's manager (cache_kind.KindManager, made by state_kind.StateKind): the KV cache
+coordinator (kv_coordinator.py) calls it beside the block manager in each action. A model without stateful
+layers has no state kind, so the coordinator holds no such manager.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from itertools import islice
 
-
-class StateCopy(NamedTuple):
-    src: int
-    dst: int
+from .cache_kind import KindCopy, KindManager
 
 
 @dataclass(eq=False, slots=True)
@@ -30,7 +28,7 @@ class SequenceSlots:
     cpu_slot: int = -1
 
 
-class StateSlots:
+class StateSlots(KindManager):
     """The accelerator's and the CPU's state slots: which are free, and which each sequence holds
     (`SequenceSlots`, keyed by seq_id): one slot while it runs (and one reserved for each sample it will fork),
     a CPU slot while it is swapped out.
@@ -56,6 +54,7 @@ class StateSlots:
         # seq_id -> the prefix (full pages) whose state it keeps when its prefill gets there: the scheduler's
         # chunk rule asks every step (`limit`), so it has a dict of its own
         self.snapshot_ends: dict[int, int] = {}
+        self.step_ends = self.snapshot_ends  # the coordinator's and the scheduler's name for it (KindManager)
         self.snapshots_taken = self.snapshots_restored = 0  # counters for statistics
 
     # ---- prefix snapshots ----------------------------------------------------------------------------------
@@ -76,17 +75,43 @@ class StateSlots:
         """A prefix of k pages has its state kept (and copied in already)."""
         return hashes[k - 1] in self.snapshots and hashes[k - 1] not in self._taken_now
 
-    def snapshot_coming(self, hashes: list[bytes], matched: int) -> bool:
-        """A longer prefix of these pages than `matched` is being snapshotted this step."""
+    def admission_error(self, num_samples: int) -> str | None:
+        if num_samples > self.num_slots:
+            return (
+                f"{num_samples} samples need {num_samples} state slots at once (one each); this engine has "
+                f"{self.num_slots} (engine.max_num_seqs, or fewer where the KV budget holds fewer)"
+            )
+        return None
+
+    def admission_waits(self, hashes: list[bytes], matched: int) -> bool:
+        """A longer prefix of these pages than `matched` is being snapshotted this step (admission waits for
+        it rather than compute it twice)."""
         return bool(self._taken_now) and any(h in self._taken_now for h in hashes[matched:])
 
-    def restore(self, seq, hashes: list[bytes], k: int) -> StateCopy | None:
+    def can_admit(self, seq) -> bool:
+        return self.seats(seq) <= self.num_free
+
+    def admit(self, seq, hashes: list[bytes], k: int) -> KindCopy | None:
+        """seq's slots (its own, and one per sample it will fork); the copy of a kept prefix's state into its
+        slot when it starts behind k cached pages."""
+        self.allocate(seq)
+        return self.restore(seq, hashes, k)
+
+    def restore(self, seq, hashes: list[bytes], k: int) -> KindCopy | None:
         """seq starts behind k cached pages: the copy of the snapshot at their end into its slot."""
         if k == 0 or not self.num_snapshots:
             return None
         self.snapshots.move_to_end(hashes[k - 1])
         self.snapshots_restored += 1
-        return StateCopy(self.snapshots[hashes[k - 1]], self.sequences[seq.seq_id].slot)
+        return KindCopy(self.snapshots[hashes[k - 1]], self.sequences[seq.seq_id].slot)
+
+    def keep_prefix(self, seq, hashes: list[bytes], matched: int, page_hashes, waiting) -> None:
+        """Keeping prefix states: the prefix of seq worth a snapshot, the longest it shares with one of the next
+        `waiting` prompts (its prefill stops there once: `limit`)."""
+        if not self.num_snapshots:
+            return
+        theirs = [page_hashes(o) for o in islice(waiting, self.LOOKAHEAD)]
+        self.choose_snapshot(seq, hashes, matched, theirs)
 
     def choose_snapshot(
         self, seq, hashes: list[bytes], computed_blocks: int, waiting: list[list[bytes]]
@@ -111,7 +136,13 @@ class StateSlots:
         end = self.snapshot_ends.get(seq.seq_id, 0) * page_size
         return end - start if start < end < start + n else n
 
-    def reached(self, seq, end: int, page_size: int, hashes: list[bytes]) -> StateCopy | None:
+    def planned(self, seq, end: int, page_size: int, page_hashes) -> KindCopy | None:
+        """Planned up to `end`: at seq's snapshot boundary, the copy into a snapshot slot (`reached`)."""
+        if seq.seq_id not in self.snapshot_ends:
+            return None
+        return self.reached(seq, end, page_size, page_hashes(seq))
+
+    def reached(self, seq, end: int, page_size: int, hashes: list[bytes]) -> KindCopy | None:
         """Planned up to `end`: at seq's snapshot boundary, the copy of its slot into a snapshot slot (made
         before the next step, after this step's forward has computed the state there)."""
         blocks = self.snapshot_ends.get(seq.seq_id, 0)
@@ -129,7 +160,7 @@ class StateSlots:
         slot = self.snapshots[h] = self._free_snapshots.pop()
         self._taken_now.add(h)
         self.snapshots_taken += 1
-        return StateCopy(self.sequences[seq.seq_id].slot, slot)
+        return KindCopy(self.sequences[seq.seq_id].slot, slot)
 
     @property
     def num_free(self) -> int:
@@ -175,26 +206,32 @@ class StateSlots:
         if entry.cpu_slot < 0:
             del self.sequences[seq.seq_id]
 
-    def fork(self, parent, child) -> StateCopy:
+    def fork(self, parent, child) -> KindCopy:
         """The child takes a slot its parent reserved; returns the copy of the parent's state into it."""
         mine = self.sequences[parent.seq_id]
         assert child.seq_id not in self.sequences, "a child is forked once"
         self.sequences[child.seq_id] = SequenceSlots(slot=mine.reserved.pop())
-        return StateCopy(mine.slot, self.sequences[child.seq_id].slot)
+        return KindCopy(mine.slot, self.sequences[child.seq_id].slot)
 
-    def swap_out(self, seq) -> StateCopy:
+    def can_swap_out(self, seq) -> bool:
+        return self.num_free_cpu > 0
+
+    def can_swap_in(self, seq) -> bool:
+        return self.seats(seq) <= self.num_free
+
+    def swap_out(self, seq) -> KindCopy:
         """seq's state to a CPU slot; returns the copy (accelerator slot -> CPU slot) to make before the freed
         slot is reused."""
         entry = self.sequences[seq.seq_id]
         entry.cpu_slot = self._free_cpu.popleft()
-        copy = StateCopy(entry.slot, entry.cpu_slot)
+        copy = KindCopy(entry.slot, entry.cpu_slot)
         self.free(seq)
         return copy
 
-    def swap_in(self, seq) -> StateCopy:
+    def swap_in(self, seq) -> KindCopy:
         self.allocate(seq)
         entry = self.sequences[seq.seq_id]
-        copy = StateCopy(entry.cpu_slot, entry.slot)
+        copy = KindCopy(entry.cpu_slot, entry.slot)
         self.free_cpu(seq)
         return copy
 
@@ -206,6 +243,12 @@ class StateSlots:
         entry.cpu_slot = -1
         if entry.slot < 0:
             del self.sequences[seq.seq_id]
+
+    def usage(self, running, recount: bool = False) -> dict[str, int]:
+        """The slots there are, and those the running sequences hold (their own and those reserved for forks):
+        as counted here, or (`recount`) sequence by sequence."""
+        used = len({s for seq in running for s in self.held_by(seq)}) if recount else self.num_used
+        return {"state_slots_total": self.num_slots, "state_slots_used": used}
 
     def check(self, running, swapped) -> None:
         """Every slot is free or held by exactly one sequence (AssertionError otherwise)."""

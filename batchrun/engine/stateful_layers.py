@@ -20,7 +20,7 @@ import torch
 
 from . import families
 from .attention import AttentionMetadata, UnsupportedModel, refusal
-from .state_cache import StatefulCall
+from .state_cache import StateCache, StatefulCall
 
 # how a module keeps a state through transformers' cache interface: the calls of it in its source (a family's
 # own names for them included)
@@ -112,7 +112,8 @@ def _stateful_forward(self, hidden_states=None, *args, **kwargs):
     """A stateful module's forward under batchrun: its own code, on the step's state slots."""
     kwargs.pop("batchrun_attn", None)
     meta = AttentionMetadata.current()
-    if meta is None or meta.states is None:
+    states = meta.views.get(StateCache) if meta is not None else None
+    if states is None:
         raise UnsupportedModel(
             f"{type(self).__name__} (layer {self.layer_idx}) was called outside a batchrun step"
         )
@@ -128,4 +129,4 @@ def _stateful_forward(self, hidden_states=None, *args, **kwargs):
         kwargs["attention_mask"] = None  # a sequence's rows have no padding to mask
     if hidden_states is None:
         hidden_states = kwargs.pop("hidden_states")
-    return meta.states.run(self, call, hidden_states, kwargs)
+    return states.run(self, call, hidden_states, kwargs)

@@ -58,16 +58,17 @@ class AttentionServices:
     """The engine's parts a step reaches, made once per engine: the backend, the caches a step reads and writes
     (the KV pages; a hybrid model's state slots; a vision-language model's image features), the clock, each
     attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
-    what the config says of the layers (architecture.ModelLayers: chunks, shared modules). The state slots and
-    the image features ride here beside the KV cache because they are caches of the same kind: made once by the
-    engine, sized from the same budget, read by the runner every step."""
+    what the config says of the layers (architecture.ModelLayers: chunks, shared modules). The kinds' tensors
+    (cache_kind.KindTensors: a hybrid model's state slots) and the image features ride here beside the KV cache
+    because they are caches alike: made once by the engine, sized from the same budget, read by the runner every
+    step."""
 
     backend: Any  # the engine's backends.AttentionBackend (backends/base.py), or architecture.ProbeAttention
     kv_cache: Any  # kv_cache.KVCache (None for the load probe)
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
-    state_cache: Any = None  # state_cache.StateCache: a hybrid model's state slots (None: no stateful layers)
+    kinds: tuple = ()  # each kind's tensors (cache_kind.KindTensors: a hybrid's StateCache); none: pages alone
     encoder: Any = None  # multimodal.EncoderCache: image features (None: a text model)
 
     def __post_init__(self) -> None:
@@ -182,9 +183,9 @@ class GroupMetadata:
 
 class AttentionMetadata:
     """One step's inputs to the layers, shared by every layer: the step's and each group's metadata, each
-    group's backend plan, the query-scale factors of the layers that need them, and a hybrid model's state
-    slots (`states`: state_cache.StepStates, or the load probe's StateProbe; None for a model without
-    stateful layers), and the step's rotary cos/sin where the engine computes them per sequence
+    group's backend plan, the query-scale factors of the layers that need them, each kind's step view (`views`,
+    keyed by the kind's tensors' class: a hybrid model's state_cache.StepStates under StateCache, or the load
+    probe's StateProbe; empty for a model with pages alone), and the step's rotary cos/sin where the engine computes them per sequence
     (`rotary_embeddings`). Everything is built here, before the forward."""
 
     def __init__(
@@ -192,14 +193,14 @@ class AttentionMetadata:
         services: AttentionServices,
         step: StepMetadata,
         groups: list[GroupMetadata],
-        states: Any = None,
+        views: dict | None = None,
         dtype: torch.dtype | None = None,
         rotary_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.services = services
         self.step = step
         self.groups = groups  # per KV cache group
-        self.states = states
+        self.views = views or {}
         # the step's cos/sin per packed sequence (per_sequence_rope.PerSequenceRope, for LongRoPE and dynamic
         # NTK); None: the model's rotary module computes them
         self.rotary_embeddings = rotary_embeddings
