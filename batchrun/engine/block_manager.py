@@ -208,6 +208,22 @@ class BlockManager:
                 entry.unsent[g] = min(entry.unsent[g], changed)
         return cows
 
+    def append_pages(self, entry: SequencePages, num_blocks: int) -> list[tuple[int, list[int]]]:
+        """A new page at the end of each of `entry`'s tables shorter than `num_blocks` (a decode crossing into a
+        new page, where no page is shared and no group has a window: what `grow` does there), handed on at
+        once: the runner's news, in take_new_block_ids' form. The caller checked that the pages are free."""
+        news, allocate = [], self.pool.allocate
+        for table in entry.tables:
+            n = len(table)
+            if n < num_blocks:
+                page = allocate()
+                news.append((n, [page]))
+                table.append(page)
+                self.num_table_entries += 1
+            else:
+                news.append((n, []))
+        return news
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every page of the parent (parallel sampling)."""
         mine = self.sequences[parent.seq_id]

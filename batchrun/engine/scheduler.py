@@ -153,12 +153,14 @@ class Scheduler:
         # manager itself (kv.bm: trim, num_pages_to_grow, grow), every step, for every sequence
         kv, running = self.kv, self.running
         bm, windowed = kv.bm, kv.bm.layout.windowed
-        # a decode whose pages all have room for its token, where no page is held twice, none is given back
-        # behind a window and no encoder budget counts: planned at once (what the general path below would
-        # plan, without its calls: this loop is most of a decode step's scheduling; it registers full pages as
-        # `kv.planned` would, where no kept prefix state ends)
+        # a decode where no page is held twice, none is given back behind a window and no encoder budget
+        # counts: planned at once (what the general path below would plan, without its calls: this loop is most
+        # of a decode step's scheduling; it registers full pages as `kv.planned` would, where no kept prefix
+        # state ends). Its token goes into a page it has, or, crossing into a new page (every sequence does in
+        # the same step, once a page of tokens), into one more page per group while free pages last
         P, records, snapshot_ends = bm.page_size, bm.sequences, kv.snapshot_ends
         plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
+        num_groups = bm.num_groups
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
         scheduled, slot_of = out.scheduled, kv.slot_of
         stateless = not kv.kinds  # every slot -1: not asked sequence by sequence
@@ -172,14 +174,24 @@ class Scheduler:
             if plain:
                 start = seq.num_computed_tokens
                 if decodes_generated_token(seq, start, snapshot_ends):  # _chunk's 1
-                    record = records[seq.seq_id]  # its tables as the runner has them already, with room
-                    if record.unsent is None and start < P * min(map(len, record.tables)):
-                        if register is not None:
-                            register(seq, start + 1)
-                        scheduled.append(decode(seq, start, -1 if stateless else slot_of(seq)))
-                        budget -= 1
-                        decodes += 1
-                        continue
+                    record = records[seq.seq_id]  # its tables as the runner has them already
+                    if record.unsent is None:
+                        tables = record.tables
+                        room = P * (len(tables[0]) if num_groups == 1 else min(map(len, tables)))
+                        if start < room:  # with room for its token
+                            news = None
+                        elif start == room and bm.num_free_pages >= num_groups:
+                            news = bm.append_pages(record, room // P + 1)  # handed on at once
+                            out.tables_changed = True
+                        else:
+                            news = False  # the general path below (it preempts for pages)
+                        if news is not False:
+                            if register is not None:
+                                register(seq, start + 1)
+                            scheduled.append(decode(seq, start, -1 if stateless else slot_of(seq), news))
+                            budget -= 1
+                            decodes += 1
+                            continue
             n = self._chunk(seq, budget, out)
             if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
                 continue

@@ -44,12 +44,12 @@ class ScheduledSequence:
     prompt_logprob_positions: range = field(init=False)
 
     @classmethod
-    def decode(cls, seq: Sequence, start: int, state_slot: int):
-        """A generated token's decode (one token at `start`, the sequence's last) whose tables did not change
-        since the runner last saw them: it samples and scores no prompt position, so what __post_init__ works out
-        is known (the scheduler's every-step path)."""
+    def decode(cls, seq: Sequence, start: int, state_slot: int, new_block_ids: NewBlockIds = None):
+        """A generated token's decode (one token at `start`, the sequence's last): it samples and scores no
+        prompt position, so what __post_init__ works out is known (the scheduler's every-step path)."""
         s = object.__new__(cls)
-        s.seq, s.start, s.new_block_ids, s.state_slot, s.req_id = seq, start, None, state_slot, seq.seq_id
+        s.seq, s.start, s.state_slot, s.req_id = seq, start, state_slot, seq.seq_id
+        s.new_block_ids = new_block_ids  # None: its tables did not change since the runner last saw them
         s.num_new_tokens = 1
         s.samples = True
         s.needs_sample_logits = seq.params.max_new_tokens > 0
