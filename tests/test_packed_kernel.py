@@ -22,6 +22,21 @@ pytestmark = pytest.mark.skipif(
 LENGTHS = [70, 5, 130, 70, 20, 64, 1]  # three runs for the kernel (130, 70 twice, 64), three for SDPA
 
 
+class Counting:
+    """The kernel module, recording the query tokens each call of its prompt attention computes."""
+
+    def __init__(self, kernel):
+        self.kernel, self.rows = kernel, []
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def paged_prompt_attention(self, out, q, k_pages, v_pages, tables, starts, lengths, *args, **kwargs):
+        self.rows.append(int(lengths.sum()))
+        args = (k_pages, v_pages, tables, starts, lengths, *args)
+        return self.kernel.paged_prompt_attention(out, q, *args, **kwargs)
+
+
 def reference(q, k, v, a, b, causal, window, scale):
     """Text [a, b)'s output [L, Hq, D] by plain softmax attention over it alone, in fp32 (GQA: 2 query heads per
     KV head)."""
@@ -38,7 +53,8 @@ def reference(q, k, v, a, b, causal, window, scale):
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 50)])
 def test_a_bf16_packed_call_is_each_text_alone(causal, window):
     torch.manual_seed(0)
-    layout = PackedLayout.of_lengths(LENGTHS, kernel=KERNEL)
+    kernel = Counting(KERNEL)
+    layout = PackedLayout.of_lengths(LENGTHS, kernel=kernel)
     T, D = sum(LENGTHS), 32
     q, k, v = (torch.randn(1, h, T, D).to(torch.bfloat16) for h in (4, 2, 2))
     module = torch.nn.Module()
@@ -49,7 +65,9 @@ def test_a_bf16_packed_call_is_each_text_alone(causal, window):
     assert out.shape == (1, T, 4, D) and out.dtype == torch.bfloat16
     tables, starts, lengths, end = layout.kernel_texts()
     assert sorted(lengths.tolist()) == sorted(n for n in LENGTHS if n >= KERNEL_MIN_LENGTH)
-    assert end == sum(lengths.tolist())  # the kernel's texts are the row's head, longest first
+    long = sum(n for n in LENGTHS if n >= KERNEL_MIN_LENGTH)
+    # the long texts' rows by the kernel, once; a windowed layer's whole row by SDPA
+    assert kernel.rows == ([] if window is not None else [long])
     for a, b in layout.spans():
         want = reference(q, k, v, a, b, causal, window, 0.2)
         err = (out[0, a:b].float() - want).norm() / want.norm()
@@ -77,3 +95,22 @@ def test_the_kernel_and_sdpa_agree_on_a_long_text():
     ]
     assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 1e-2
     assert not torch.equal(outs[0], outs[1])  # two computations (the kernel was called), not one
+
+
+def test_rows_keys_or_pages_out_of_range_are_errors_not_reads():
+    """The kernel checks every row, key and page a sequence names against its tensors before reading any."""
+    q = torch.randn(8, 4, 32).to(torch.bfloat16)
+    k, v = (torch.randn(3, 4, 2, 32).to(torch.bfloat16) for _ in range(2))  # 3 pages of 4 tokens
+
+    def call(table, start=0, qlen=8, ctx=8):
+        tables, starts, qlens, ctxs = (
+            torch.tensor(x, dtype=torch.int32) for x in ([table], [start], [qlen], [ctx])
+        )
+        out = torch.empty_like(q)
+        KERNEL.paged_prompt_attention(out, q, k, v, tables, starts, qlens, ctxs, 0.2, 0, 0, 0.0, None, True)
+        return out
+
+    assert call([0, 1]).isfinite().all()  # in range: computed
+    for bad in (dict(table=[0, 3]), dict(table=[0, -1]), dict(start=1), dict(qlen=8, ctx=7), dict(ctx=12)):
+        with pytest.raises(RuntimeError, match="out of range|names page"):
+            call(**{"table": [0, 1], **bad})

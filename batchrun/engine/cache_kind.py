@@ -49,7 +49,7 @@ class KindManager:
     plan that makes it (`device`, `swap_out`, `swap_in` of the kind's `KindCopies`). The defaults are a kind that
     keeps nothing per prefix and never cuts a step."""
 
-    # seq_id -> the tokens (in full pages) where its next step must stop (a prefix whose content the kind keeps);
+    # seq_id -> the full pages (a count) where its next step must stop (a prefix whose content the kind keeps);
     # the scheduler asks it of every running sequence, every step. None: this kind never cuts a step
     step_ends: dict[int, int] | None = None
 
@@ -87,7 +87,7 @@ class KindManager:
 
     def planned(self, seq, end: int, page_size: int, page_hashes) -> KindCopy | None:
         """seq is planned up to `end` tokens; returns a copy the next plan makes (after this step computed its
-        source)."""
+        source). Asked only for a sequence listed in the cutting kind's `step_ends` (KVCacheCoordinator.planned)."""
         return None
 
     def fork(self, parent, child) -> KindCopy | None:

@@ -28,6 +28,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu_vector.h"  // exp_nonpositive, exp_nonpositive16
@@ -283,6 +284,30 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
   const int64_t Hq = query.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(causal || (window == 0 && chunk == 0), "paged_prompt_attention: a window or chunk is causal here");
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "paged_prompt_attention: up to 16 query heads per KV head");
+  {  // every row, key and page a sequence names lies within the tensors (a bad caller errs, never overruns)
+    const int32_t* st = starts.data_ptr<int32_t>();
+    const int32_t* ql = query_lens.data_ptr<int32_t>();
+    const int32_t* cl = context_lens.data_ptr<int32_t>();
+    const int32_t* bt = block_tables.data_ptr<int32_t>();
+    const int64_t T = std::min(query.size(0), out.size(0)), P = k_cache.size(1), W = block_tables.size(1);
+    const int64_t pages = std::min(k_cache.size(0), v_cache.size(0));
+    for (int64_t s = 0; s < starts.size(0); ++s) {
+      TORCH_CHECK(st[s] >= 0 && ql[s] >= 0 && st[s] + int64_t(ql[s]) <= T && ql[s] <= cl[s] &&
+                      (causal || ql[s] == cl[s]) && (int64_t(cl[s]) + P - 1) / P <= W,
+                  "paged_prompt_attention: sequence ", s, "'s rows, keys or pages out of range");
+      // the first key any of its queries sees: pages wholly before it (behind a window, before a chunk) are
+      // never read, and may be NULL (-1) or given back
+      const int64_t first_query = int64_t(cl[s]) - ql[s];
+      const int64_t lo = window > 0  ? std::max<int64_t>(0, first_query - window + 1)  // Layer::first_key's
+                         : chunk > 0 ? first_query - first_query % chunk
+                                     : 0;
+      for (int64_t j = lo / P; j < (int64_t(cl[s]) + P - 1) / P; ++j) {
+        const int32_t page = bt[s * block_tables.stride(0) + j];
+        TORCH_CHECK(page >= 0 && page < pages, "paged_prompt_attention: sequence ", s, " names page ", page,
+                    " of ", pages);
+      }
+    }
+  }
 #ifdef BATCHRUN_PROMPT_BF16
   Layer L{};
   L.q = query.data_ptr<at::BFloat16>();

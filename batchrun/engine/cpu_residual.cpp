@@ -69,6 +69,10 @@ bool residual_add(at::Tensor x, at::Tensor residual) {
 bool add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   if (!fits(x, residual) || !fits(out, x) || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf))
     return false;
+  // rms_norm's own checks of the weight, made before x is written: declining must leave x as it was
+  if (weight.dim() != 1 || !weight.is_contiguous() || weight.size(0) != x.size(-1) ||
+      weight.scalar_type() != x.scalar_type())
+    return false;
   add(x, residual);
   return rms_norm(out, x, weight, eps);  // contiguous rows: always taken
 }

@@ -105,8 +105,10 @@ class PoolingRunner:
         self.model = self._base_model(model)
         self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
         self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
-        # a BERT-style block's GELU and residual add as post-ops of its packed products (fp32 bit-equal)
-        self.fused_encoder = fused_encoder.fuse(self.model) if self.packed_weights else 0
+        # a BERT-style block's GELU and residual add as post-ops of its packed products: bf16/fp16 only (in fp32
+        # a post-op's result is within an fp32 unit of HF's separate operations', not always equal)
+        fp32 = dtype == torch.float32
+        self.fused_encoder = fused_encoder.fuse(self.model) if self.packed_weights and not fp32 else 0
         # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's (never in fp32)
         self.fused_elementwise = fused_elementwise.fuse(self.model, dtype) if device.type == "cpu" else 0
         self.fused_rotary = fused_rotary.install(self.model) if device.type == "cpu" else 0  # as generation's
