@@ -100,6 +100,11 @@ def hooked(module: torch.nn.Module) -> bool:
     )
 
 
+def plain_linear(module) -> bool:
+    """A layer whose output is always a new tensor of its own: a stock or packed linear layer, unhooked."""
+    return type(module) in (torch.nn.Linear, PackedLinear) and not hooked(module)
+
+
 def pack_linear_layers(model: torch.nn.Module, fuse: bool = True) -> int:
     """Replace every plain float `nn.Linear` of a CPU model by a PackedLinear (but those whose weight the
     model's code reads itself, and those with hooks); a quantized model's layers are never packed. With `fuse`,

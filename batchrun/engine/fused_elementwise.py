@@ -26,7 +26,7 @@ import torch
 from transformers.activations import SiLUActivation
 
 from . import cpu_kernels
-from .cpu_linear import PackedLinear, hooked
+from .cpu_linear import hooked, plain_linear
 from .fused_linear import FusedMember, FusedProduct
 
 # the forwards the kernels compute (Llama's, and the same statements under the families' own class names)
@@ -122,8 +122,7 @@ class SiluAndMulMLP(torch.nn.Module):
         self.act_fn = hf.act_fn
         self._hf, self._kernels = [hf], kernels
         self._joined = joined_product(self.gate_proj, self.up_proj)  # in a list or None: no child module
-        plain = type(self.down_proj) in (torch.nn.Linear, PackedLinear) and not hooked(self.down_proj)
-        self._scratch = scratch if plain else None
+        self._scratch = scratch if plain_linear(self.down_proj) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._joined is not None:
@@ -223,13 +222,14 @@ def fuse(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return len(swaps)
 
 
-def restore(model: torch.nn.Module) -> int:
-    """Put HF's modules back in the place of the fused ones; returns how many."""
+def restore(model: torch.nn.Module, fused: tuple[type, ...] = (FusedRMSNorm, SiluAndMulMLP)) -> int:
+    """Put HF's modules back in the place of the fused ones (of the classes `fused`, each holding its HF module
+    as `_hf[0]`); returns how many."""
     swaps = [
         (parent, name, child._hf[0])
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, FusedRMSNorm | SiluAndMulMLP)
+        if isinstance(child, fused)
     ]
     for parent, name, hf in swaps:
         setattr(parent, name, hf)

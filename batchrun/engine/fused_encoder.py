@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import GELUActivation
 
+from . import fused_elementwise
 from .cpu_linear import PackedLinear, hooked
 from .fused_elementwise import forward_of, statements
 
@@ -148,12 +149,4 @@ def fuse(model: torch.nn.Module) -> int:
 
 def restore(model: torch.nn.Module) -> int:
     """Put HF's modules back in the place of the fused ones; returns how many."""
-    swaps = [
-        (parent, name, child._hf[0])
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, DenseGELU | DenseAddNorm)
-    ]
-    for parent, name, hf in swaps:
-        setattr(parent, name, hf)
-    return len(swaps)
+    return fused_elementwise.restore(model, (DenseGELU, DenseAddNorm))

@@ -28,7 +28,7 @@ import types
 import torch
 
 from . import cpu_kernels
-from .cpu_linear import PackedLinear, hooked
+from .cpu_linear import hooked, plain_linear
 from .fused_elementwise import KNOWN_MLPS, FusedRMSNorm, SiluAndMulMLP, forward_of, statements
 
 LAYER_FORWARDS = (
@@ -117,11 +117,6 @@ def fused_forward(
     if kernels.residual_add(hidden_states, residual):
         return hidden_states
     return residual + hidden_states
-
-
-def plain_linear(module) -> bool:
-    """A layer whose output is always a new tensor of its own: a stock or packed linear layer, unhooked."""
-    return type(module) in (torch.nn.Linear, PackedLinear) and not hooked(module)
 
 
 def attention_returns_o_proj(attention: torch.nn.Module) -> bool:
