@@ -200,10 +200,11 @@ def main() -> None:
     print(f"threads: {torch.get_num_threads()} (set OMP_NUM_THREADS=1 for CPU time to be the work)")
     llms = {"as loaded": make_llm(a.dtype, a.max_num_batched_tokens)}
     if a.compare:
-        from batchrun.engine import fused_elementwise
+        from batchrun.engine import fused_elementwise, fused_residual
 
         llms["HF's modules"] = make_llm(a.dtype, a.max_num_batched_tokens)
-        undone = fused_elementwise.restore(llms["HF's modules"].engine.runner.model)
+        model = llms["HF's modules"].engine.runner.model  # its layers' own forwards too (the in-place adds)
+        undone = fused_elementwise.restore(model) + fused_residual.restore(model)
         print(f"undone on the second engine: {undone} modules")
     prompts = chat_ids(llms["as loaded"].tokenizer, reference_prompts())
     load0 = os.getloadavg()[0]
