@@ -1,0 +1,155 @@
+"""The scheduler's decode fast path (scheduler.py's running loop, `BlockManager.append_pages`) against its general
+path, in pure integers (no model): the same workload planned twice, once as the engine plans it and once with
+every decode taken through `_chunk`, `num_pages_to_grow` and `grow` (a text-only encoder budget beside the
+scheduler turns the fast path off and cuts nothing), must give the same plans step for step (what each
+sequence computes, its new block-table entries, preemptions, swaps), the same block tables and free counts,
+tables as long as a recount of each sequence's tokens says, every page held counted once in the free count, the
+runner's copy of the tables built from the plans alone equal to the block manager's, and `check_integrity()`
+every step. Page size 16; sequences cross several page boundaries while others are preempted (swapped or
+dropped for recompute) and come back, beside a parallel sample's shared pages and a shared prefix (which turn
+the fast path off while they are held twice), in one KV cache group and in two; a sliding-window group keeps
+every decode on the general path."""
+
+from __future__ import annotations
+
+import pytest
+from test_block_manager import RunnerTables
+
+from batchrun.engine.attention import FULL, MaskKind
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.kv_coordinator import KVCacheCoordinator
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import NULL_PAGE, Sequence
+
+P = 16
+GROUPS = {
+    "full": None,
+    "full+full": [FULL.first_key, FULL.first_key],  # two full groups (layers of two K/V shapes)
+    "full+window": [FULL.first_key, MaskKind(window=20).first_key],
+}
+
+
+class TextOnlyEncoder:
+    """An image-feature budget no text-only sequence touches (multimodal.EncoderCache's scheduler side): with
+    one, the scheduler plans every decode by its general path."""
+
+    def new_step(self) -> None:
+        pass
+
+    def fit(self, seq, start: int, n: int) -> int:
+        return n
+
+    def take(self, seq, start: int, n: int) -> None:
+        pass
+
+
+def workload() -> list[Sequence]:
+    """Prompts ending before, on and past page boundaries, decoded across several more; two sharing a two-page
+    prefix and one with two parallel samples, short-lived (the fast path waits while they share pages)."""
+    shapes = [(5, 60), (16, 40), (17, 50), (31, 70), (40, 35), (3, 90), (47, 20)]
+    seqs = []
+    for i, (prompt, new) in enumerate(shapes):
+        seqs.append(Sequence(i, [100 + i] * prompt, SamplingParams(max_new_tokens=new)))
+    common = list(range(2 * P))
+    seqs.append(Sequence(7, common + [1, 2, 3], SamplingParams(max_new_tokens=6)))
+    seqs.append(Sequence(8, common + [4, 5], SamplingParams(max_new_tokens=4)))
+    forked = Sequence(9, [9] * 20, SamplingParams(max_new_tokens=5, n=2))
+    forked.num_siblings_to_fork = 1
+    return [*seqs, forked]
+
+
+class Run:
+    """One scheduler over its own block manager, stepped with a fake model (token 7 sampled)."""
+
+    def __init__(self, groups, preemption: str, general: bool):
+        # 21 pages: tight enough to preempt, and odd, so that two groups meet a page boundary with one page
+        # free (which the fast path leaves to the general path, which preempts)
+        self.bm = BlockManager(21, P, 40, first_keys=GROUPS[groups])
+        config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, preemption=preemption)
+        encoder = TextOnlyEncoder() if general else None
+        self.scheduler = Scheduler(config, KVCacheCoordinator(self.bm), encoder=encoder)
+        for s in workload():
+            self.scheduler.add(s)
+        self.appended, self.preempted, self.swapped_in = 0, 0, 0
+        append = self.bm.append_pages
+
+        def counted(entry, num_blocks):
+            self.appended += 1
+            return append(entry, num_blocks)
+
+        self.bm.append_pages = counted
+        self.runner = RunnerTables()
+
+    def step(self) -> tuple:
+        """One step: what it planned, as plain values."""
+        plan, bm = self.scheduler.schedule(), self.bm
+        self.preempted += len(plan.preempted)
+        self.swapped_in += len(plan.swap_in)
+        planned = [(s.seq.seq_id, s.start, s.num_new_tokens, s.new_block_ids) for s in plan.scheduled]
+        for s in plan.scheduled:
+            end = s.start + s.num_new_tokens
+            # a recount: every group's table holds the pages of the tokens up to this step's last, no more
+            assert all(len(t) == -(-end // P) for t in bm.block_tables(s.seq)), (s, end)
+            self.runner.follow(s)
+            s.seq.num_computed_tokens = end
+        for s in plan.scheduled:
+            seq = s.seq
+            if not s.samples:
+                continue
+            for k in range(seq.num_siblings_to_fork):
+                child = Sequence(
+                    100 + seq.seq_id * 10 + k, seq.prompt_token_ids, seq.params, sample_index=k + 1
+                )
+                self.scheduler.fork(seq, child)
+                child.append_token(7)
+            seq.num_siblings_to_fork = 0
+            seq.append_token(7)
+        for seq in list(self.scheduler.running):
+            if len(seq.output_token_ids) >= seq.params.max_new_tokens and seq.num_uncomputed_tokens <= 1:
+                self.scheduler.finish(seq)
+        live = self.scheduler.live_sequences()
+        bm.check_integrity(live)
+        self.runner.check(self.scheduler.running, bm)
+        held = {p for e in bm.sequences.values() for t in e.tables for p in t if p != NULL_PAGE}
+        assert bm.num_free_pages == bm.num_pages - len(held)
+        return (
+            planned,
+            [s.seq_id for s in plan.preempted],
+            [s.seq_id for s in plan.recomputed],
+            plan.swap_out,
+            plan.swap_in,
+            plan.copy_on_write,
+            plan.num_generating,
+            plan.num_batched_tokens,
+            plan.tables_changed,
+        )
+
+    def state(self) -> tuple:
+        """Every sequence's pages and prefix-cache record, and the free counts."""
+        bm = self.bm
+        records = {
+            i: (e.tables, e.cpu_tables, e.num_registered, len(e.hash_chain)) for i, e in bm.sequences.items()
+        }
+        return records, bm.num_free_pages, bm.cpu_pool.num_free, bm.num_table_entries
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_the_decode_fast_path_plans_what_the_general_path_plans(groups, preemption):
+    fast, general = Run(groups, preemption, general=False), Run(groups, preemption, general=True)
+    for step in range(2000):
+        if not fast.scheduler.has_unfinished():
+            break
+        assert fast.step() == general.step(), f"step {step}"
+        assert fast.state() == general.state(), f"step {step}"
+    else:
+        raise AssertionError("did not finish")
+    assert not general.scheduler.has_unfinished()
+    assert fast.bm.num_free_pages == fast.bm.num_pages and not fast.bm.sequences
+    assert fast.preempted > 0 and (preemption == "recompute" or fast.swapped_in > 0)  # the pool was tight
+    assert general.appended == 0
+    if groups == "full+window":  # pages go back behind the window: never the fast path
+        assert fast.appended == 0
+    else:  # many decodes crossed into a new page by the fast path
+        assert fast.appended >= 10
