@@ -178,6 +178,23 @@ def test_unsupported_head_dims_are_refused():
         run_kernel(*case, [4], [4], 0.1, MaskKind())
 
 
+@needs_bf16
+def test_more_than_16_query_heads_per_kv_head_are_refused():
+    """A tile holds 16 queries of up to 16 heads each: 16 query heads per KV head are taken (and computed as
+    plain attention computes them), 17 refused, by the same answer the engine asks at load."""
+    assert KERNEL.prompt_attention_bf16_supported(64, 64, 16)
+    assert not KERNEL.prompt_attention_bf16_supported(64, 64, 17)
+    for gqa in (16, 17):
+        case = prompt_case([20], [20], 16, 1, gqa, 64, seed=3)
+        if gqa == 16:
+            out = run_kernel(*case, [20], [20], 0.1, MaskKind())
+            want = reference(*case, [20], [20], 0.1, MaskKind())
+            check(out, want, case[4], [20])
+        else:
+            with pytest.raises(RuntimeError, match="query heads per KV head"):
+                run_kernel(*case, [20], [20], 0.1, MaskKind())
+
+
 def saved_tiny(tmp_path, family: str, model_dir, **overrides):
     """A tiny bf16-able model of `family` (head dim 64, three query heads per KV head), saved with the default
     model's tokenizer."""

@@ -1,5 +1,5 @@
 """A bf16 pooling step's packed attention by the C++ prompt kernel (attention/packed.py, cpu_prompt_attention.cpp
-with `causal` false for an encoder): the texts of at least KERNEL_MIN_LENGTH tokens through the kernel, the
+with `causal` false for an encoder): the texts of at least the kernel's key block through the kernel, the
 shorter ones through SDPA, each text attending to itself alone under its layer's mask, against plain softmax
 attention over that text alone in fp32 (the bf16 tolerance of tests/test_cpu_prompt_attention.py); a window
 leaves the whole row on SDPA."""
@@ -11,7 +11,6 @@ import torch
 
 from batchrun.engine.attention import METADATA_KEYWORD, PackedLayout
 from batchrun.engine.attention.interface import attention_forward
-from batchrun.engine.attention.packed import KERNEL_MIN_LENGTH
 from batchrun.engine.cpu_kernels import load
 
 KERNEL = load()
@@ -20,6 +19,7 @@ pytestmark = pytest.mark.skipif(
     reason="no AVX512-BF16 prompt kernel",
 )
 LENGTHS = [70, 5, 130, 70, 20, 64, 1]  # three runs for the kernel (130, 70 twice, 64), three for SDPA
+BLOCK = 64  # the kernel's key block (cpu_prompt_attention.cpp's kKeys): a text of fewer tokens stays on SDPA
 
 
 class Counting:
@@ -64,8 +64,8 @@ def test_a_bf16_packed_call_is_each_text_alone(causal, window):
     )
     assert out.shape == (1, T, 4, D) and out.dtype == torch.bfloat16
     tables, starts, lengths, end = layout.kernel_texts()
-    assert sorted(lengths.tolist()) == sorted(n for n in LENGTHS if n >= KERNEL_MIN_LENGTH)
-    long = sum(n for n in LENGTHS if n >= KERNEL_MIN_LENGTH)
+    assert sorted(lengths.tolist()) == sorted(n for n in LENGTHS if n >= BLOCK)
+    long = sum(n for n in LENGTHS if n >= BLOCK)
     # the long texts' rows by the kernel, once; a windowed layer's whole row by SDPA
     assert kernel.rows == ([] if window is not None else [long])
     for a, b in layout.spans():
@@ -114,3 +114,20 @@ def test_rows_keys_or_pages_out_of_range_are_errors_not_reads():
     for bad in (dict(table=[0, 3]), dict(table=[0, -1]), dict(start=1), dict(qlen=8, ctx=7), dict(ctx=12)):
         with pytest.raises(RuntimeError, match="out of range|names page"):
             call(**{"table": [0, 1], **bad})
+
+
+@pytest.mark.parametrize("gqa, by_kernel", [(16, True), (17, False)])
+def test_query_heads_per_kv_head_beyond_the_kernels_stay_on_sdpa(gqa, by_kernel):
+    """The kernel's bound on query heads per KV head (a tile's rows) is its own answer: up to 16 through it, more
+    through SDPA, each against plain attention."""
+    torch.manual_seed(2)
+    kernel = Counting(KERNEL)
+    q = torch.randn(1, gqa, 70, 32).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 70, 32).to(torch.bfloat16) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal = False
+    layout = PackedLayout.of_lengths([70], kernel=kernel)
+    out, _ = attention_forward(module, q, k, v, None, scaling=0.2, **{METADATA_KEYWORD: layout})
+    assert kernel.rows == ([70] if by_kernel else [])
+    want = reference(q, k, v, 0, 70, False, None, 0.2)
+    assert ((out[0].float() - want).norm() / want.norm()).item() < 1e-2

@@ -22,8 +22,11 @@
 //   query [T, Hq, D], out [T, Hq, D] bf16 (any strides but a unit last one)
 //   k_cache, v_cache [num_pages, P, Hkv, D] bf16 (unit last stride)
 //   block_tables [S, W] int32; starts, query_lens, context_lens [S] int32 (context: the queries included)
-// Head dims 32, 64, 128 and 256, with K and V alike; `prompt_attention_bf16_supported(D, Dv)` says whether this
-// build takes a shape (false without AVX512-BF16 at compile time): the engine asks it once, at load.
+// Head dims 32, 64, 128 and 256, with K and V alike, and up to kMaxGqa query heads per KV head;
+// `prompt_attention_bf16_supported(D, Dv, gqa)` says whether this build takes a shape (false without AVX512-BF16
+// at compile time): the engine asks it once, at load (the generation backend, attention/backends/prompt_kernel.py)
+// or per layer (a pooling step, attention/packed.py). The module's `prompt_attention_key_block` is kKeys: a
+// sequence's keys are computed a whole block at a time, so a packed text shorter than one stays on SDPA.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -35,13 +38,15 @@
 
 namespace {
 
+constexpr int kKeys = 64;    // keys per block of the online softmax
+constexpr int kMaxGqa = 16;  // query heads per KV head a tile holds
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define BATCHRUN_PROMPT_BF16 1
 
-constexpr int kBlock = 16;    // keys per vector (one dpbf16 lane per key)
-constexpr int kKeys = 64;     // keys per block of the online softmax
-constexpr int kQueries = 16;  // queries per task
-constexpr int kMaxRows = kQueries * 16;  // rows of a tile: queries times GQA heads (GQA up to 16)
+constexpr int kBlock = 16;                    // keys per vector (one dpbf16 lane per key)
+constexpr int kQueries = 16;                  // queries per task
+constexpr int kMaxRows = kQueries * kMaxGqa;  // rows of a tile: queries times GQA heads
 
 struct Layer {
   const at::BFloat16 *q, *k, *v;
@@ -253,9 +258,10 @@ void prompt_attention(const Layer& L, int64_t S) {
 
 }  // namespace
 
-bool prompt_attention_bf16_supported(int64_t head_dim, int64_t v_head_dim) {
+bool prompt_attention_bf16_supported(int64_t head_dim, int64_t v_head_dim, int64_t gqa) {
 #ifdef BATCHRUN_PROMPT_BF16
-  return head_dim == v_head_dim && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+  return head_dim == v_head_dim && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+         gqa >= 1 && gqa <= kMaxGqa;
 #else
   return false;
 #endif
@@ -265,9 +271,11 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
                             at::Tensor block_tables, at::Tensor starts, at::Tensor query_lens,
                             at::Tensor context_lens, double scale, int64_t window, int64_t chunk, double softcap,
                             c10::optional<at::Tensor> sinks, bool causal) {
-  const int64_t D = query.size(2);
-  TORCH_CHECK(prompt_attention_bf16_supported(D, v_cache.size(3)), "paged_prompt_attention: head dims ", D, "/",
-              v_cache.size(3), " not built here (prompt_attention_bf16_supported)");
+  const int64_t D = query.size(2), Hq = query.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "paged_prompt_attention: query heads a multiple of KV heads");
+  TORCH_CHECK(prompt_attention_bf16_supported(D, v_cache.size(3), Hq / Hkv), "paged_prompt_attention: head dims ", D,
+              "/", v_cache.size(3), " with ", Hq / Hkv, " query heads per KV head not built here",
+              " (prompt_attention_bf16_supported)");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_prompt_attention runs on the CPU");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -281,9 +289,7 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
                   block_tables.size(0) == starts.size(0),
               "block_tables: [S, W] int32");
-  const int64_t Hq = query.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(causal || (window == 0 && chunk == 0), "paged_prompt_attention: a window or chunk is causal here");
-  TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= 16, "paged_prompt_attention: up to 16 query heads per KV head");
   {  // every row, key and page a sequence names lies within the tensors (a bad caller errs, never overruns)
     const int32_t* st = starts.data_ptr<int32_t>();
     const int32_t* ql = query_lens.data_ptr<int32_t>();
@@ -347,7 +353,9 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
 
 void register_prompt_attention(py::module_& m) {  // called by cpu_kernels.cpp's module definition
   m.def("prompt_attention_bf16_supported", &prompt_attention_bf16_supported,
-        "whether paged_prompt_attention takes these head dims in this build (AVX512-BF16)");
+        "whether paged_prompt_attention takes these head dims and query heads per KV head in this build (AVX512-BF16)",
+        py::arg("head_dim"), py::arg("v_head_dim"), py::arg("gqa") = 1);
+  m.attr("prompt_attention_key_block") = kKeys;  // a sequence's keys are computed this many at a time
   m.def("paged_prompt_attention", &paged_prompt_attention, "bf16 prompt attention of a step over the pages (CPU)",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("starts"), py::arg("query_lens"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,

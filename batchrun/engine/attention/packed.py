@@ -13,12 +13,15 @@ reads each text's states back through `spans` (input order), so the order never 
 query sees is the layer's `MaskKind` (masks.py): bidirectional for an encoder (BERT, XLM-R, ModernBERT), causal
 for a decoder (Qwen3-Embedding), a sliding window (ModernBERT's local layers) on both sides for an encoder.
 
-A bf16 step on a CPU with AVX512-BF16 attends its texts of at least `KERNEL_MIN_LENGTH` tokens in one call of
-batchrun's C++ prompt kernel (engine/cpu_prompt_attention.cpp, generation's, `causal` as the layer's kind says)
-instead, where SDPA gains nothing from bf16: the kernel reads K/V as pages, and the packed row is given to it as
-pages of one token each (a text's block table: its rows), so nothing is copied. Shorter texts stay on SDPA: the
-kernel computes keys in blocks of 64, and a shorter text pays for the whole block (a step with and without the
-kernel: bench/micro/embed_profile.py --compare). Full attention only (no window or chunk: ModernBERT's local layers stay on SDPA).
+A bf16 step on a CPU with AVX512-BF16 attends its texts of at least one key block of the kernel
+(`prompt_attention_key_block`) in one call of batchrun's C++ prompt kernel (engine/cpu_prompt_attention.cpp,
+generation's, `causal` as the layer's kind says) instead, where SDPA gains nothing from bf16: the kernel reads K/V
+as pages, and the packed row is given to it as pages of one token each (a text's block table: its rows), so
+nothing is copied. Shorter texts stay on SDPA: the kernel computes keys a whole block at a time, and a shorter text
+pays for the whole block (a step with and without the kernel: bench/micro/embed_profile.py --compare). Full
+attention only (no window or chunk: ModernBERT's local layers stay on SDPA). Which shapes the kernel takes (head
+dims, query heads per KV head: `prompt_attention_bf16_supported`) and its key block are the kernel module's own
+answers, asked here as the generation backend asks them (attention/backends/prompt_kernel.py), never restated.
 
 Why not pad texts of near lengths into one call: on the CPU, SDPA costs the same per text in a batch of one as in
 a batch of sixteen (bench/RESULTS.md, issue 41), while padding adds gathers, scatters, masks (a masked call is
@@ -38,8 +41,6 @@ import torch.nn.functional as F
 from .layers import LayerSpec
 from .masks import MaskKind
 from .metadata import int_tensor
-
-KERNEL_MIN_LENGTH = 64  # tokens: a text shorter than the prompt kernel's key block stays on SDPA
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class PackedLayout:
         lengths [S] int32 of the texts the prompt kernel attends (the longest runs: the row's head), and where
         their rows end; made at the first layer, kept for the others."""
         if self._kernel_texts is None:
-            runs = [r for r in self.runs if r.length >= KERNEL_MIN_LENGTH]
+            shortest = self.kernel.prompt_attention_key_block  # a text shorter than a key block stays on SDPA
+            runs = [r for r in self.runs if r.length >= shortest]
             starts = [r.start + i * r.length for r in runs for i in range(r.count)]
             lengths = [r.length for r in runs for _ in range(r.count)]
             longest = lengths[0] if lengths else 0
@@ -167,8 +169,7 @@ def attend_by_kernel(layout: PackedLayout, kind: MaskKind, out, q, k, v, scale: 
         kernel is None
         or q.dtype != torch.bfloat16
         or not kind.is_full
-        or q.shape[0] > 16 * k.shape[0]
-        or not kernel.prompt_attention_bf16_supported(q.shape[-1], v.shape[-1])
+        or not kernel.prompt_attention_bf16_supported(q.shape[-1], v.shape[-1], q.shape[0] // k.shape[0])
     ):
         return 0
     tables, starts, lengths, end = layout.kernel_texts()

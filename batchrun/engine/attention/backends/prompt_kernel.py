@@ -28,13 +28,14 @@ class PagedPrompts:
 
 
 def kernel_groups(layers: AttentionLayers, kernel) -> tuple[bool, ...]:
-    """Per KV cache group, whether its pages and shapes are the kernel's: bf16, head dims this build takes (none
-    without AVX512-BF16), at most 16 query heads per KV head. Decided once, when the backend is made."""
+    """Per KV cache group, whether its pages and shapes are the kernel's: bf16, head dims and query heads per KV
+    head this build takes (the kernel's `prompt_attention_bf16_supported`: none without AVX512-BF16). Decided
+    once, when the backend is made."""
     shapes = layers.kv_spec.groups.shapes
     if layers.kv_spec.dtype != torch.bfloat16:
         return (False,) * len(shapes)
     return tuple(
-        gqa <= 16 and kernel.prompt_attention_bf16_supported(s.head_dim, s.v_head_dim)
+        kernel.prompt_attention_bf16_supported(s.head_dim, s.v_head_dim, gqa)
         for s, gqa in zip(shapes, layers.gqa)
     )
 
