@@ -30,7 +30,9 @@ def cluster(tmp_path_factory):
     process stops the cluster it started when it ends (`ray stop` would stop every cluster of the machine).
     Without token authentication, for it and its clients (this process's children): Ray turns it on for a
     cluster when ~/.ray/auth_token exists (a local `ray.init()` writes one), and clients then need
-    RAY_AUTH_MODE=token."""
+    RAY_AUTH_MODE=token. Without a drain on SIGTERM (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0): by default the head
+    first waits for its node to go idle, up to 30 seconds, and a Ray Data pipeline's actors leave it busy until
+    then; the tests have nothing to drain, and the cluster ends with the module either way."""
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     with socket.socket() as sock:
@@ -40,7 +42,8 @@ def cluster(tmp_path_factory):
     start = [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port), "--temp-dir", temp]
     start += ["--include-dashboard=false", "--disable-usage-stats"]
     log = open(tmp_path_factory.mktemp("ray-log") / "ray-start.log", "w")  # noqa: SIM115 - closed at the end
-    head = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    head = subprocess.Popen(start, stdout=log, stderr=subprocess.STDOUT, env=env)
     t0 = time.time()
     while subprocess.run([RAY, "status", "--address", f"127.0.0.1:{port}"], capture_output=True).returncode:
         assert head.poll() is None and time.time() - t0 < 120, "ray start --head failed"
