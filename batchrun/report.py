@@ -7,7 +7,7 @@ from pathlib import Path
 from . import storage
 from .config import STATE_DIR
 from .errors import BadInput
-from .stats import combine, read_summary
+from .stats import KIND_USAGE, combine, read_summary
 
 
 def stats_files(path: Path) -> list[Path]:
@@ -151,14 +151,14 @@ def format_summary(s: dict) -> str:
             f"(paging ran up to {s['peak_running']})",
         ),
     ]
-    if s.get("state_slots_total"):
-        lines.append(
-            (
-                "state slots (hybrid layers)",
-                f"{s['state_slots_total']} of {_bytes(s.get('bytes_per_state_slot', 0))}, "
-                f"peak in use {s.get('peak_state_slots_used', 0)}",
+    for c in KIND_USAGE:  # each kind a sequence keeps beside its pages (a hybrid's state slots)
+        if s.get(c.total):
+            lines.append(
+                (
+                    f"{c.label} ({c.holder})",
+                    f"{s[c.total]} of {_bytes(s.get(c.bytes_per_unit, 0))}, peak in use {s.get(c.peak, 0)}",
+                )
             )
-        )
     if s.get("rows_with_images"):
         lines.append(
             (
@@ -263,10 +263,11 @@ def plot(path: Path, out_png: Path) -> None:
         ax_seq.step(time_s, t["num_running"], where="post", label=f"running{tag}")
         ax_seq.step(time_s, t["num_waiting"], where="post", label=f"waiting{tag}")
         ax_seq.step(time_s, t["num_swapped"], where="post", label=f"swapped{tag}")
-        slots = t.get("state_slots_used")  # a hybrid model's state slots (absent in older statistics)
-        if slots and any(t.get("state_slots_total") or []):
-            ax_seq.step(time_s, slots, where="post", linestyle="--", label=f"state slots in use{tag}")
-            ax_seq.axhline(max(t["state_slots_total"]), color="gray", linestyle=":", label="state slots")
+        for c in KIND_USAGE:  # each kind's units (a hybrid's state slots; absent in older statistics)
+            used = t.get(c.used)
+            if used and any(t.get(c.total) or []):
+                ax_seq.step(time_s, used, where="post", linestyle="--", label=f"{c.label} in use{tag}")
+                ax_seq.axhline(max(t[c.total]), color="gray", linestyle=":", label=c.label)
         pre = [time_s[i] for i, n in enumerate(t["preemptions"]) if n]
         if pre:
             ax_seq.plot(pre, [0] * len(pre), "v", color="black", markersize=7, label="preemption")

@@ -3,7 +3,9 @@
 Definitions are the README's ("Outputs", statistics). A snapshot is taken after the step's forward pass from
 the engine's `memory_snapshot()`; P is the page size; sums run over the sequences holding accelerator pages
 (`num_running`). `COLUMNS` and `SUMMARY_KEYS` are the one list of each: the writer, `batchrun stats` and the
-README's lists (checked by a test) follow them.
+README's lists (checked by a test) follow them. What they hold of the kinds a sequence keeps beside its pages
+(a hybrid's state slots) is derived from the registered kinds' `usage_columns` (engine/cache_kinds.py, read
+without torch): a new kind's columns and summary keys need no edit here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import storage
+from .engine.cache_kinds import KINDS
 from .engine.timing import PHASES, summary_key
 from .rows import FINGERPRINT_KEY
 
@@ -28,6 +31,26 @@ if TYPE_CHECKING:  # `batchrun stats` reads files: it needs neither torch nor th
     from .engine import Engine, StepResult
 
 SUMMARY_KEY = b"batchrun.summary"
+
+# each registered kind's usage columns (engine/cache_kind.UsageColumns), in the engine's order of kinds
+KIND_USAGE = tuple(kind.usage_columns for kind in KINDS)
+
+
+def kind_columns(usage) -> list[str]:
+    """The kinds' columns of every step's row: each kind's units there are and units in use (0 for a model
+    without the kind)."""
+    return [name for c in usage for name in (c.total, c.used)]
+
+
+def kind_summary_rules(usage) -> dict[str, tuple[str, str]]:
+    """The kinds' summary keys and how summaries combine them, by role: the units there are at the run's end
+    and the most in use (summed over shards and replicas, the largest over runs), the bytes per unit (one
+    model: the same everywhere)."""
+    rules = {}
+    for c in usage:
+        rules |= {c.total: ("sum", "max"), c.peak: ("sum", "max"), c.bytes_per_unit: ("first", "first")}
+    return rules
+
 
 COLUMNS = [
     "run",  # 1 for the first run of the job, 2 for its first resume, ...
@@ -56,8 +79,7 @@ COLUMNS = [
     "prefix_hit_tokens",
     "cow_copies",
     "window_freed",
-    "state_slots_total",  # a hybrid model's per-sequence state slots (0 for other models)
-    "state_slots_used",
+    *kind_columns(KIND_USAGE),  # a hybrid model's per-sequence state slots (0 for other models)
     "generated_tokens",
 ]
 FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
@@ -125,9 +147,8 @@ SUMMARY_KEYS = {
     "pages_total": ("sum", "max"),
     "peak_pages_used": ("sum", "max"),
     "bytes_per_page": ("first", "first"),
-    "state_slots_total": ("sum", "max"),
-    "peak_state_slots_used": ("sum", "max"),
-    "bytes_per_state_slot": ("first", "first"),
+    # each kind's (a hybrid's state_slots_total, peak_state_slots_used, bytes_per_state_slot)
+    **kind_summary_rules(KIND_USAGE),
     "rows_with_images": ("sum", "sum"),
     "images_encoded": ("sum", "sum"),
     "image_tokens": ("sum", "sum"),
@@ -213,8 +234,7 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, r
         "prefix_hit_tokens": m.prefix_hit_tokens,
         "cow_copies": m.cow_copies,
         "window_freed": m.window_freed_pages,
-        "state_slots_total": m.state_slots_total,
-        "state_slots_used": m.state_slots_used,
+        **{name: m.usage.get(name, 0) for name in kind_columns(KIND_USAGE)},
         "generated_tokens": step.num_generated,
     }
 
@@ -248,7 +268,7 @@ class _Running:
     contig_util_sum: float = 0.0
     contig_util_n: int = 0
     peak_pages_used: int = 0
-    peak_state_slots_used: int = 0
+    kind_peaks: dict = field(default_factory=dict)  # each kind's `used` column -> its most over the steps
     swap_out_pages: int = 0
     swap_in_pages: int = 0
     preemptions: int = 0
@@ -353,7 +373,8 @@ class StatsCollector:
         a.running_sum += row["num_running"]
         a.peak_running = max(a.peak_running, row["num_running"])
         a.peak_pages_used = max(a.peak_pages_used, row["pages_used"])
-        a.peak_state_slots_used = max(a.peak_state_slots_used, row["state_slots_used"])
+        for c in KIND_USAGE:
+            a.kind_peaks[c.used] = max(a.kind_peaks.get(c.used, 0), row[c.used])
         if row["slots_allocated"]:
             util = row["tokens_stored"] / row["slots_allocated"]
             a.util_sum += util
@@ -420,9 +441,7 @@ class StatsCollector:
             "pages_total": m.pages_total,
             "peak_pages_used": a.peak_pages_used,
             "bytes_per_page": bytes_per_page,
-            "state_slots_total": m.state_slots_total,
-            "peak_state_slots_used": a.peak_state_slots_used,
-            **self.engine.kind_summary(),  # a hybrid's bytes_per_state_slot
+            **self._kind_summary(m),  # a hybrid's state slots
             "rows_with_images": self.rows_with_images,
             **self.engine.image_counts(),
             "structured_rows": self.structured_rows,
@@ -439,6 +458,16 @@ class StatsCollector:
         assert s.keys() == SUMMARY_KEYS.keys(), "SUMMARY_KEYS is the one list of summary keys"
         s.update(self.extra)
         return s
+
+    def _kind_summary(self, m) -> dict:
+        """Each registered kind's summary keys (kind_summary_rules): 0 for a kind the model does not have."""
+        bytes_per_unit = self.engine.kind_bytes()
+        out = {}
+        for c in KIND_USAGE:
+            out[c.total] = m.usage.get(c.total, 0)
+            out[c.peak] = self.agg.kind_peaks.get(c.used, 0)
+            out[c.bytes_per_unit] = bytes_per_unit.get(c.bytes_per_unit, 0)
+        return out
 
     def _adapter_summary(self) -> dict:
         lora = self.engine.lora

@@ -208,7 +208,7 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
             # ScheduledSequence works out from its tokens (the scheduler plans most decodes by a shorter path)
             end = s.start + s.num_new_tokens
             assert all(len(t) * bm.page_size >= end for t in bm.block_tables(s.seq)), (s, end)
-            assert s == ScheduledSequence(s.seq, s.num_new_tokens, s.start, s.new_block_ids, s.state_slot)
+            assert s == ScheduledSequence(s.seq, s.num_new_tokens, s.start, s.new_block_ids, s.units)
             runner_tables.follow(s)
             s.seq.num_computed_tokens += s.num_new_tokens
         for s in plan.scheduled:

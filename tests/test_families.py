@@ -119,7 +119,7 @@ def family_engine(model, attention: str, full_pages: int = 256, **engine):
     )
     cfg.update(engine)
     if (
-        found.states
+        found.kind_specs
     ):  # a hybrid: the pages alone, the state slots on top (one per sequence, not from the budget)
         cfg["num_pages"] = full_pages * found.groups.num_groups
     return Engine(LoadedModel(model, max_model_len=512), EngineConfig(**cfg), torch.device("cpu"))
@@ -453,7 +453,7 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
     assert counted == {sliding: 34, full: 6}
     # gcd(34, 6) = 2 layers of the full shape fill a page: 2 x 1024 elements per token; sliding groups take 4
     assert groups.elements_per_token == 2 * 1024
-    assert sorted(zip(groups.kinds, groups.sizes)) == sorted(
+    assert sorted(zip(groups.mask_kinds, groups.sizes)) == sorted(
         [("sliding", 4)] * 8 + [("sliding", 2)] + [("full", 2)] * 3
     )
     spec = KVCacheSpec(groups, page_size=4, dtype=torch.float32)

@@ -14,6 +14,7 @@ from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
 from batchrun.engine.cache_kind import KindCopies, KindCopy
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.state_cache import LayerStates, StateCache, StateShape, StateSpec
+from batchrun.engine.state_kind import StateKind
 from batchrun.engine.state_slots import SequenceSlots, StateSlots
 from batchrun.errors import BadInput
 
@@ -36,8 +37,8 @@ def test_swap_moves_the_states_and_equals_hf(family):
     assert not any(s.plan.recomputed for s in steps), "swap fell back to recompute"
     assert got == expected
     assert (
-        engine.kv.kinds[0].num_used == 0
-        and engine.kv.kinds[0].num_free_cpu == engine.kv.kinds[0].num_cpu_slots
+        engine.kv.managers[0].num_used == 0
+        and engine.kv.managers[0].num_free_cpu == engine.kv.managers[0].num_cpu_slots
     )
 
 
@@ -49,13 +50,13 @@ def test_swap_copies_a_slot_bit_for_bit():
     for t in cache.tensors:
         t.copy_(torch.randn(t.shape).to(t.dtype))
     before = [t[1].clone() for t in cache.tensors]
-    cache.apply(KindCopies(None, swap_out=[KindCopy(1, 0)]))
+    cache.apply(KindCopies(swap_out=[KindCopy(1, 0)]))
     for t in cache.tensors:
         t[1].zero_()
-    cache.apply(KindCopies(None, swap_in=[KindCopy(0, 3)]))
+    cache.apply(KindCopies(swap_in=[KindCopy(0, 3)]))
     for t, b in zip(cache.tensors, before):
         assert torch.equal(t[3], b)
-    cache.apply(KindCopies(None, [KindCopy(3, 2)]))  # a fork's copy
+    cache.apply(KindCopies([KindCopy(3, 2)]))  # a fork's copy
     for t, b in zip(cache.tensors, before):
         assert torch.equal(t[2], b)
 
@@ -118,12 +119,12 @@ def test_statistics_count_state_slots():
     def check(eng, result):
         counted = eng.memory_snapshot()
         assert counted == eng.memory_snapshot(recount=True)
-        held = sum(1 + len(eng.kv.kinds[0].sequences[s.seq_id].reserved) for s in eng.running_sequences())
-        assert counted.state_slots_used == held and counted.state_slots_total == 4
-        used.append(counted.state_slots_used)
+        held = sum(1 + len(eng.kv.managers[0].sequences[s.seq_id].reserved) for s in eng.running_sequences())
+        assert counted.usage == {"state_slots_total": 4, "state_slots_used": held}
+        used.append(held)
 
     run_engine(engine, prompts(256), SamplingParams(max_new_tokens=4, n=2), on_step=check)
-    assert max(used) == 4 and engine.kind_summary()["bytes_per_state_slot"] > 0
+    assert max(used) == 4 and engine.kind_bytes()["bytes_per_state_slot"] > 0
 
 
 def test_slot_bookkeeping_catches_a_double_hold():
@@ -131,9 +132,9 @@ def test_slot_bookkeeping_catches_a_double_hold():
     a, b = (Sequence(i, [1, 2], SamplingParams(n=2)) for i in range(2))
     a.num_siblings_to_fork = 1
     slots.allocate(a)  # its own slot and one reserved for its fork
-    assert slots.num_free == 1 and slots.held_by(a) == [slots.slot_of(a), *slots.sequences[0].reserved]
+    assert slots.num_free == 1 and slots.held_by(a) == [slots.unit_of(a), *slots.sequences[0].reserved]
     slots.check([a], [])
-    slots.sequences[b.seq_id] = SequenceSlots(slot=slots.slot_of(a))  # two sequences on one slot
+    slots.sequences[b.seq_id] = SequenceSlots(slot=slots.unit_of(a))  # two sequences on one slot
     with pytest.raises(AssertionError):
         slots.check([a, b], [])
 
@@ -143,20 +144,19 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
     not, or when they would take more than half of it; a budget that holds no sequence is a bad job naming the
     key."""
     from batchrun.engine.sizing import pool_sizes
-    from batchrun.engine.state_kind import StateKind
 
     cpu = torch.device("cpu")
     # a state slot of 10,000 bytes: one stateful layer's 2,500 fp32 values
     kind = [StateKind(StateSpec((LayerStates(0, (StateShape((2500,), torch.float32),), ()),)))]
     roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, kind, cpu)
     # 8 slots for sequences, 2 keeping shared prefixes' states (a quarter as many), the rest pages
-    assert (roomy.kinds[0].num_slots, roomy.kinds[0].num_snapshots) == (8, 2)
+    assert (roomy.kind_pools[0].num_slots, roomy.kind_pools[0].num_snapshots) == (8, 2)
     assert roomy.num_pages == (2**20 - 10 * 10_000) // 1000
     config = EngineConfig(kv_cache_memory="50000", max_num_seqs=8, prefix_sharing=False)
     tight = pool_sizes(config, 1000, 2, kind, cpu)
     # one page a slot would allow 4 slots (50,000 // 12,000); at most half the budget in slots allows 2
-    assert tight.kinds[0].num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
-    assert tight.kinds[0].num_snapshots == 0
+    assert tight.kind_pools[0].num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
+    assert tight.kind_pools[0].num_snapshots == 0
     with pytest.raises(BadInput, match="kv_cache_memory"):
         pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, kind, cpu)
 
@@ -184,7 +184,7 @@ def test_prefix_sharing_restores_the_state_at_the_prefix_end(family):
         on_step=lambda e, r: (e.check_integrity(), restores.append(len(r.plan.kind_copies[0].device))),
     )
     assert [s[0].output_token_ids for s in seqs] == expected
-    slots = engine.kv.kinds[0]
+    slots = engine.kv.managers[0]
     assert slots.snapshots_taken == 1 and slots.snapshots_restored == len(rows) - 1
     assert engine.block_manager.prefix_cache.hit_tokens == 48 * (len(rows) - 1)
 
@@ -199,7 +199,7 @@ def test_a_prefix_without_a_kept_state_is_computed():
     first, _ = run_engine(engine, rows[:1], SamplingParams(max_new_tokens=4))
     second, _ = run_engine(engine, rows[1:], SamplingParams(max_new_tokens=NEW_TOKENS))
     assert second[0][0].output_token_ids == hf_tokens(ref, rows[1:])[0]
-    assert engine.block_manager.prefix_cache.hit_tokens == 0 and engine.kv.kinds[0].snapshots_taken == 0
+    assert engine.block_manager.prefix_cache.hit_tokens == 0 and engine.kv.managers[0].snapshots_taken == 0
 
 
 def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch):
@@ -212,7 +212,7 @@ def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch
     model, expected = model_and_reference("jamba")
     rows = prompts(256)
     got, steps, engine = run(model, "jamba", "torch", max_num_batched_tokens=16)
-    assert not engine.plan.states.continues_state and engine.kv.kinds[0].num_snapshots == 0
+    assert not engine.plan.kind_specs[StateKind].continues_state and engine.kv.managers[0].num_snapshots == 0
     lengths = {len(p) for p in rows}
     for step in steps:
         for s in step.plan.scheduled:

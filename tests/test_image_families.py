@@ -580,7 +580,7 @@ def test_a_hybrid_row_admitted_at_a_shared_prefix_keeps_the_encoder_budget(vlm):
     )
     outs = llm.chat(convs, SamplingParams(max_new_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.kv.kinds[0].snapshots_taken > 0, "no row was admitted with a snapshot planned"
+    assert llm.engine.kv.managers[0].snapshots_taken > 0, "no row was admitted with a snapshot planned"
     counts = llm.engine.image_counts()
     per_token = counts["encoder_budget_bytes"] // 16
     largest = max(len(llm.encode_chat(c).images.positions) for c in convs)

@@ -3,9 +3,10 @@ kind other than full attention: `MambaSpec` and its manager beside `FullAttentio
 
 Pages are first-class: every model has them, and the scheduler's hot decode path asks the block manager for them
 itself (block_manager.py). Anything else a sequence holds (a hybrid model's state slots: state_kind.py) is a
-*kind*: one module declaring a `CacheKind` subclass, listed in cache_kinds.py (what else still names the one
-kind there is: docs/ARCHITECTURE.md, "Where a new piece goes"). A kind brings two halves, made once per engine
-from the model plan:
+*kind*: one module declaring a `CacheKind` subclass, listed in cache_kinds.py (what a new kind still needs
+beside: docs/ARCHITECTURE.md, "Where a new piece goes"). The load probe finds it through the kind (`probe`: a
+`KindProbe` in the probe forward's views, its `KindSpec` held in the model plan by kind), and it brings two
+halves, made once per engine from the model plan:
 
 - its manager (`KindManager`): pure integers, like the block manager. The KV cache coordinator
   (kv_coordinator.py) calls every kind's manager in each of its actions (admit, fork, finish, swap, ...), and
@@ -14,14 +15,53 @@ from the model plan:
   step's view of them is for the layers that read them (the runner builds it from the plan each step).
 
 The kind itself (`CacheKind`) is found from the model plan (`of`), takes its share of the memory budget
-(`pool`: sizing.pool_sizes asks it) and builds both halves; its manager counts its usage columns (`usage`:
-memory.py's snapshot, stats.py's rows) and the kind gives the run's summary its fixed figures (`summary`).
+(`pool`: sizing.pool_sizes asks it) and builds both halves. Its usage is a typed record: the class names its
+columns once (`usage_columns`, a `UsageColumns`), its manager counts them (`usage`, a `Usage`), and the memory
+snapshot (memory.py), the statistics' rows and summary (stats.py) and the report (report.py) derive everything
+they show of the kind from those two. A kind's module imports torch only inside the methods that make tensors
+or probe the model: `batchrun stats` reads the registered kinds' columns without torch (tests/test_docs.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+
+class UsageColumns(NamedTuple):
+    """What the statistics show of a kind, named once in its class (`CacheKind.usage_columns`): its units there
+    are and those the running sequences hold, a column each of every step's row, and its bytes per unit. The
+    summary reads each by its role: `total` at the run's end (under its own name), `used` at its most over the
+    steps (`peak`), `bytes_per_unit` as the kind has it (`CacheKind.bytes_per_unit`); stats.py says how
+    summaries of shards and runs combine each role."""
+
+    total: str  # a row's column: the units there are ("state_slots_total")
+    used: str  # a row's column: the units the running sequences hold ("state_slots_used")
+    bytes_per_unit: str  # a summary key ("bytes_per_state_slot")
+    label: str  # what the report and the plot call the units ("state slots")
+    holder: str  # what holds them, for the report ("hybrid layers")
+
+    @property
+    def peak(self) -> str:
+        """The summary's key of `used` at its most over the steps."""
+        return f"peak_{self.used}"
+
+
+class Usage(NamedTuple):
+    """A kind's usage now, as its manager counts it (`KindManager.usage`): its `UsageColumns`' two columns."""
+
+    total: int
+    used: int
+
+
+def usage_row(kinds, managers, running, recount: bool = False) -> dict[str, int]:
+    """Each kind's usage columns by name (a memory snapshot's `usage`): `kinds` the engine's `CacheKind`s and
+    `managers` theirs, in one order; `recount`: each manager counts sequence by sequence."""
+    row = {}
+    for kind, manager in zip(kinds, managers, strict=True):
+        columns, usage = kind.usage_columns, manager.usage(running, recount)
+        row[columns.total], row[columns.used] = usage
+    return row
 
 
 class KindCopy(NamedTuple):
@@ -34,10 +74,9 @@ class KindCopy(NamedTuple):
 @dataclass(eq=False, slots=True)
 class KindCopies:
     """One kind's copies in one plan, in the only safe order: within the device first (a fork's, a kept
-    prefix's taken or restored: from units still held), then out to the CPU, then in from it. `kind`: the
-    manager that made them (the coordinator's order of kinds, which is the engine's)."""
+    prefix's taken or restored: from units still held), then out to the CPU, then in from it. Which kind's: its
+    place in the plan's `kind_copies` (the coordinator's order of managers, which is the engine's of kinds)."""
 
-    kind: Any  # a KindManager
     device: list[KindCopy] = field(default_factory=list)
     swap_out: list[KindCopy] = field(default_factory=list)
     swap_in: list[KindCopy] = field(default_factory=list)
@@ -94,8 +133,8 @@ class KindManager:
         """A parallel sample: the copy of its parent's units into its own (the next plan's)."""
         return None
 
-    def slot_of(self, seq) -> int:
-        """The unit a running sequence's step reads (-1: none)."""
+    def unit_of(self, seq) -> int:
+        """The unit a running sequence's step reads (-1: none): its place in ScheduledSequence.units."""
         return -1
 
     # ---- leaving
@@ -125,10 +164,38 @@ class KindManager:
     def check(self, running: list, swapped: list) -> None:
         """Every unit free or held by exactly the sequences that should hold it (AssertionError otherwise)."""
 
-    def usage(self, running, recount: bool = False) -> dict[str, int]:
-        """This kind's columns of a memory snapshot (memory.MemorySnapshot's fields): totals and units in use,
-        counted by the manager, or (`recount`) sequence by sequence to prove the first."""
-        return {}
+    def usage(self, running, recount: bool = False) -> Usage:
+        """The units there are and those the running sequences hold (its kind's `usage_columns`), counted by the
+        manager, or (`recount`) sequence by sequence to prove the first."""
+        return Usage(0, 0)
+
+
+class KindSpec:
+    """What the load probe found of a kind in a model (a hybrid's `StateSpec`): held in the model plan under the
+    kind's class (`ModelPlan.kind_specs`), from which the kind is made (`CacheKind.of`)."""
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """The layers that keep this kind's units (a decoder layer doing only that is not silent to the probe)."""
+        return ()
+
+    @property
+    def whole_prompts(self) -> bool:
+        """Each prompt must be computed in one step (a layer that cannot continue over several tokens)."""
+        return False
+
+
+class KindProbe:
+    """The load probe's stand-in for a kind's step view (architecture.inspect_model): placed in the probe
+    forward's `AttentionMetadata.views` under `view_key`, where the kind's layers look for their view (the kind's
+    tensors' class), so the model's own code reveals what it keeps; `spec` afterwards says what that was."""
+
+    view_key: type
+
+    def spec(self, measured: bool = True) -> KindSpec | None:
+        """What the forward found (None: nothing of this kind). `measured` False: the probe ran on the meta
+        device (shapes, no numbers to compare)."""
+        raise NotImplementedError
 
 
 class KindTensors:
@@ -137,8 +204,9 @@ class KindTensors:
     def apply(self, copies: KindCopies) -> None:
         """A plan's copies of this kind, in their order (before the step's forward)."""
 
-    def step_view(self, scheduled: list, query_lens: list[int], starts: list[int]) -> Any:
-        """What the layers read of this kind in one step (the plan's scheduled sequences, in packed order)."""
+    def step_view(self, units: list[int], query_lens: list[int], starts: list[int]) -> Any:
+        """What the layers read of this kind in one step: per scheduled sequence in packed order, this kind's
+        unit (its manager's `unit_of`), its tokens this step and where they start."""
         return None
 
 
@@ -148,16 +216,23 @@ class CacheKind:
     that has the kind (`of`), and the runner hands its tensors' step view to the layers in
     `AttentionMetadata.views`, keyed by the tensors' class."""
 
-    summary_keys: tuple[str, ...] = ()  # the keys of `summary` (0 in the summary of a model without the kind)
+    usage_columns: UsageColumns  # what the statistics show of it (0 for a model without the kind)
 
     @property
-    def summary(self) -> dict[str, int]:
-        """The kind's fixed figures for the run's summary (stats.py, through Engine.kind_summary)."""
-        return {}
+    def bytes_per_unit(self) -> int:
+        """One unit's bytes, for the run's summary (`usage_columns.bytes_per_unit`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def probe(cls, model) -> KindProbe | None:
+        """The load probe's stand-in for this kind's view (and the model's modules made ready for it, refusing
+        what cannot run); None: the probe's forward does not look for this kind."""
+        return None
 
     @classmethod
     def of(cls, plan) -> CacheKind | None:
-        """This kind for the model of `plan` (model_plan.ModelPlan); None: the model holds none of it."""
+        """This kind for the model of `plan` (model_plan.ModelPlan: its probe's spec, `plan.kind_specs`); None:
+        the model holds none of it."""
         raise NotImplementedError
 
     def pool(self, config, budget: int | None, swap: int, bytes_per_page: int, num_groups: int) -> Any:

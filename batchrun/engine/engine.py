@@ -17,6 +17,7 @@ from ..vocabulary import token_id_error
 from . import memory
 from .attention import AttentionLayers, AttentionServices, make_backend
 from .block_manager import BlockManager
+from .cache_kind import usage_row
 from .cache_kinds import KINDS
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
@@ -117,12 +118,12 @@ class Engine:
             self.encoder.max_tokens * image_feature_bytes(model) if self.encoder else 0
         )
         # what sequences hold beside pages, as the plan has it (cache_kinds.py: a hybrid's state slots)
-        self.kinds = [kind for kind in (cls.of(plan) for cls in KINDS) if kind is not None]
+        self.cache_kinds = [kind for kind in (cls.of(plan) for cls in KINDS) if kind is not None]
         sizes = pool_sizes(
             config,
             plan.kv_spec.bytes_per_page,
             self.kv_groups.num_groups,
-            self.kinds,
+            self.cache_kinds,
             device,
             reserved_bytes=self.encoder_budget_bytes + (plan.lora.slot_bytes if plan.lora else 0),
         )
@@ -132,12 +133,12 @@ class Engine:
             config.page_size,
             sizes.num_cpu_pages,
             config.prefix_sharing and plan.shares_prefixes,
-            [kind.first_key for kind in self.kv_groups.kinds],
+            [kind.first_key for kind in self.kv_groups.mask_kinds],
         )
         if plan.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
             block_manager.prefix_cache.shareable_tokens = plan.rope.shareable_tokens
         # what each sequence holds in the cache: pages, and each kind's units (its manager)
-        managers = [kind.manager(pool) for kind, pool in zip(self.kinds, sizes.kinds)]
+        managers = [kind.manager(pool) for kind, pool in zip(self.cache_kinds, sizes.kind_pools)]
         self.kv = KVCacheCoordinator(block_manager, *managers)
         self.scheduler = Scheduler(config, self.kv, plan.chunks, encoder=self.encoder)
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
@@ -146,7 +147,9 @@ class Engine:
                 f"sequence; give it more pages or memory."
             )
         self.kv_cache = KVCache(plan.kv_spec, self.num_pages, sizes.num_cpu_pages, device)
-        self.kind_tensors = [kind.tensors(pool, device) for kind, pool in zip(self.kinds, sizes.kinds)]
+        self.kind_tensors = [
+            kind.tensors(pool, device) for kind, pool in zip(self.cache_kinds, sizes.kind_pools)
+        ]
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
         services = AttentionServices(
             self.attention,
@@ -154,7 +157,7 @@ class Engine:
             self.times,
             specs=specs,
             layers=plan.attention.layers,
-            kinds=tuple(self.kind_tensors),
+            kind_tensors=tuple(self.kind_tensors),
             encoder=self.encoder,
         )
         self.runner = ModelRunner(model, plan, services, config.max_num_seqs)
@@ -330,13 +333,9 @@ class Engine:
         """The coordinator's pages (its counters: prefix-cache hits, copies on write, pages freed by windows)."""
         return self.kv.bm
 
-    def kind_summary(self) -> dict[str, int]:
-        """The kinds' fixed figures for the run's summary (a hybrid's bytes per state slot), 0 for a kind the
-        model does not have."""
-        out = {key: 0 for cls in KINDS for key in cls.summary_keys}
-        for kind in self.kinds:
-            out.update(kind.summary)
-        return out
+    def kind_bytes(self) -> dict[str, int]:
+        """Each kind's bytes per unit for the run's summary, by its key (a hybrid's bytes_per_state_slot)."""
+        return {kind.usage_columns.bytes_per_unit: kind.bytes_per_unit for kind in self.cache_kinds}
 
     def image_counts(self) -> dict[str, int]:
         """Images encoded (each distinct image of a step once), image tokens computed, the most image-feature
@@ -370,10 +369,11 @@ class Engine:
     def memory_snapshot(self, recount: bool = False) -> MemorySnapshot:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""
         counter = memory.recount if recount else memory.count
+        running = self.scheduler.running
         return counter(
             self.kv.bm,
-            self.kv.kinds,
-            self.scheduler.running,
+            usage_row(self.cache_kinds, self.kv.managers, running, recount),
+            running,
             self.num_waiting,
             self.num_swapped,
             self.reserved_slots,

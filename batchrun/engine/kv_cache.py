@@ -48,7 +48,7 @@ class KVGroups:
     fills a page; a group of a smaller shape takes as many layers as fit the page (gpt-oss's alternating
     12 : 12 is 2 groups of 12; Gemma 3's 5 : 1 over 6 layers, 6 groups of 1)."""
 
-    kinds: tuple[Hashable, ...]  # per group: its mask kind (attention.MaskKind)
+    mask_kinds: tuple[Hashable, ...]  # per group: its mask kind (attention.MaskKind)
     shapes: tuple[KVShape, ...]  # per group
     sizes: tuple[int, ...]  # per group: its layers
     layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
@@ -58,7 +58,7 @@ class KVGroups:
 
     @property
     def num_groups(self) -> int:
-        return len(self.kinds)
+        return len(self.mask_kinds)
 
     @property
     def elements_per_token(self) -> int:

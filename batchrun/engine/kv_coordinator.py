@@ -25,8 +25,8 @@ from .prefix_cache import PrefixMatch
 from .sequence import Sequence
 
 
-def _no_slot(seq: Sequence) -> int:
-    return -1
+def _no_units(seq: Sequence) -> tuple[()]:
+    return ()
 
 
 def _add(copies: list[KindCopy], copy: KindCopy | None) -> None:
@@ -34,33 +34,44 @@ def _add(copies: list[KindCopy], copy: KindCopy | None) -> None:
         copies.append(copy)
 
 
+def _units_of(managers):
+    """seq -> each manager's unit of seq, as a tuple in their order: one call a sequence, no loop for one kind."""
+    if not managers:
+        return _no_units
+    if len(managers) == 1:
+        unit_of = managers[0].unit_of
+        return lambda seq: (unit_of(seq),)
+    units = [m.unit_of for m in managers]
+    return lambda seq: tuple([u(seq) for u in units])
+
+
 class KVCacheCoordinator:
-    """Pages (`bm`) and every other kind's units (`kinds`: their managers; none for a model with pages alone)
-    held as one resource per sequence.
+    """Pages (`bm`) and every other kind's units (`managers`: each kind's KindManager, in the engine's order of
+    kinds; none for a model with pages alone) held as one resource per sequence.
 
     A kind's copies that must wait for the step that computes their source (a fork's, a kept prefix's) are kept
     here until the next plan takes them (`new_step`)."""
 
-    def __init__(self, block_manager: BlockManager, *kinds: KindManager):
+    def __init__(self, block_manager: BlockManager, *managers: KindManager):
         self.bm = block_manager
-        self.kinds = kinds
+        self.managers = managers
         self.prefix_cache = block_manager.prefix_cache
         self.page_size = block_manager.page_size
         # asked of every scheduled sequence, every step: the managers' own methods and dict, not calls through
-        # this object. slot_of: the unit a sequence's step reads (ScheduledSequence.state_slot; -1: none);
+        # this object. units_of: each kind's unit a sequence's step reads (ScheduledSequence.units);
         # snapshot_ends: seq_id -> the prefix (full pages) where its step must stop, the chunk rule's last cut
         # (the one kind that cuts steps changes that dict in place; none: empty)
-        cutting = [k for k in kinds if k.step_ends is not None]
+        cutting = [k for k in managers if k.step_ends is not None]
         assert len(cutting) <= 1, "one kind at most cuts a sequence's steps (KindManager.step_ends)"
         self._cutting = cutting
         self.snapshot_ends: dict[int, int] = cutting[0].step_ends if cutting else {}
-        self.slot_of = kinds[0].slot_of if kinds else _no_slot
+        self.units_of = _units_of(managers)
         self.block_tables = block_manager.block_tables
         self.take_new_block_ids = block_manager.take_new_block_ids  # the runner's tables' news (the plan's)
         # per kind: copies since the last plan (made first in the next), and the plan being made's copies
-        self._pending: list[list[KindCopy]] = [[] for _ in kinds]
-        self._plan = [KindCopies(k) for k in kinds]
-        usable = [k.usable for k in kinds if type(k).usable is not KindManager.usable]
+        self._pending: list[list[KindCopy]] = [[] for _ in managers]
+        self._plan = [KindCopies() for _ in managers]
+        usable = [k.usable for k in managers if type(k).usable is not KindManager.usable]
         self._usable = (
             None
             if not usable
@@ -76,16 +87,16 @@ class KVCacheCoordinator:
 
     def admission_error(self, num_samples: int) -> str | None:
         """Why a request of `num_samples` parallel samples can never run with some kind's units, or None."""
-        return next((e for e in (k.admission_error(num_samples) for k in self.kinds) if e), None)
+        return next((e for e in (k.admission_error(num_samples) for k in self.managers) if e), None)
 
     # ---- a step ---------------------------------------------------------------------------------------------
     def new_step(self) -> list[KindCopies]:
         """A plan begins: returns each kind's share of its copies, which starts with those the last plan left
         (forks, kept prefixes) and which this coordinator fills as the plan is made."""
-        self._plan = [KindCopies(k, pending) for k, pending in zip(self.kinds, self._pending)]
-        self._pending = [[] for _ in self.kinds]
-        for kind in self.kinds:
-            kind.new_step()
+        self._plan = [KindCopies(pending) for pending in self._pending]
+        self._pending = [[] for _ in self.managers]
+        for manager in self.managers:
+            manager.new_step()
         return self._plan
 
     # ---- admission ------------------------------------------------------------------------------------------
@@ -98,19 +109,19 @@ class KVCacheCoordinator:
         """Whether seq may be admitted behind `match` now: the pages its prompt takes (steps of at most
         `max_chunk` tokens) beside `reserve` free pages, every kind's units, and no longer prefix of it being
         kept this step (it waits one step for that rather than compute it twice)."""
-        kinds = self.kinds
-        if any(k.admission_waits(match.prompt_hashes, match.num_blocks) for k in kinds):
+        managers = self.managers
+        if any(k.admission_waits(match.prompt_hashes, match.num_blocks) for k in managers):
             return False
         need = self.bm.num_new_pages_for_admission(seq, match, max_chunk)
         if need + reserve > self.bm.num_free_pages:
             return False
-        return all(k.can_admit(seq) for k in kinds)
+        return all(k.can_admit(seq) for k in managers)
 
     def keep_prefix_state(self, seq: Sequence, match: PrefixMatch, waiting: Iterable[Sequence]) -> None:
         """A kind keeping prefixes (a hybrid's states): the prefix of seq worth keeping, from the next `waiting`
         prompts."""
-        for kind in self.kinds:
-            kind.keep_prefix(
+        for manager in self.managers:
+            manager.keep_prefix(
                 seq, match.prompt_hashes, match.num_blocks, self.prefix_cache.page_hashes, waiting
             )
 
@@ -119,15 +130,15 @@ class KVCacheCoordinator:
         units (with, behind a kept prefix, the copy of what is kept into them, in this plan). Returns how many
         tokens it computes."""
         n = self.bm.allocate_sequence(seq, max_new_tokens, match)
-        for kind, copies in zip(self.kinds, self._plan):
-            _add(copies.device, kind.admit(seq, match.hashes, match.num_blocks))
+        for manager, copies in zip(self.managers, self._plan):
+            _add(copies.device, manager.admit(seq, match.hashes, match.num_blocks))
         return n
 
     # ---- running --------------------------------------------------------------------------------------------
     def limit(self, seq: Sequence, start: int, n: int) -> int:
         """n, or fewer: a step stops where a kind keeps a prefix (a hybrid's state)."""
-        for kind in self._cutting:
-            n = kind.limit(seq, start, n, self.page_size)
+        for manager in self._cutting:
+            n = manager.limit(seq, start, n, self.page_size)
         return n
 
     def planned(self, seq: Sequence, end: int) -> None:
@@ -137,29 +148,29 @@ class KVCacheCoordinator:
         prefix only where a step was cut to end there."""
         self.prefix_cache.register_full_pages(seq, end)
         if seq.seq_id in self.snapshot_ends:
-            for kind, pending in zip(self.kinds, self._pending):
-                _add(pending, kind.planned(seq, end, self.page_size, self.prefix_cache.page_hashes))
+            for manager, pending in zip(self.managers, self._pending):
+                _add(pending, manager.planned(seq, end, self.page_size, self.prefix_cache.page_hashes))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A parallel sample shares every page of its parent and takes a copy of every kind's units (made before
         the next step)."""
         self.bm.fork(parent, child)
-        for kind, pending in zip(self.kinds, self._pending):
-            _add(pending, kind.fork(parent, child))
+        for manager, pending in zip(self.managers, self._pending):
+            _add(pending, manager.fork(parent, child))
 
     # ---- leaving --------------------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         """seq gives back its pages and units (preempted or recomputed); its page hashes stay: its tokens are
         the same when it is admitted again."""
         self.bm.free_sequence(seq)
-        for kind in self.kinds:
-            kind.free(seq)
+        for manager in self.managers:
+            manager.free(seq)
 
     def finish(self, seq: Sequence) -> None:
         """seq is done: everything it holds goes back and nothing of it is kept."""
         self.bm.finish(seq)
-        for kind in self.kinds:
-            kind.free(seq)
+        for manager in self.managers:
+            manager.free(seq)
 
     def abort(
         self, running: Iterable[Sequence], swapped: Iterable[Sequence], waiting: Iterable[Sequence]
@@ -170,38 +181,38 @@ class KVCacheCoordinator:
             self.finish(seq)
         for seq in swapped:
             self.bm.free_cpu_pages(seq)
-            for kind in self.kinds:
-                kind.free_cpu(seq)
+            for manager in self.managers:
+                manager.free_cpu(seq)
         for seq in waiting:
             self.bm.forget(seq)
-        for kind, pending in zip(self.kinds, self._pending):
-            kind.abort()
+        for manager, pending in zip(self.managers, self._pending):
+            manager.abort()
             pending.clear()
 
     # ---- swapping -------------------------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
         """The CPU pools have room for seq's pages and every kind's units."""
-        return self.bm.can_swap_out(seq) and all(k.can_swap_out(seq) for k in self.kinds)
+        return self.bm.can_swap_out(seq) and all(k.can_swap_out(seq) for k in self.managers)
 
     def swap_out(self, seq: Sequence) -> list[PageCopy]:
         """seq's pages and units to the CPU; returns the page copies to make before anything freed here is
         reused (the kinds' go into the plan's `kind_copies`)."""
         pages = self.bm.swap_out(seq)
-        for kind, copies in zip(self.kinds, self._plan):
-            _add(copies.swap_out, kind.swap_out(seq))
+        for manager, copies in zip(self.managers, self._plan):
+            _add(copies.swap_out, manager.swap_out(seq))
         return pages
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Free pages for seq's pages and its next tokens, and free units of every kind for it."""
         if self.bm.num_pages_to_swap_in(seq, num_new_tokens) > self.bm.num_free_pages:
             return False
-        return all(k.can_swap_in(seq) for k in self.kinds)
+        return all(k.can_swap_in(seq) for k in self.managers)
 
     def swap_in(self, seq: Sequence) -> list[PageCopy]:
         """seq's pages and units back from the CPU; returns the page copies."""
         pages = self.bm.swap_in(seq)
-        for kind, copies in zip(self.kinds, self._plan):
-            _add(copies.swap_in, kind.swap_in(seq))
+        for manager, copies in zip(self.managers, self._plan):
+            _add(copies.swap_in, manager.swap_in(seq))
         return pages
 
     # ---- checks ----------------------------------------------------------------------------------------------
@@ -210,5 +221,5 @@ class KVCacheCoordinator:
         exactly the sequences that should hold it (AssertionError otherwise)."""
         running, swapped = list(running), list(swapped)
         self.bm.check_integrity(running + swapped)
-        for kind in self.kinds:
-            kind.check(running, swapped)
+        for manager in self.managers:
+            manager.check(running, swapped)

@@ -5,7 +5,7 @@ group (a model whose layers attend alike has one). A token slot is one token of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import NULL_PAGE, Sequence
@@ -28,10 +28,9 @@ class MemorySnapshot:
     prefix_query_tokens: int  # counters since the engine started
     prefix_hit_tokens: int
     cow_copies: int
-    # the kinds' usage columns (cache_kind.KindManager.usage): a hybrid model's state slots (state_slots.py; 0
-    # for a model without stateful layers)
-    state_slots_total: int = 0
-    state_slots_used: int = 0  # held by running sequences (with those reserved for samples still to fork)
+    # each kind's usage columns by name (cache_kind.usage_row: a hybrid's state_slots_total and state_slots_used);
+    # empty for a model with pages alone
+    usage: dict[str, int] = field(default_factory=dict)
 
     @property
     def pages_free(self) -> int:
@@ -56,14 +55,15 @@ class MemorySnapshot:
 
 
 def count(
-    bm: BlockManager, kinds, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
+    bm: BlockManager, usage, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
     """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
-    `reserved_slots(seqs)`: what contiguous reservations for those sequences would hold (Engine.reserved_slots)."""
+    `usage`: the kinds' usage columns (cache_kind.usage_row); `reserved_slots(seqs)`: what contiguous
+    reservations for those sequences would hold (Engine.reserved_slots)."""
     counter = _count_shared if bm.pool.num_shared else _count_unshared
     counted = counter(bm, running)
     counted["reserved_slots_contiguous"] = reserved_slots(running)
-    return _snapshot(bm, kinds, running, num_waiting, num_swapped, False, **counted)
+    return _snapshot(bm, usage, running, num_waiting, num_swapped, **counted)
 
 
 def _count_shared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
@@ -124,9 +124,10 @@ def _count_unshared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]
 
 
 def recount(
-    bm: BlockManager, kinds, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
+    bm: BlockManager, usage, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
-    """The same by brute force: mark every slot that holds a computed token, count holders page by page."""
+    """The same by brute force: mark every slot that holds a computed token, count holders page by page (the
+    kinds' `usage` recounted sequence by sequence by the caller: cache_kind.usage_row's `recount`)."""
     P = bm.page_size
     slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
     holders: dict[int, int] = {}
@@ -145,11 +146,10 @@ def recount(
                     holders[page] = holders.get(page, 0) + 1
     return _snapshot(
         bm,
-        kinds,
+        usage,
         running,
         num_waiting,
         num_swapped,
-        True,  # the kinds' units sequence by sequence too
         pages_used=len(holders),
         pages_allocatable=sum(1 for c in bm.pool.ref_count if c == 0),
         tokens_stored=sum(sum(slots) for slots in slot_holds_token),
@@ -162,19 +162,15 @@ def recount(
 
 def _snapshot(
     bm: BlockManager,
-    kinds,
+    usage: dict[str, int],
     running: list[Sequence],
     num_waiting: int,
     num_swapped: int,
-    recount: bool,
     **counted: int,
 ) -> MemorySnapshot:
     """A snapshot of what was counted, with the queue sizes and the block manager's own counters (and, unless
-    recounted, the free pages as it counts them), and each kind's usage columns (`kinds`: the coordinator's
-    managers, cache_kind.KindManager.usage; `recount`: sequence by sequence)."""
+    recounted, the free pages as it counts them), and each kind's usage columns."""
     counted.setdefault("pages_allocatable", bm.num_free_pages)
-    for kind in kinds:
-        counted.update(kind.usage(running, recount))
     return MemorySnapshot(
         num_running=len(running),
         num_waiting=num_waiting,
@@ -184,5 +180,6 @@ def _snapshot(
         prefix_query_tokens=bm.prefix_cache.query_tokens,
         prefix_hit_tokens=bm.prefix_cache.hit_tokens,
         cow_copies=bm.num_cow_copies,
+        usage=usage,
         **counted,
     )

@@ -30,7 +30,6 @@ from .per_sequence_rope import PerSequenceRope
 from .quantization import computes_each_prompt_whole, computes_per_sequence
 from .scheduler import ChunkRules
 from .sizing import model_max_len
-from .state_cache import StateSpec
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class ImageRules:
 class GroupCalls:
     """Per KV cache group, what its layers' calls ask of a step's metadata (attention.GroupMetadata), read once
     from the layer specs: whether any adds per-token terms (its prompts then need each query's row and position),
-    and whether any runs the eager reference. A group's mask kind is the KV groups' own (KVGroups.kinds)."""
+    and whether any runs the eager reference. A group's mask kind is the KV groups' own (KVGroups.mask_kinds)."""
 
     token_terms: tuple[bool, ...]
     eager: tuple[bool, ...]
@@ -63,7 +62,7 @@ class GroupCalls:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    attention: ModelAttention  # per-layer specs, KV groups, a hybrid's states, per-sequence rope
+    attention: ModelAttention  # per-layer specs, KV groups, each kind's spec, per-sequence rope
     layer_specs: tuple  # each attention layer's spec (attention.LayerSpec; None: no attention), fixed at load
     group_calls: GroupCalls  # per KV cache group, what its layers' calls need of a step
     kv_spec: KVCacheSpec  # the pages those groups form, at the engine's page size and the model's dtype
@@ -93,7 +92,6 @@ class ModelPlan:
             )
         dtype = next(model.parameters()).dtype
         whole = computes_each_prompt_whole(model)
-        states: StateSpec | None = attention.states
         refusal = images_unsupported_reason(model)
         images = None
         if refusal is None:
@@ -109,7 +107,8 @@ class ModelPlan:
             vocab_size=text_config(model.config).vocab_size,
             embedding_rows=embedding_rows(model),
             chunks=ChunkRules(
-                whole_prompts=whole or (states is not None and not states.continues_state),
+                # a kind whose layers cannot continue over several tokens (a hybrid's Jamba-like scan)
+                whole_prompts=whole or any(spec.whole_prompts for spec in attention.kind_specs.values()),
                 whole_images=images is not None and images.blocks is not None,
                 recompute_at=rope.recompute_at if rope is not None else None,
             ),
@@ -139,5 +138,6 @@ class ModelPlan:
         return self.attention.rope
 
     @property
-    def states(self) -> StateSpec | None:
-        return self.attention.states
+    def kind_specs(self) -> dict:
+        """Each kind's spec found by the load probe, by the kind's class (architecture.ModelAttention)."""
+        return self.attention.kind_specs

@@ -50,7 +50,7 @@ class ModelRunner:
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
         self.encoder: EncoderCache | None = services.encoder
-        self.cache_kinds = services.kinds  # each kind's tensors (cache_kind.KindTensors), for its step view
+        self.kind_tensors = services.kind_tensors  # each kind's tensors (cache_kind.KindTensors)
         self.times = services.times
         self.services = services  # the backend (make_backend), the KV cache, the layers' specs
         spec = services.kv_cache.spec
@@ -58,7 +58,7 @@ class ModelRunner:
         self.dtype = spec.dtype
         # per KV cache group: its mask kind, whether its layers add per-token terms and whether any runs the
         # eager reference (GroupMetadata), as the KV groups and the plan hold them
-        self.kinds = spec.groups.kinds
+        self.mask_kinds = spec.groups.mask_kinds
         self.token_terms, self.eager = plan.group_calls.token_terms, plan.group_calls.eager
         self.device = services.kv_cache.device
         # each request's token ids, prompt length, adapter, computed count and block tables, kept here
@@ -134,18 +134,21 @@ class ModelRunner:
         groups = [
             GroupMetadata(
                 g,
-                self.kinds[g],
+                self.mask_kinds[g],
                 P,
                 table,
                 stage.slot_pages[g].put(batch.block_tables.pages(g, token_rows, page_index)),
                 offsets,
-                images if images and self.image_blocks.applies(self.kinds[g]) else None,
+                images if images and self.image_blocks.applies(self.mask_kinds[g]) else None,
                 self.token_terms[g],
                 self.eager[g],
             )
             for g, table in enumerate(tables)
         ]
-        views = {type(k): k.step_view(scheduled, query_lens, starts) for k in self.cache_kinds}
+        views = {  # each kind's step view, keyed by its tensors' class, from its units in packed order
+            type(tensors): tensors.step_view([s.units[i] for s in scheduled], query_lens, starts)
+            for i, tensors in enumerate(self.kind_tensors)
+        }
         rotary = None
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors, from its lengths
             spans = zip(

@@ -162,8 +162,8 @@ class Scheduler:
         plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
         num_groups = bm.num_groups
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
-        scheduled, slot_of = out.scheduled, kv.slot_of
-        stateless = not kv.kinds  # every slot -1: not asked sequence by sequence
+        scheduled, units_of = out.scheduled, kv.units_of
+        stateless = not kv.managers  # no kind's units: not asked sequence by sequence
         decode = ScheduledSequence.decode
         decodes = 0
         for seq in list(running):  # a copy: preemption takes sequences off the end
@@ -188,7 +188,7 @@ class Scheduler:
                         if news is not False:
                             if register is not None:
                                 register(seq, start + 1)
-                            scheduled.append(decode(seq, start, -1 if stateless else slot_of(seq), news))
+                            scheduled.append(decode(seq, start, () if stateless else units_of(seq), news))
                             budget -= 1
                             decodes += 1
                             continue
@@ -222,7 +222,7 @@ class Scheduler:
         if self.encoder is not None:
             self.encoder.take(seq, start, n)
         self.kv.planned(seq, start + n)
-        s = ScheduledSequence(seq, n, start, self.kv.take_new_block_ids(seq), self.kv.slot_of(seq))
+        s = ScheduledSequence(seq, n, start, self.kv.take_new_block_ids(seq), self.kv.units_of(seq))
         out.scheduled.append(s)
         if s.samples and start >= len(seq.prompt_token_ids):  # generated tokens only (one, unless recomputed)
             out.num_generating += 1

@@ -33,7 +33,9 @@ class ScheduledSequence:
     num_new_tokens: int  # tokens computed for it this step: token_ids[start : start + num_new_tokens]
     start: int  # = seq.num_computed_tokens when scheduled (the runner keeps its own count: input_batch.py)
     new_block_ids: NewBlockIds  # what changed in its block tables since the runner last saw them
-    state_slot: int  # the coordinator's `slot_of` (a hybrid's state slot, state_slots.py); -1: none
+    # each kind's unit its step reads, in the coordinator's order of managers (KVCacheCoordinator.units_of: a
+    # hybrid's state slot); () for a model with pages alone
+    units: tuple[int, ...]
     req_id: int = field(init=False)  # seq.seq_id: the runner's row of it
     # whether this step ends at the sequence's last token, so a next token is sampled (or, for a scoring
     # sequence with max_new_tokens 0, the sequence is done)
@@ -44,11 +46,11 @@ class ScheduledSequence:
     prompt_logprob_positions: range = field(init=False)
 
     @classmethod
-    def decode(cls, seq: Sequence, start: int, state_slot: int, new_block_ids: NewBlockIds = None):
+    def decode(cls, seq: Sequence, start: int, units: tuple[int, ...], new_block_ids: NewBlockIds = None):
         """A generated token's decode (one token at `start`, the sequence's last): it samples and scores no
         prompt position, so what __post_init__ works out is known (the scheduler's every-step path)."""
         s = object.__new__(cls)
-        s.seq, s.start, s.state_slot, s.req_id = seq, start, state_slot, seq.seq_id
+        s.seq, s.start, s.units, s.req_id = seq, start, units, seq.seq_id
         s.new_block_ids = new_block_ids  # None: its tables did not change since the runner last saw them
         s.num_new_tokens = 1
         s.samples = True

@@ -95,32 +95,32 @@ class PoolSizes:
 
     num_pages: int
     num_cpu_pages: int
-    kinds: tuple = ()
+    kind_pools: tuple = ()
 
 
 def pool_sizes(
     config: EngineConfig,
     bytes_per_page: int,
     num_groups: int,
-    kinds,
+    cache_kinds,
     device: torch.device,
     reserved_bytes: int = 0,
 ) -> PoolSizes:
-    """Pages, and each of `kinds`' pools (cache_kind.CacheKind: a hybrid model's state slots), from the KV budget
-    and the swap space: each kind takes its share of what the kinds before it left (`CacheKind.pool`), and the
-    rest is pages. An explicit `engine.num_pages` is the pages alone; the kinds then come on top.
+    """Pages, and each of `cache_kinds`' pools (cache_kind.CacheKind: a hybrid model's state slots), from the KV
+    budget and the swap space: each kind takes its share of what the kinds before it left (`CacheKind.pool`), and
+    the rest is pages. An explicit `engine.num_pages` is the pages alone; the kinds then come on top.
 
     `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
     waiting for prefill (multimodal.EncoderCache)."""
     swap = parse_size(config.swap_space)
-    if not kinds:
+    if not cache_kinds:
         return PoolSizes(
             num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page
         )
     # the budget in bytes ("pages" of one byte); None: engine.num_pages fixes the pages
     budget = None if config.num_pages is not None else num_pages_for(config, 1, device, reserved_bytes)
     pools = []
-    for kind in kinds:
+    for kind in cache_kinds:
         pool = kind.pool(config, budget, swap, bytes_per_page, num_groups)
         pools.append(pool)
         swap -= pool.cpu_bytes

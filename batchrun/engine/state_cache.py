@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import families
-from .cache_kind import KindCopies, KindCopy, KindTensors
+from .cache_kind import KindCopies, KindCopy, KindProbe, KindSpec, KindTensors
 
 
 class StateShape(NamedTuple):
@@ -60,7 +60,7 @@ class LayerStates:
 
 
 @dataclass(frozen=True)
-class StateSpec:
+class StateSpec(KindSpec):
     """What one state slot holds: every stateful layer's states."""
 
     layers: tuple[LayerStates, ...]
@@ -76,6 +76,10 @@ class StateSpec:
     @property
     def layer_indices(self) -> tuple[int, ...]:
         return tuple(layer.layer for layer in self.layers)
+
+    @property
+    def whole_prompts(self) -> bool:
+        return not self.continues_state
 
 
 class StateCache(KindTensors):
@@ -122,9 +126,9 @@ class StateCache(KindTensors):
             for t, cpu in zip(self.tensors, self.cpu):
                 t[dst] = cpu[src].to(self.device, non_blocking=True)
 
-    def step_view(self, scheduled: list, query_lens: list[int], starts: list[int]) -> StepStates:
-        """The step's slots, one per scheduled sequence in packed order (its `state_slot`)."""
-        return StepStates(self, [s.state_slot for s in scheduled], query_lens, starts)
+    def step_view(self, units: list[int], query_lens: list[int], starts: list[int]) -> StepStates:
+        """The step's slots, one per scheduled sequence in packed order (StateSlots.unit_of)."""
+        return StepStates(self, units, query_lens, starts)
 
 
 def _waves(copies: list[KindCopy]) -> list[list[KindCopy]]:
@@ -264,11 +268,12 @@ def _write_back(layer, given: tuple[list, list], put) -> None:
                 put(kind, i, held[i], t)
 
 
-class StateProbe:
+class StateProbe(KindProbe):
     """The load probe's states: a fresh `LinearAttentionLayer` per stateful layer, created by the model's own
     code as it would be under `generate`; afterwards, the shapes it made (the `StateSpec`)."""
 
     MAX_STATES = 8
+    view_key = StateCache  # where the stateful layers look (stateful_layers._stateful_forward)
 
     def __init__(self) -> None:
         self.layers: dict[int, Any] = {}  # layer -> its states, of all its stateful modules (one per index)
@@ -310,9 +315,10 @@ class StateProbe:
                 return False
         return True
 
-    def spec(self, judge_continuation: bool = True) -> StateSpec:
-        """The states the layers made. `judge_continuation` False (a meta-device probe, which has shapes but no
-        numbers to compare): the layers are taken to continue their states, a fact only the load's probe settles."""
+    def spec(self, measured: bool = True) -> StateSpec | None:
+        """The states the layers made (None: no stateful layer). `measured` False (a meta-device probe, which has
+        shapes but no numbers to compare): the layers are taken to continue their states, a fact only the load's
+        probe settles."""
         found = []
         for idx, layer in sorted(self.layers.items()):
             n = 1 + max(
@@ -324,7 +330,9 @@ class StateProbe:
             conv = tuple(shape(layer.conv_states[i]) for i in range(n))
             recurrent = tuple(shape(layer.recurrent_states[i]) for i in range(n))
             found.append(LayerStates(idx, conv, recurrent))
-        return StateSpec(tuple(found), self.continues_state() if found and judge_continuation else True)
+        if not found:
+            return None
+        return StateSpec(tuple(found), self.continues_state() if measured else True)
 
 
 def _token_slices(kwargs: dict, num_tokens: int, a: int, b: int) -> dict:

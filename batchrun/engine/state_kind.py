@@ -9,13 +9,16 @@ model plan, what share of the KV budget it takes, and how its halves are made fr
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import BadInput
-from .cache_kind import CacheKind
-from .state_cache import StateCache, StateSpec
+from .cache_kind import CacheKind, UsageColumns
 from .state_slots import StateSlots
+
+if TYPE_CHECKING:  # torch only where tensors are made: `batchrun stats` reads this class's columns without it
+    import torch
+
+    from .state_cache import StateCache, StateProbe, StateSpec
 
 MAX_SNAPSHOTS = 16  # shared prefixes whose state a hybrid keeps at once: a job has few system prompts
 
@@ -37,19 +40,32 @@ class StateKind(CacheKind):
     sequence (and one reserved per sample it will fork), a CPU slot a swapped one, a few more keeping the states
     at shared prefixes' ends."""
 
-    summary_keys = ("bytes_per_state_slot",)
+    usage_columns = UsageColumns(
+        "state_slots_total", "state_slots_used", "bytes_per_state_slot", "state slots", "hybrid layers"
+    )
 
     def __init__(self, spec: StateSpec):
         self.spec = spec
 
     @classmethod
+    def probe(cls, model) -> StateProbe:
+        """The model's stateful modules routed to the step's slots (refusing one batchrun cannot give a slot),
+        and the probe recording what they keep."""
+        from .state_cache import StateProbe
+        from .stateful_layers import prepare_stateful_layers, stateful_modules
+
+        prepare_stateful_layers(stateful_modules(model))
+        return StateProbe()
+
+    @classmethod
     def of(cls, plan) -> StateKind | None:
-        """The plan's states (ModelPlan.states: the load probe's StateSpec); None: no stateful layers."""
-        return cls(plan.states) if plan.states is not None else None
+        """The plan's states (the load probe's StateSpec); None: no stateful layers."""
+        spec = plan.kind_specs.get(cls)
+        return cls(spec) if spec is not None else None
 
     @property
-    def summary(self) -> dict[str, int]:
-        return {"bytes_per_state_slot": self.spec.bytes_per_slot}
+    def bytes_per_unit(self) -> int:
+        return self.spec.bytes_per_slot
 
     def pool(self, config, budget: int | None, swap: int, bytes_per_page: int, num_groups: int) -> StatePool:
         """The budget split by what the scheduler needs: a running sequence holds one state slot and at least one
@@ -86,4 +102,6 @@ class StateKind(CacheKind):
         return StateSlots(pool.num_slots, pool.num_cpu_slots, pool.num_snapshots)
 
     def tensors(self, pool: StatePool, device: torch.device) -> StateCache:
+        from .state_cache import StateCache
+
         return StateCache(self.spec, pool.num_slots + pool.num_snapshots, pool.num_cpu_slots, device)

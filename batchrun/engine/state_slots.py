@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from .cache_kind import KindCopy, KindManager
+from .cache_kind import KindCopy, KindManager, Usage
 
 
 @dataclass(eq=False, slots=True)
@@ -178,7 +178,7 @@ class StateSlots(KindManager):
         """Slots `seq` takes when it (re)enters the running queue: its own and one per sample still to fork."""
         return 1 + seq.num_siblings_to_fork
 
-    def slot_of(self, seq) -> int:
+    def unit_of(self, seq) -> int:
         """The accelerator slot seq holds (-1: none)."""
         entry = self.sequences.get(seq.seq_id)
         return entry.slot if entry is not None else -1
@@ -244,15 +244,15 @@ class StateSlots(KindManager):
         if entry.slot < 0:
             del self.sequences[seq.seq_id]
 
-    def usage(self, running, recount: bool = False) -> dict[str, int]:
+    def usage(self, running, recount: bool = False) -> Usage:
         """The slots there are, and those the running sequences hold (their own and those reserved for forks):
         as counted here, or (`recount`) sequence by sequence."""
         used = len({s for seq in running for s in self.held_by(seq)}) if recount else self.num_used
-        return {"state_slots_total": self.num_slots, "state_slots_used": used}
+        return Usage(self.num_slots, used)
 
     def check(self, running, swapped) -> None:
         """Every slot is free or held by exactly one sequence (AssertionError otherwise)."""
-        assert all(self.slot_of(seq) >= 0 for seq in running), "a running sequence without a state slot"
+        assert all(self.unit_of(seq) >= 0 for seq in running), "a running sequence without a state slot"
         assert {i for i, e in self.sequences.items() if e.slot >= 0} == {seq.seq_id for seq in running}, (
             "state slots held by a sequence that does not run"
         )

@@ -68,7 +68,7 @@ class AttentionServices:
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
-    kinds: tuple = ()  # each kind's tensors (cache_kind.KindTensors: a hybrid's StateCache); none: pages alone
+    kind_tensors: tuple = ()  # each kind's tensors (cache_kind.KindTensors: a hybrid's StateCache); none: pages alone
     encoder: Any = None  # multimodal.EncoderCache: image features (None: a text model)
 
     def __post_init__(self) -> None:
