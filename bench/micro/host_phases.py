@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 
+SORT = ["tottime"]
 PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "stats")
 
 
@@ -59,7 +60,7 @@ def measure(n: int, repeat: int = 2, profile: int = 0) -> dict[str, float]:
         prof.enable()
         run(True)
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+        pstats.Stats(prof).sort_stats(*SORT).print_stats(profile)
     ms = {p: 1e3 * statistics.median(v) for p, v in per_step.items()}
     ms["bookkeeping"] = sum(ms[p] for p in ("schedule", "prepare", "sample", "finish", "stats"))
     ms["step"] = ms["bookkeeping"] + ms["forward"]
@@ -70,7 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="1,64,256")
     parser.add_argument("--repeat", type=int, default=2, help="measured runs of 128 steps each")
-    parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions (by own time)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print cProfile's top N functions (by own time)"
+    )
     args = parser.parse_args()
     cols = [*PHASES, "bookkeeping", "step"]
     print("seqs | " + " | ".join(cols) + "   (thread CPU ms per decode step, medians)")
