@@ -16,13 +16,12 @@ import argparse
 import statistics
 import time
 
-SORT = ["tottime"]
 PHASES = ("schedule", "prepare", "forward", "attention", "sample", "finish", "stats")
 
 
-def measure(n: int, repeat: int = 2, profile: int = 0) -> dict[str, float]:
+def measure(n: int, repeat: int = 2, profile: int = 0, sort: str = "tottime") -> dict[str, float]:
     """Median thread-CPU milliseconds of each phase over the decode steps of `repeat` runs of n sequences
-    (one warm-up run first); `profile` > 0 prints cProfile's top functions of the last run."""
+    (one warm-up run first); `profile` > 0 prints cProfile's top functions of the last run, by `sort`."""
     import cProfile
     import pstats
 
@@ -60,7 +59,7 @@ def measure(n: int, repeat: int = 2, profile: int = 0) -> dict[str, float]:
         prof.enable()
         run(True)
         prof.disable()
-        pstats.Stats(prof).sort_stats(*SORT).print_stats(profile)
+        pstats.Stats(prof).sort_stats(sort).print_stats(profile)
     ms = {p: 1e3 * statistics.median(v) for p, v in per_step.items()}
     ms["bookkeeping"] = sum(ms[p] for p in ("schedule", "prepare", "sample", "finish", "stats"))
     ms["step"] = ms["bookkeeping"] + ms["forward"]
@@ -74,11 +73,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, help="print cProfile's top N functions (by own time)"
     )
+    parser.add_argument("--sort", default="tottime", help="the profile's order (cumulative: with callees)")
     args = parser.parse_args()
     cols = [*PHASES, "bookkeeping", "step"]
     print("seqs | " + " | ".join(cols) + "   (thread CPU ms per decode step, medians)")
     for n in [int(s) for s in args.seqs.split(",")]:
-        ms = measure(n, args.repeat, args.profile)
+        ms = measure(n, args.repeat, args.profile, args.sort)
         print(f"{n} | " + " | ".join(f"{ms[c]:.3f}" for c in cols), flush=True)
 
 
