@@ -31,6 +31,9 @@ class BlockTableBuffer:
         self.pin = pin
         self.tables = [self._empty(capacity, 16) for _ in range(num_groups)]  # [rows, width] int32 each
         self.num_blocks = np.zeros((num_groups, capacity), dtype=np.int64)  # each row's tables' lengths
+        # the last step's rows and tables, until a write: a step of the same rows whose tables did not change
+        # (most decode steps) takes them as they are, with no pass over the rows' lengths and no new views
+        self._last: tuple[np.ndarray, list[torch.Tensor]] | None = None
 
     def _empty(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows, width, dtype=torch.int32, pin_memory=self.pin)
@@ -38,6 +41,7 @@ class BlockTableBuffer:
     def grow_rows(self, capacity: int) -> None:
         """Room for `capacity` rows (the input batch's rows doubled)."""
         old = self.tables[0].shape[0]
+        self._last = None
         self.tables = [torch.cat([t, self._empty(capacity - old, t.shape[1])]) for t in self.tables]
         grown = np.zeros((self.num_groups, capacity), dtype=np.int64)
         grown[:, :old] = self.num_blocks
@@ -47,6 +51,7 @@ class BlockTableBuffer:
         """The step's changes into its rows: `new_block_ids[i]` (ScheduledSequence.new_block_ids) for row
         `rows[i]`, per group (the first entry changed, the entries from there) or None (unchanged, the common
         decode). Each row's table ends where its last written entry does."""
+        self._last = None
         at = [([], [], []) for _ in range(self.num_groups)]  # per group: rows, columns, pages
         for row, new in zip(rows, new_block_ids):  # every step, for every sequence: kept lean
             if new is None:
@@ -66,6 +71,14 @@ class BlockTableBuffer:
         """Per group, the step's tables [S, W] int32 (W: the longest of the step's tables, at least 1); `rows`:
         the step's rows (a numpy array or a list)."""
         rows = np.asarray(rows, dtype=np.int64)
+        last = self._last
+        if last is not None and len(last[0]) == len(rows) and (last[0] == rows).all():
+            return last[1]
+        tables = self._step_tables(rows)
+        self._last = (rows, tables)
+        return tables
+
+    def _step_tables(self, rows: np.ndarray) -> list[torch.Tensor]:
         widths = self.num_blocks[:, rows].max(axis=1, initial=1).tolist()
         first = int(rows[0]) if len(rows) else 0
         if not self.pin and (np.diff(rows) == 1).all():
@@ -85,6 +98,7 @@ class BlockTableBuffer:
         """The group's buffer at least `width` entries wide (twice as wide as before when it grows)."""
         buf = self.tables[group]
         if width > buf.shape[1]:
+            self._last = None
             wider = self._empty(buf.shape[0], max(width, 2 * buf.shape[1]))
             wider[:, : buf.shape[1]] = buf
             self.tables[group] = wider

@@ -232,7 +232,7 @@ class Engine:
         `adapter`: the name of the LoRA adapter it runs with (None: the base model); ValueError for a name the
         engine was not given."""
         adapter_id = self.adapter_id(adapter)
-        seq = Sequence(next(self.outputs.seq_ids), list(prompt_token_ids), params, request=request)
+        seq = self.outputs.new_sequence(list(prompt_token_ids), params, request, seeds)
         seq.adapter = adapter_id
         seq.reserved_tokens = min(len(seq.prompt_token_ids) + params.max_new_tokens, self.plan.max_model_len)
         if images is not None and images.num_images:
@@ -243,17 +243,6 @@ class Engine:
                     prompt_token_ids, images
                 )
             seq.images = images
-        if params.logprobs is not None:
-            seq.logprobs = []
-        if params.prompt_logprobs:
-            seq.prompt_logprobs = [None]
-        if params.structured:
-            seq.grammar = self.grammars.matcher(params.response_format)
-        seq.num_siblings_to_fork = params.n - 1
-        seq.sibling_seeds = list(seeds) if seeds else [params.seed + i for i in range(params.n)]
-        assert len(seq.sibling_seeds) == params.n, "one seed per sample"
-        if not params.greedy:
-            seq.generator = self.outputs.generator(seq.sibling_seeds[0])
         self.scheduler.add(seq)
         return seq
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from . import cpu_kernels
+from .config import SamplingParams
 from .sampler import prompt_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
@@ -42,6 +44,33 @@ class OutputProcessor:
         self.times = times
         self._grammars: Grammars | None = None  # made on the first structured request
         self.seq_ids = itertools.count()  # every sequence's id, forked samples' too
+        # whether every live request decodes greedily with no grammar, no logprobs and no stop strings, so a step
+        # of decodes is one argmax and one loop of length and EOS checks (`_decode_plain`): set again when a
+        # request comes to an engine with none live, cleared by the first request that is not plain (until then
+        # no step passes over its rows to ask)
+        self.plain = scheduler.recompute_at is None
+
+    def new_sequence(
+        self, prompt_token_ids: list[int], params: SamplingParams, request: Any, seeds: list[int] | None
+    ) -> Sequence:
+        """A new request's sequence (its sampling state: logprobs, grammar, generator, the samples to fork)."""
+        if not self.scheduler.has_unfinished():
+            self.plain = self.scheduler.recompute_at is None
+        self.plain = self.plain and params.greedy and not (params.logprobs is not None or params.stop)
+        seq = Sequence(next(self.seq_ids), prompt_token_ids, params, request=request)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs:
+            seq.prompt_logprobs = [None]
+        if params.structured:
+            self.plain = False
+            seq.grammar = self.grammars.matcher(params.response_format)
+        seq.num_siblings_to_fork = params.n - 1
+        seq.sibling_seeds = list(seeds) if seeds else [params.seed + i for i in range(params.n)]
+        assert len(seq.sibling_seeds) == params.n, "one seed per sample"
+        if not params.greedy:
+            seq.generator = self.generator(seq.sibling_seeds[0])
+        return seq
 
     def generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device="cpu")
@@ -51,6 +80,9 @@ class OutputProcessor:
     def process(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
         """The step's tokens from its logits, into `result` (engine.StepResult): finished sequences, counts."""
         times = self.times
+        if self.plain and plan.num_generating == len(plan.scheduled):
+            self._decode_plain(plan, logits, result)
+            return
         with times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
             # the positions scoring prompt tokens were fixed when the step was planned (ScheduledSequence):
             # scoring them changes what is left to score
@@ -75,6 +107,33 @@ class OutputProcessor:
                     result.finished.append(seq)
                 elif recompute_at is not None and seq.num_tokens == recompute_at:
                     self.scheduler.recompute(seq)  # Phi-3's LongRoPE switch (per_sequence_rope.py)
+            result.num_generated += len(tokens)
+
+    def _decode_plain(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
+        """`process` where every sequence samples its next generated token greedily, one logits row each, and no
+        request has a grammar, logprobs or stop strings: one argmax over the rows, then one pass appending each
+        token and checking EOS and the length limits (`_check_finished`'s checks that apply)."""
+        with self.times("sample"):
+            scheduled = plan.scheduled
+            tokens = cpu_kernels.argmax_rows(logits).tolist()  # sample()'s greedy rows
+            result.sampled = ([s.req_id for s in scheduled], tokens)
+        with self.times("finish"):
+            eos, max_model_len, finished = self.eos_token_ids, self.max_model_len, result.finished
+            for s, token in zip(scheduled, tokens):  # every step, for every sequence: kept lean
+                seq = s.seq
+                out = seq.output_token_ids
+                out.append(token)
+                params = seq.params
+                if token in eos and not params.ignore_eos:
+                    seq.finish_reason = "eos"
+                elif (
+                    len(out) >= params.max_new_tokens or len(out) + len(seq.prompt_token_ids) >= max_model_len
+                ):
+                    seq.finish_reason = "length"
+                else:
+                    continue
+                self.scheduler.finish(seq)
+                finished.append(seq)
             result.num_generated += len(tokens)
 
     def _sampling_rows(self, plan: SchedulerOutput, result) -> tuple[list[Sequence], list[int]]:

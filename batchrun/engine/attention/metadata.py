@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,12 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.long, device: torch
         return torch.empty(0, dtype=dtype, device=device)
     t = torch.frombuffer(array.array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
     return t if device is None or device.type == "cpu" else t.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int) -> torch.Tensor:
+    """[n] int64 0 .. n-1 on the host, made once per n: a decode step's index of its sequences (read only)."""
+    return torch.arange(n)
 
 
 @dataclass
@@ -121,6 +128,8 @@ class StepMetadata:
     @step_product
     def prompts(self) -> list[int]:
         """The sequences computing several tokens (a prompt, or a chunk of one), by index."""
+        if self.decode_only:
+            return []
         return [i for i, n in enumerate(self.query_lens) if n != 1]
 
     @step_product
@@ -133,7 +142,7 @@ class StepMetadata:
     @step_product
     def decode_index(self) -> torch.Tensor:
         """[D] int64: each decode's index among the step's sequences (host: it indexes the block tables)."""
-        return torch.arange(len(self.query_lens)) if self.decode_only else int_tensor(self.decodes)
+        return _arange(len(self.query_lens)) if self.decode_only else int_tensor(self.decodes)
 
     @step_product
     def decode_context_lens(self) -> torch.Tensor:
