@@ -428,3 +428,58 @@ def test_block_table_rows_follow_every_kind_of_change():
     step({3: [(0, [11]), (0, [12])]}, [3, 0, 1])
     with pytest.raises(AssertionError):  # a stale row is caught
         buffer.check(3, [[11, 13], [12]], None)
+
+
+def test_block_table_steps_reuse_the_last_tables_until_a_write():
+    """A step of the same rows as the last, with nothing written, grown or widened since, takes the last step's
+    tables as they are (BlockTableBuffer._last); anything else makes them again. Each step's tables against a
+    recount of what was written (plain lists), over rows in order (views of the unpinned buffers) and out of
+    order (gathered)."""
+    from batchrun.engine.block_table_buffer import BlockTableBuffer
+
+    buffer = BlockTableBuffer(num_groups=2, capacity=4)
+    tables = {}
+
+    def write(changes: dict):
+        for row, new in changes.items():
+            tables[row] = [t[:c] + pages for t, (c, pages) in zip(tables.get(row, [[], []]), new)]
+        buffer.write(list(changes), list(changes.values()))
+
+    def step(rows: list[int]) -> list:
+        got = buffer.step_tables(rows)
+        for g in range(2):
+            width = max(1, *(len(tables[r][g]) for r in rows))
+            assert got[g].shape == (len(rows), width), (rows, g)
+            for i, r in enumerate(rows):
+                assert got[g][i, : len(tables[r][g])].tolist() == tables[r][g], (rows, g, r)
+        return got
+
+    write({0: [(0, [1, 2]), (0, [3])], 1: [(0, [4]), (0, [5, 6])], 2: [(0, [7, 8, 9]), (0, [])]})
+    for rows in ([0, 1, 2], [2, 0, 1]):  # in order: views (unpinned); out of order: gathered
+        first = step(rows)
+        again = step(list(rows))  # the same rows, nothing written: the very same tables
+        assert all(a is b for a, b in zip(first, again))
+        write({rows[1]: [(len(tables[rows[1]][0]), [10 + rows[1]]), (0, tables[rows[1]][1])]})  # a new page
+        after = step(rows)
+        assert all(a is not b for a, b in zip(first, after))
+        assert step(rows)[0] is after[0]
+    views = step([0, 1])
+    assert views[0].untyped_storage().data_ptr() == buffer.tables[0].untyped_storage().data_ptr()
+    gathered = step([1, 0])
+    assert gathered[0].untyped_storage().data_ptr() != buffer.tables[0].untyped_storage().data_ptr()
+    # grown rows between two steps of the same rows: the buffers are new, so are the tables
+    step([0, 2])
+    buffer.grow_rows(8)
+    write({5: [(0, [50]), (0, [51])]})
+    step([0, 2])
+    grown = step([0, 2])
+    buffer.grow_rows(16)
+    assert step([0, 2])[0] is not grown[0]
+    # a write widening the buffer (past its 16 entries) on a row not in the step: the step's tables again
+    before = step([2, 5])
+    write({0: [(len(tables[0][0]), list(range(100, 120))), (1, [])]})
+    widened = step([2, 5])
+    assert widened[0] is not before[0] and buffer.tables[0].shape[1] >= 22
+    step([0, 5, 2])  # different rows
+    step([5])
+    step([0, 1, 2, 5])
