@@ -52,36 +52,41 @@ def kind_summary_rules(usage) -> dict[str, tuple[str, str]]:
     return rules
 
 
-COLUMNS = [
-    "run",  # 1 for the first run of the job, 2 for its first resume, ...
-    "replica",  # the engine process that took the step (0 without replicas)
-    "step",
-    "time_s",
-    "num_running",
-    "num_waiting",
-    "num_swapped",
-    "batch_tokens",
-    "pages_total",
-    "pages_used",
-    "pages_free",
-    "tokens_stored",
-    "slots_allocated",
-    "internal_waste_slots",
-    "logical_pages",
-    "shared_pages_saved",
-    "swap_out_pages",
-    "swap_in_pages",
-    "preemptions",
-    "recomputations",
-    "reserved_slots_contiguous",
-    "tokens_cached_per_sequence",
-    "external_fragmentation",
-    "prefix_hit_tokens",
-    "cow_copies",
-    "window_freed",
-    *kind_columns(KIND_USAGE),  # a hybrid model's per-sequence state slots (0 for other models)
-    "generated_tokens",
-]
+def step_columns(usage) -> list[str]:
+    """Every step's row's columns, in order, with the kinds' `usage` (`KIND_USAGE`: the registered kinds')."""
+    return [
+        "run",  # 1 for the first run of the job, 2 for its first resume, ...
+        "replica",  # the engine process that took the step (0 without replicas)
+        "step",
+        "time_s",
+        "num_running",
+        "num_waiting",
+        "num_swapped",
+        "batch_tokens",
+        "pages_total",
+        "pages_used",
+        "pages_free",
+        "tokens_stored",
+        "slots_allocated",
+        "internal_waste_slots",
+        "logical_pages",
+        "shared_pages_saved",
+        "swap_out_pages",
+        "swap_in_pages",
+        "preemptions",
+        "recomputations",
+        "reserved_slots_contiguous",
+        "tokens_cached_per_sequence",
+        "external_fragmentation",
+        "prefix_hit_tokens",
+        "cow_copies",
+        "window_freed",
+        *kind_columns(usage),  # a hybrid model's per-sequence state slots (0 for other models)
+        "generated_tokens",
+    ]
+
+
+COLUMNS = step_columns(KIND_USAGE)
 FLOAT_COLUMNS = {"time_s", "external_fragmentation"}
 
 
@@ -234,7 +239,7 @@ def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, r
         "prefix_hit_tokens": m.prefix_hit_tokens,
         "cow_copies": m.cow_copies,
         "window_freed": m.window_freed_pages,
-        **{name: m.usage.get(name, 0) for name in kind_columns(KIND_USAGE)},
+        **{name: m.usage.get(name, 0) for name in kind_columns(KIND_USAGE)},  # COLUMNS' kind columns
         "generated_tokens": step.num_generated,
     }
 

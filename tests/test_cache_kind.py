@@ -199,6 +199,7 @@ def test_a_kind_declared_in_one_module_follows_every_sequence(tok_model, monkeyp
     # the statistics' columns are fixed at import from the registered kinds (the file's schema, the README's
     # list); the test kind's are derived the same way
     monkeypatch.setattr(stats, "KIND_USAGE", (LedgerKind.usage_columns,))
+    monkeypatch.setattr(stats, "COLUMNS", stats.step_columns(stats.KIND_USAGE))
     LedgerKind.made.clear()
     page = inspect_model(model).kv_spec(16, next(model.parameters()).dtype).bytes_per_page
     units, swap_pages = 16, 64 + 16 * (BYTES_PER_UNIT + page) // page
@@ -231,6 +232,10 @@ def test_a_kind_declared_in_one_module_follows_every_sequence(tok_model, monkeyp
     assert any(r.plan.preempted for r in steps), "the workload must preempt"
     assert all(ledger.copies.values()), f"every kind of copy must happen: {ledger.copies}"
     assert not ledger.mismatches, ledger.mismatches[:5]
+    # a row is the statistics file's schema (its writer adds the run)
+    schema = set(stats.COLUMNS) - {"run"}
+    assert all(set(row) == schema for row, _ in rows), set(rows[0][0]) ^ schema
+    assert "ledger_units_used" in stats.COLUMNS and "state_slots_used" not in stats.COLUMNS
     assert all(row["ledger_units_used"] == held and row["ledger_units_total"] == units for row, held in rows)
     assert max(held for _, held in rows) > 2
     assert engine.kind_bytes() == {"bytes_per_ledger_unit": BYTES_PER_UNIT}

@@ -10,7 +10,7 @@ from batchrun.engine.cpu_kernels import load
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
 needs_bf16 = pytest.mark.skipif(
-    KERNEL is None or not KERNEL.prompt_attention_bf16_supported(64, 64),
+    KERNEL is None or not KERNEL.prompt_attention_bf16_supported(64, 64, 1),
     reason="a CPU without AVX512-BF16: the kernel is not built, the SDPA path runs instead",
 )
 # tests/test_cpu_kernels.py's bf16 bound (relative, in norm): the probabilities rounded to bf16 for the PV
@@ -171,8 +171,8 @@ def test_a_rows_output_is_the_same_alone_or_among_batch_mates():
 
 @needs_bf16
 def test_unsupported_head_dims_are_refused():
-    assert not KERNEL.prompt_attention_bf16_supported(80, 80)
-    assert not KERNEL.prompt_attention_bf16_supported(64, 32)  # MLA: K and V of different dims
+    assert not KERNEL.prompt_attention_bf16_supported(80, 80, 1)
+    assert not KERNEL.prompt_attention_bf16_supported(64, 32, 1)  # MLA: K and V of different dims
     case = prompt_case([4], [4], 16, 1, 1, 80, seed=2)
     with pytest.raises(RuntimeError, match="head dims"):
         run_kernel(*case, [4], [4], 0.1, MaskKind())

@@ -15,11 +15,13 @@ from batchrun.engine.cpu_kernels import load
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(
-    KERNEL is None or not KERNEL.prompt_attention_bf16_supported(32, 32),
+    KERNEL is None or not KERNEL.prompt_attention_bf16_supported(32, 32, 1),
     reason="no AVX512-BF16 prompt kernel",
 )
 LENGTHS = [70, 5, 130, 70, 20, 64, 1]  # three runs for the kernel (130, 70 twice, 64), three for SDPA
-BLOCK = 64  # the kernel's key block (cpu_prompt_attention.cpp's kKeys): a text of fewer tokens stays on SDPA
+# the kernel's key block (cpu_prompt_attention.cpp's kKeys, `prompt_attention_key_block`): a text of fewer tokens
+# stays on SDPA. Written out here, so LENGTHS put a text exactly on it (64) and one either side; checked below
+BLOCK = 64
 
 
 class Counting:
@@ -63,6 +65,7 @@ def test_a_bf16_packed_call_is_each_text_alone(causal, window):
         module, q, k, v, None, scaling=0.2, sliding_window=window, **{METADATA_KEYWORD: layout}
     )
     assert out.shape == (1, T, 4, D) and out.dtype == torch.bfloat16
+    assert KERNEL.prompt_attention_key_block == BLOCK  # LENGTHS' edges are the kernel's
     tables, starts, lengths, end = layout.kernel_texts()
     assert sorted(lengths.tolist()) == sorted(n for n in LENGTHS if n >= BLOCK)
     long = sum(n for n in LENGTHS if n >= BLOCK)

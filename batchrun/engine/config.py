@@ -130,6 +130,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain(self) -> bool:
+        """Greedy, with no grammar, no logprobs and no stop strings: a decode of such a request is one argmax and
+        the EOS and length checks (output_processor.OutputProcessor._decode_plain). A new field that changes how a
+        token is sampled or when a sequence finishes must make this False where it applies."""
+        return self.greedy and self.logprobs is None and not self.stop and not self.structured
+
+    @property
     def structured(self) -> bool:
         return self.response_format is not None and self.response_format.get("type") != "text"
 

@@ -354,7 +354,7 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
 void register_prompt_attention(py::module_& m) {  // called by cpu_kernels.cpp's module definition
   m.def("prompt_attention_bf16_supported", &prompt_attention_bf16_supported,
         "whether paged_prompt_attention takes these head dims and query heads per KV head in this build (AVX512-BF16)",
-        py::arg("head_dim"), py::arg("v_head_dim"), py::arg("gqa") = 1);
+        py::arg("head_dim"), py::arg("v_head_dim"), py::arg("gqa"));
   m.attr("prompt_attention_key_block") = kKeys;  // a sequence's keys are computed this many at a time
   m.def("paged_prompt_attention", &paged_prompt_attention, "bf16 prompt attention of a step over the pages (CPU)",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),

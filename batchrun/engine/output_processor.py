@@ -56,14 +56,13 @@ class OutputProcessor:
         """A new request's sequence (its sampling state: logprobs, grammar, generator, the samples to fork)."""
         if not self.scheduler.has_unfinished():
             self.plain = self.scheduler.recompute_at is None
-        self.plain = self.plain and params.greedy and not (params.logprobs is not None or params.stop)
+        self.plain = self.plain and params.plain
         seq = Sequence(next(self.seq_ids), prompt_token_ids, params, request=request)
         if params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs:
             seq.prompt_logprobs = [None]
         if params.structured:
-            self.plain = False
             seq.grammar = self.grammars.matcher(params.response_format)
         seq.num_siblings_to_fork = params.n - 1
         seq.sibling_seeds = list(seeds) if seeds else [params.seed + i for i in range(params.n)]
@@ -229,6 +228,7 @@ class OutputProcessor:
         return children
 
     def _check_finished(self, seq: Sequence) -> bool:
+        # _decode_plain restates the EOS and length checks for requests without the others (SamplingParams.plain)
         params = seq.params
         token = seq.output_token_ids[-1]
         if seq.grammar is not None and seq.grammar.is_terminated():

@@ -78,7 +78,7 @@ def main() -> None:
             out["PyTorch fp32"], query, k_cache, v_cache, tables, lens, scale
         ),
     }
-    if kernel.prompt_attention_bf16_supported(D, D):
+    if kernel.prompt_attention_bf16_supported(D, D, HQ // HKV):
         ways["prompt kernel"] = lambda: kernel.paged_prompt_attention(
             out["prompt kernel"], query, k_cache, v_cache, tables, i32(range(G)), ones, seq_lens, scale
         )

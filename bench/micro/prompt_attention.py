@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     a = ap.parse_args()
     kernel = load()
-    if kernel is None or not kernel.prompt_attention_bf16_supported(D, D):
+    if kernel is None or not kernel.prompt_attention_bf16_supported(D, D, HQ // HKV):
         raise SystemExit("the bf16 prompt kernel is not built here (no compiler, or no AVX512-BF16)")
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(100, 401, (a.prompts,), generator=gen).tolist()

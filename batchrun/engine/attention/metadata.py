@@ -75,7 +75,8 @@ class AttentionServices:
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
-    kind_tensors: tuple = ()  # each kind's tensors (cache_kind.KindTensors: a hybrid's StateCache); none: pages alone
+    # each kind's tensors (cache_kind.KindTensors: a hybrid's StateCache); none: pages alone
+    kind_tensors: tuple = ()
     encoder: Any = None  # multimodal.EncoderCache: image features (None: a text model)
 
     def __post_init__(self) -> None:
@@ -134,14 +135,16 @@ class StepMetadata:
 
     @step_product
     def decode_tokens(self) -> torch.Tensor:
-        """[D] int64: the packed token of each decode."""
+        """[D] int64: the packed token of each decode (on the host in a decode-only step, `decode_index` itself:
+        read only)."""
         if self.decode_only:
             return self.decode_index.to(self.device)
         return int_tensor([self.starts[i] for i in self.decodes], device=self.device)
 
     @step_product
     def decode_index(self) -> torch.Tensor:
-        """[D] int64: each decode's index among the step's sequences (host: it indexes the block tables)."""
+        """[D] int64: each decode's index among the step's sequences (host: it indexes the block tables). In a
+        decode-only step one tensor per size, shared by every step (`_arange`): read only, never written."""
         return _arange(len(self.query_lens)) if self.decode_only else int_tensor(self.decodes)
 
     @step_product
