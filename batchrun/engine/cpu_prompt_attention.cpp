@@ -41,6 +41,13 @@ namespace {
 constexpr int kKeys = 64;    // keys per block of the online softmax
 constexpr int kMaxGqa = 16;  // query heads per KV head a tile holds
 
+// the first key a query at `pos` sees: behind a sliding window or before its chunk, none
+int64_t first_visible_key(int64_t pos, int64_t window, int64_t chunk) {
+  if (window > 0) return std::max<int64_t>(0, pos - window + 1);
+  if (chunk > 0) return pos - pos % chunk;
+  return 0;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define BATCHRUN_PROMPT_BF16 1
 
@@ -59,11 +66,7 @@ struct Layer {
   float scale, softcap;
   const float* sinks;
 
-  int64_t first_key(int64_t pos) const {
-    if (window > 0) return std::max<int64_t>(0, pos - window + 1);
-    if (chunk > 0) return pos - pos % chunk;
-    return 0;
-  }
+  int64_t first_key(int64_t pos) const { return first_visible_key(pos, window, chunk); }
   int64_t key_start(int64_t s) const {  // the first key repacked: the block holding the first query's first key
     return first_key(ctxs[s] - qlens[s]) / kKeys * kKeys;
   }
@@ -303,10 +306,7 @@ void paged_prompt_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
                   "paged_prompt_attention: sequence ", s, "'s rows, keys or pages out of range");
       // the first key any of its queries sees: pages wholly before it (behind a window, before a chunk) are
       // never read, and may be NULL (-1) or given back
-      const int64_t first_query = int64_t(cl[s]) - ql[s];
-      const int64_t lo = window > 0  ? std::max<int64_t>(0, first_query - window + 1)  // Layer::first_key's
-                         : chunk > 0 ? first_query - first_query % chunk
-                                     : 0;
+      const int64_t lo = first_visible_key(int64_t(cl[s]) - ql[s], window, chunk);  // its first query's
       for (int64_t j = lo / P; j < (int64_t(cl[s]) + P - 1) / P; ++j) {
         const int32_t page = bt[s * block_tables.stride(0) + j];
         TORCH_CHECK(page >= 0 && page < pages, "paged_prompt_attention: sequence ", s, " names page ", page,

@@ -168,9 +168,8 @@ def joined_product(gate: torch.nn.Module, up: torch.nn.Module) -> list[FusedProd
     """[the fused product] whose only members are `gate` then `up`, of equal widths; else None."""
     if not (isinstance(gate, FusedMember) and isinstance(up, FusedMember)) or gate.group is not up.group:
         return None
-    if hooked(gate) or hooked(
-        up
-    ):  # the whole product would skip the members' calls, and their hooks with them
+    # the whole product would skip the members' calls, and their hooks with them
+    if hooked(gate) or hooked(up):
         return None
     group = gate.group
     if (gate.index, up.index) != (0, 1) or len(group.widths) != 2 or group.widths[0] != group.widths[1]:
