@@ -197,11 +197,18 @@ def count_ops(dtype: str = "float32") -> dict:
             self.counts[key] += 1
             return func(*args, **(kwargs or {}))
 
-    model = engine.runner.model
-    hooks = [
-        model.register_forward_pre_hook(lambda *_: where.update(in_model=True)),
-        model.register_forward_hook(lambda *_: where.update(in_model=False)),
-    ]
+    forward = engine.runner.forward  # the model's forward as the runner calls it (a hook on the model would
+    # turn batchrun's own outer forward, decoder_stack.py, back into HF's)
+    logits = forward.logits
+
+    def in_model(*args, **kwargs):
+        where.update(in_model=True)
+        try:
+            return logits(*args, **kwargs)
+        finally:
+            where.update(in_model=False)
+
+    forward.logits = in_model
     real = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME]  # batchrun's attention function, as registered
 
     def counted(*args, **kwargs):
@@ -217,8 +224,7 @@ def count_ops(dtype: str = "float32") -> dict:
             engine.step()
     finally:
         AttentionInterface.register(ATTENTION_NAME, real)
-        for h in hooks:
-            h.remove()
+        del forward.logits
     c = mode.counts
     return {
         "total": sum(c.values()),

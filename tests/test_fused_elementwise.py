@@ -1,7 +1,8 @@
 """A bf16/fp16 model's RMSNorms and SiLU-and-mul by the C++ kernels (engine/fused_elementwise.py,
 cpu_elementwise.cpp): each kernel against the HF module's own output (the AVX-512 path at widths that are a multiple
 of 16, the generic one at 24; SiLU far left, where torch's e^-x overflows), the rewrite keyed on the module's
-structure (fp32, Gemma's norm, a GELU MLP, a hooked norm left as HF wrote them), and on a few families of
+structure (Gemma's norm, a GELU MLP, a hooked norm left as HF wrote them; fp32's MLPs too, its norms bit-equal:
+ExactRMSNorm), and on a few families of
 different structure the fused model's logits against HF's own in bf16, and batchrun's LLM's prompt logprobs
 against HF's bf16 forward. Every family's modules one by one: tests/test_fused_elementwise_families.py.
 
@@ -22,7 +23,7 @@ from model_families import LLAMA_FORM, TINY, perturb, tiny_model
 
 from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
+from batchrun.engine.fused_elementwise import ExactRMSNorm, FusedRMSNorm, SiluAndMulMLP
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
@@ -54,6 +55,32 @@ def test_rms_norm_equals_hf_modules_own_output(dtype, width):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < TOL[dtype]
     alone = FusedRMSNorm(hf, KERNEL)(x[:, 7:9])  # a row's output is its own, whoever its batch-mates
     assert torch.equal(alone, got[:, 7:9])
+
+
+@pytest.mark.parametrize("width", [64, 576, 24, 100])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_an_fp32_norm_is_hfs_bit_for_bit(width, eps):
+    """ExactRMSNorm (ATen's variance, then one C++ pass): every value HF's own, for rows of any width, one row
+    or many, a row of wide magnitudes (the rsqrt's and the products' roundings all show), and rows a stride
+    apart (a column slice); rows not one stride apart go to HF's module."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(width)
+    hf = LlamaRMSNorm(width, eps=eps)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(width, generator=gen) * 0.5 + 1)
+    exact = ExactRMSNorm(hf, KERNEL)
+    x = torch.randn(1, 300, width + 7, generator=gen) * torch.exp(torch.randn(1, 300, 1, generator=gen) * 4)
+    for t in (x[:, :, :width], x[:, :1, 3 : 3 + width], x[:, :, :width].contiguous(), x[0, :50, :width]):
+        got, want = exact(t), hf(t)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert torch.equal(got, want)
+    gaps = x[:, :, :width].reshape(2, 150, width)[:, :20]  # two runs of rows
+    assert (
+        KERNEL.rms_norm_scale(torch.empty(gaps.shape), gaps, gaps[..., :1].contiguous(), hf.weight, eps)
+        is False
+    )
+    assert torch.equal(exact(gaps), hf(gaps))
 
 
 def test_rows_that_are_not_one_stride_apart_are_made_so():
@@ -215,7 +242,9 @@ def test_a_bf16_llm_of_the_family_scores_a_prompt_as_hf_within_bf16_tolerance(fa
 
 
 def test_what_does_not_fit_stays_as_hf_wrote_it():
-    assert fused_elementwise.fuse(tiny("llama", torch.float32), torch.float32) == 0  # fp32: never
+    fp32 = tiny("llama", torch.float32)  # the norms alone, bit-equal; the MLPs stay HF's
+    assert fused_elementwise.fuse(fp32, torch.float32) == 2 * TINY["num_hidden_layers"] + 1
+    assert counts(fp32) == (0, 0) and type(fp32.model.norm) is ExactRMSNorm
     gemma = tiny("gemma", torch.bfloat16)  # (1 + weight), in fp32 throughout: not the kernel's computation
     fused_elementwise.fuse(gemma, torch.bfloat16)
     assert counts(gemma)[0] == 0
@@ -230,7 +259,7 @@ def test_what_does_not_fit_stays_as_hf_wrote_it():
 
 
 def test_a_bf16_llm_runs_fused_and_each_rows_tokens_are_its_own():
-    """LLM fuses a bf16 model's 61 norms and 30 MLPs (SmolLM2-135M), none of an fp32 one; with them, a row's
+    """LLM fuses a bf16 model's 61 norms and 30 MLPs (SmolLM2-135M), an fp32 one's norms alone; with them, a row's
     tokens do not depend on its batch-mates (a prompt alone and among others, in one packed step)."""
     from batchrun import LLM, SamplingParams
 
@@ -241,4 +270,4 @@ def test_a_bf16_llm_runs_fused_and_each_rows_tokens_are_its_own():
     alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     among = llm.generate(prompts[1:2] + prompts[:1] + prompts[2:], params, use_tqdm=False)
     assert among[1].outputs[0].token_ids == alone
-    assert LLM(device="cpu", dtype="float32", num_pages=16).fused_elementwise == 0
+    assert LLM(device="cpu", dtype="float32", num_pages=16).fused_elementwise == 2 * 30 + 1  # the norms alone

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 import batchrun
 from batchrun.engine import SamplingParams
+from batchrun.engine.decoder_stack import DecoderStack
 
 # tensor methods that copy device data to the host
 HOST_READS = {
@@ -108,18 +109,47 @@ class HostReadsInForward(TorchFunctionMode):
         return False
 
 
-def watch_forward(model: torch.nn.Module, mode: HostReadsInForward):
+class Unwrap:
+    """Takes an instance's wrapped method back off (as a hook's handle removes the hook)."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name = owner, name
+
+    def remove(self) -> None:
+        delattr(self.owner, self.name)
+
+
+def watch_forward(engine, mode: HostReadsInForward) -> list:
+    """Mark the decoder's forward (also what runs when no sequence samples) however the runner calls it: around
+    batchrun's own outer forward (decoder_stack.DecoderStack, which a hook on the decoder would turn back into
+    HF's, unwatched), else by hooks on HF's decoder."""
+    forward = engine.runner.forward
+    if isinstance(forward, DecoderStack):
+        hidden_states = forward._hidden_states
+
+        def marked(*args, **kwargs):
+            mode.in_forward = True
+            try:
+                return hidden_states(*args, **kwargs)
+            finally:
+                mode.in_forward = False
+
+        forward._hidden_states = marked
+        return [Unwrap(forward, "_hidden_states")]
+
     def enter(*_):
         mode.in_forward = True
 
     def leave(*_):
         mode.in_forward = False
 
-    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    decoder = engine.runner.model.get_decoder()
+    return [decoder.register_forward_pre_hook(enter), decoder.register_forward_hook(leave)]
 
 
 def run_watched(tok_model, prompts, attention: str, extra_hook=None) -> HostReadsInForward:
     engine = make_engine(tok_model, attention=attention, max_num_batched_tokens=96, num_pages=128)
+    assert type(engine.runner.forward) is DecoderStack  # the embedded model's outer forward is batchrun's own
     return watch_engine(engine, prompts, extra_hook)
 
 
@@ -130,11 +160,10 @@ def watch_engine(engine, prompts, extra_hook=None) -> HostReadsInForward:
 
 def watch(engine, run, extra_hook=None) -> HostReadsInForward:
     """`run()`, which steps `engine`, recording the host reads and tensors from Python data of its forwards."""
-    decoder = engine.runner.model.get_decoder()  # also what runs when no sequence samples
     mode = HostReadsInForward()
-    hooks = watch_forward(decoder, mode)
+    hooks = watch_forward(engine, mode)
     if extra_hook is not None:
-        hooks.append(decoder.layers[0].register_forward_hook(extra_hook))
+        hooks.append(engine.runner.model.get_decoder().layers[0].register_forward_hook(extra_hook))
     frombuffer = torch.frombuffer
 
     def watched_frombuffer(*args, **kwargs):

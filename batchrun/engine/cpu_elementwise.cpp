@@ -24,6 +24,12 @@
 // separate operations do; no FMA (an asm barrier keeps the compiler from contracting a product into the add,
 // whatever -ffp-contract says). A bf16/fp16 product is exact in fp32, so its one rounding is the dtype's, as
 // torch's. Dims past cos's width (partial rotary) are copied, as HF's `torch.cat` of the pass-through part.
+//
+// 4. rms_norm_scale: an fp32 RMSNorm's steps after its variance, `weight * (x * rsqrt(variance + eps))`, in one
+// pass, given the variance [..., 1] as ATen made it (`x.pow(2).mean(-1, keepdim=True)`: the sum's order is ATen's
+// and would show). Each later step is one IEEE operation, as each of ATen's is: the add, then rsqrt as a correctly
+// rounded square root and division (torch.rsqrt's fp32 values are exactly those), then the two products (no add
+// to contract them into), so every value is HF's bit for bit (engine/fused_elementwise.py `ExactRMSNorm`).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -302,6 +308,35 @@ bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up) {
     default:
       TORCH_CHECK(false, "silu_and_mul: bfloat16 or float16");
   }
+  return true;
+}
+
+// fp32 rows: out = weight * (x * (1 / sqrt(variance + eps))), each row's variance one value of a contiguous
+// tensor (rows in order); false as above
+bool rms_norm_scale(at::Tensor out, at::Tensor x, at::Tensor variance, at::Tensor weight, double eps) {
+  check_like(x, x, "rms_norm_scale");
+  check_like(out, x, "rms_norm_scale");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
+                  weight.is_contiguous() && weight.size(0) == n && variance.device().is_cpu() &&
+                  variance.scalar_type() == at::kFloat && variance.is_contiguous() &&
+                  variance.numel() * n == x.numel(),
+              "rms_norm_scale: fp32 rows, a contiguous [H] weight and a variance per row");
+  const auto xr = rows_of(x), outr = rows_of(out);
+  if (!xr || !outr) return false;
+  const float* src = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* var = variance.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);  // as ATen takes a Python float added to an fp32 tensor
+  at::parallel_for(0, xr->count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float s = 1.f / std::sqrt(var[r] + e);
+      const float* row = src + r * xr->stride;
+      float* o = dst + r * outr->stride;
+      for (int64_t j = 0; j < n; ++j) o[j] = w[j] * (row[j] * s);
+    }
+  });
   return true;
 }
 

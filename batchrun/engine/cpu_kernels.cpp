@@ -365,6 +365,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
 
 // cpu_elementwise.cpp
 bool rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+bool rms_norm_scale(at::Tensor out, at::Tensor x, at::Tensor variance, at::Tensor weight, double eps);
 bool silu_and_mul(at::Tensor out, at::Tensor gate, at::Tensor up);
 bool silu_and_mul_halves(at::Tensor out, at::Tensor gate_up);
 std::vector<at::Tensor> rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin,
@@ -383,6 +384,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm of [..., H] bf16/fp16 rows in one pass, or false (CPU)", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm_scale", &rms_norm_scale,
+        "an fp32 RMSNorm after its variance, weight * (x * rsqrt(variance + eps)), bit-equal, or false (CPU)",
+        py::arg("out"), py::arg("x"), py::arg("variance"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [..., I] bf16/fp16 rows in one pass, or false (CPU)",
         py::arg("out"), py::arg("gate"), py::arg("up"));
   m.def("silu_and_mul_halves", &silu_and_mul_halves,

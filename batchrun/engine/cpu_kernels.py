@@ -36,7 +36,8 @@ _loaded: dict[str, object] = {}
 
 def load():
     """The compiled module (`paged_decode_attention`, `paged_prompt_attention`, `argmax_rows`, `rms_norm`,
-    `silu_and_mul`, `silu_and_mul_halves`, `rotary_embedding`, `write_kv`, `residual_add`, `add_rms_norm`), or None when it cannot be built here."""
+    `rms_norm_scale`, `silu_and_mul`, `silu_and_mul_halves`, `rotary_embedding`, `write_kv`, `residual_add`,
+    `add_rms_norm`), or None when it cannot be built here."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None

@@ -1,4 +1,4 @@
-"""A bf16/fp16 CPU model's RMSNorms and SiLU-gated MLPs computed by batchrun's C++ kernels (cpu_elementwise.cpp).
+"""A CPU model's RMSNorms (in bf16/fp16 its SiLU-gated MLPs too) by C++ kernels (cpu_elementwise.cpp).
 
 In bf16 the products run about twice as fast as in fp32, and HF's elementwise chains weigh twice as much: an
 RMSNorm is six passes over the hidden states (upcast, square, mean, rsqrt and multiply, downcast, weight), a gated
@@ -6,8 +6,9 @@ MLP's `act_fn(gate) * up` three (what that costs of a bf16 prefill step, before 
 2026-12-05 evening, by bench/micro/step_profile.py). Each kernel is one pass, and makes the same roundings to the model's
 dtype as HF's code; what it computes in fp32 in between is summed or exponentiated in another order, so a value
 may differ from HF's by one unit in its last bf16/fp16 place (tests/test_fused_elementwise.py holds them to the
-bf16 tolerance of the C++ kernels' tests, 1e-2). fp32 models are never rewritten: there the order would show, and
-fp32 tokens equal HF `generate`.
+bf16 tolerance of the C++ kernels' tests, 1e-2). In fp32 the order would show, and fp32 tokens equal HF `generate`:
+there only the RMSNorms are rewritten, bit-equal (`ExactRMSNorm`: ATen's own variance, then one C++ pass of the
+steps after it), for the Python an fp32 step at a few sequences spends in HF's eight operations a norm.
 
 Keyed on the module's structure at load, as fused_linear.py keys q/k/v: a module is replaced only when its class's
 `forward` is, statement for statement, one this file knows (`NORM_FORWARDS`, `MLP_FORWARDS`: Llama's, which the
@@ -108,6 +109,31 @@ class FusedRMSNorm(torch.nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, one pass (C++)"
 
 
+class ExactRMSNorm(torch.nn.Module):
+    """An fp32 RMSNorm of NORM_FORWARDS in three operations instead of eight: the variance by ATen's own
+    `pow(2).mean(-1)` (the sum's order would show), then the rest (`weight * (x * rsqrt(variance + eps))`) as one
+    C++ pass whose every step is one IEEE operation, as ATen's are (cpu_elementwise.cpp `rms_norm_scale`): each
+    value HF's bit for bit, with five fewer dispatches (the two `.to(float32)` of fp32 included, which change
+    nothing and cost a call each). Its weight stays the module's `weight`."""
+
+    def __init__(self, hf: torch.nn.Module, kernels):
+        super().__init__()
+        self.weight, self.variance_epsilon = hf.weight, float(hf.variance_epsilon)
+        self._hf, self._kernels = [hf], kernels  # in a list: HF's module is no child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad:
+            return self._hf[0](x)  # HF's promotion rules or autograd: its own code
+        variance = x.pow(2).mean(-1, keepdim=True)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if not self._kernels.rms_norm_scale(out, x, variance, self.weight, self.variance_epsilon):
+            return self._hf[0](x)  # rows not one stride apart
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fp32, bit-equal (C++ after the variance)"
+
+
 class SiluAndMulMLP(torch.nn.Module):
     """A gated MLP of MLP_FORWARDS with `act_fn(gate) * up` as one C++ pass; its projections stay its children
     under their names (packed, fused or wrapped by an adapter: called as HF's code calls them). Where gate_proj
@@ -202,9 +228,10 @@ def mlp_fits(module: torch.nn.Module) -> bool:
 
 
 def fuse(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Replace the RMSNorms and SiLU-gated MLPs of a bf16/fp16 CPU model that fit by their fused versions;
-    returns how many were replaced (0 for fp32, or where the C++ kernels cannot be built)."""
-    if dtype not in DTYPES:
+    """Replace the RMSNorms and SiLU-gated MLPs of a bf16/fp16 CPU model that fit by their fused versions, and
+    an fp32 model's RMSNorms by their bit-equal form (`ExactRMSNorm`; its MLPs stay HF's: torch's SiLU is not
+    one IEEE operation); returns how many were replaced (0 where the C++ kernels cannot be built)."""
+    if dtype not in (*DTYPES, torch.float32):
         return 0
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -213,7 +240,10 @@ def fuse(model: torch.nn.Module, dtype: torch.dtype) -> int:
     for parent in model.modules():
         for name, child in parent.named_children():
             if norm_fits(child, dtype):
-                swaps.append((parent, name, FusedRMSNorm(child, kernels)))
+                norm = ExactRMSNorm if dtype == torch.float32 else FusedRMSNorm
+                swaps.append((parent, name, norm(child, kernels)))
+            elif dtype == torch.float32:
+                continue
             elif mlp_fits(child):
                 swaps.append((parent, name, SiluAndMulMLP(child, kernels, scratch)))
     for parent, name, fused in swaps:
@@ -221,7 +251,9 @@ def fuse(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return len(swaps)
 
 
-def restore(model: torch.nn.Module, fused: tuple[type, ...] = (FusedRMSNorm, SiluAndMulMLP)) -> int:
+def restore(
+    model: torch.nn.Module, fused: tuple[type, ...] = (FusedRMSNorm, ExactRMSNorm, SiluAndMulMLP)
+) -> int:
     """Put HF's modules back in the place of the fused ones (of the classes `fused`, each holding its HF module
     as `_hf[0]`); returns how many."""
     swaps = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import fused_residual, fused_rotary
+from . import decoder_stack, fused_residual, fused_rotary
 from .attention import (
     AttentionMetadata,
     AttentionServices,
@@ -72,6 +72,9 @@ class ModelRunner:
         self.fused_rotary = fused_rotary.install(model) if self.device.type == "cpu" else 0
         # the decoder layers whose residual adds are made in place (fused_residual.py)
         self.fused_residual = fused_residual.install(model) if self.device.type == "cpu" else 0
+        # the forward a step calls: the outer forwards' module calls made directly where HF's are a form
+        # decoder_stack.py knows (less Python a step), HF's own otherwise
+        self.forward = decoder_stack.forward_of(model)
 
     def prepare(
         self, plan: SchedulerOutput
@@ -210,14 +213,7 @@ class ModelRunner:
         with self.times("forward"), meta.running(), fused_rotary.applied():
             if not isinstance(logits_to_keep, int) and logits_to_keep.numel() == 0 and not images:
                 # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V
-                self.model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False, batchrun_attn=meta)
+                self.forward.decoder(ids, pos, batchrun_attn=meta)
                 return torch.empty(0, text_config(self.model.config).vocab_size, device=self.device)
-            out = self.model(
-                input_ids=ids,
-                position_ids=pos,
-                use_cache=False,
-                logits_to_keep=logits_to_keep,
-                batchrun_attn=meta,
-                **images,  # the model merges the image tokens' features itself
-            )
-            return out.logits[0]
+            # a vision-language model merges the image tokens' features itself
+            return self.forward.logits(ids, pos, logits_to_keep, batchrun_attn=meta, **images)
