@@ -193,7 +193,7 @@ class LLM:
 
             self.packed_weights = cpu_linear.prepare(hf_model, self.dtype, engine.pack_weights)
             self.fused_products = len(fused_linear.fused_groups(hf_model))
-            # a bf16/fp16 model's RMSNorms and SiLU-and-mul as one C++ pass each (never in fp32)
+            # a bf16/fp16 model's RMSNorms and SiLU-and-mul as one C++ pass each; an fp32 one's norms, bit-equal
             self.fused_elementwise = fused_elementwise.fuse(hf_model, self.dtype)
         self._token_texts: dict[int, str] = {}
         try:

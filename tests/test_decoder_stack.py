@@ -59,10 +59,10 @@ def test_the_stack_computes_hfs_logits_bit_for_bit(family):
     [
         ("gemma", "GemmaModel.forward is not a form"),  # scales the embeddings
         ("cohere", "CohereForCausalLM.forward is not a form"),  # scales the logits
-        ("mistral", "MistralModel.forward is not a form"),  # a form not read yet: HF's
+        ("mistral", "MistralModel.forward is not a form"),  # not more, but a form not read here yet
     ],
 )
-def test_a_forward_that_does_more_keeps_hfs(family, why):
+def test_a_forward_not_of_the_forms_keeps_hfs(family, why):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(tiny_config(family, SUPPORTED[family][1]))
@@ -71,6 +71,8 @@ def test_a_forward_that_does_more_keeps_hfs(family, why):
 
 
 def test_what_the_forms_do_not_show_keeps_hfs():
+    import functools
+
     from transformers import LlamaForCausalLM
 
     class Scaled(LlamaForCausalLM):  # one more statement: not the form
@@ -80,44 +82,69 @@ def test_what_the_forms_do_not_show_keeps_hfs():
             return out
 
     config = tiny_config("llama", {})
+    config._attn_implementation = "batchrun"
     assert decoder_stack.refusal(LlamaForCausalLM(config)) is None
     assert "Scaled.forward is not a form" in decoder_stack.refusal(Scaled(config))
+    hf_attention = tiny_config("llama", {})  # transformers' own attention builds masks of its own
+    assert "batchrun's attention" in decoder_stack.refusal(LlamaForCausalLM(hf_attention))
     causal = tiny_config("llama", {})
-    causal.is_causal = True  # the config-defaults decorator would pass it to every layer
+    causal._attn_implementation, causal.is_causal = "batchrun", True  # passed on to every layer by HF
     assert "is_causal" in decoder_stack.refusal(LlamaForCausalLM(causal))
     fewer = LlamaForCausalLM(config)
     fewer.config.num_hidden_layers = 1  # HF's forward would run the first layer alone
     assert "holds 2 layers, its config runs 1" in decoder_stack.refusal(fewer)
 
+    class Wrapped(LlamaForCausalLM):  # the same source, read through a wrapper that is not transformers'
+        @functools.wraps(LlamaForCausalLM.forward)
+        def forward(self, *args, **kwargs):
+            return LlamaForCausalLM.forward(self, *args, **kwargs)
 
-def test_a_hook_on_an_outer_module_sees_every_call(monkeypatch):
+    assert "Wrapped.forward is not a form" in decoder_stack.refusal(Wrapped(config))
+
+
+def counted_steps(engine, prompt) -> int:
+    engine.add(prompt, SamplingParams(max_new_tokens=4))
+    n = 0
+    while engine.has_unfinished():
+        engine.step()
+        n += 1
+    return n
+
+
+def test_a_hook_patch_or_config_change_after_the_load_turns_a_step_back_to_hfs(monkeypatch):
+    """Each step asks whether what the load checked still holds: a hook on either outer module sees every call
+    (each step of this prompt samples, so the outer model is called every step), a class forward replaced
+    after the load runs, a config change is honoured; with them gone the stack runs again."""
     model = build("llama", {}, "paged")
     engine = family_engine(model, "torch")
     assert type(engine.runner.forward) is DecoderStack
-    inner_calls = []
-    inner_forward = type(model.model).forward
-    monkeypatch.setattr(
-        type(model.model), "forward", lambda *a, **k: inner_calls.append(1) or inner_forward(*a, **k)
-    )
-    params = SamplingParams(max_new_tokens=4)
-
-    def steps() -> int:
-        engine.add(prompts(model.config.vocab_size)[1], params)
-        n = 0
-        while engine.has_unfinished():
-            engine.step()
-            n += 1
-        return n
-
-    assert steps() and not inner_calls  # the stack ran: HF's model forward was never called
+    prompt = prompts(model.config.vocab_size)[1]
+    hf_calls = []
+    hf_logits = HFForward.logits
+    monkeypatch.setattr(HFForward, "logits", lambda *a, **k: hf_calls.append(1) or hf_logits(*a, **k))
+    assert counted_steps(engine, prompt) and not hf_calls  # the stack ran, never HF's forward
     seen = {"outer": 0, "inner": 0}
     handles = [
         model.register_forward_hook(lambda *_: seen.update(outer=seen["outer"] + 1)),
         model.model.register_forward_pre_hook(lambda *_: seen.update(inner=seen["inner"] + 1)),
     ]
-    n = steps()
-    assert seen == {"outer": n, "inner": n} and len(inner_calls) == n
+    n = counted_steps(engine, prompt)
+    assert seen == {"outer": n, "inner": n} and len(hf_calls) == n
     for h in handles:
         h.remove()
-    inner_calls.clear()
-    assert steps() and not inner_calls
+    hf_calls.clear()
+    assert counted_steps(engine, prompt) and not hf_calls
+    patched = []
+    inner_forward = type(model.model).forward
+    monkeypatch.setattr(
+        type(model.model), "forward", lambda *a, **k: patched.append(1) or inner_forward(*a, **k)
+    )
+    n = counted_steps(engine, prompt)
+    assert len(patched) == len(hf_calls) == n
+    monkeypatch.setattr(type(model.model), "forward", inner_forward)
+    hf_calls.clear()
+    monkeypatch.setattr(model.config, "is_causal", True, raising=False)
+    assert counted_steps(engine, prompt) == len(hf_calls)
+    monkeypatch.delattr(model.config, "is_causal")
+    hf_calls.clear()
+    assert counted_steps(engine, prompt) and not hf_calls

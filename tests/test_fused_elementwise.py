@@ -61,8 +61,8 @@ def test_rms_norm_equals_hf_modules_own_output(dtype, width):
 @pytest.mark.parametrize("eps", [1e-5, 1e-6])
 def test_an_fp32_norm_is_hfs_bit_for_bit(width, eps):
     """ExactRMSNorm (ATen's variance, then one C++ pass): every value HF's own, for rows of any width, one row
-    or many, a row of wide magnitudes (the rsqrt's and the products' roundings all show), and rows a stride
-    apart (a column slice); rows not one stride apart go to HF's module."""
+    or many, a row of wide magnitudes (the rsqrt's and the products' roundings all show), rows a stride apart
+    (a column slice), and rows not one stride apart, which the kernel declines and the module copies."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     gen = torch.Generator().manual_seed(width)

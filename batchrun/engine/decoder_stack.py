@@ -18,8 +18,11 @@ Exact by construction:
   config must not set `is_causal` (which the config-defaults decorator would pass to every layer), and every
   layer must run (`num_hidden_layers` of them). So a family whose forward does anything more (Gemma's embedding
   scale, Cohere's logit scale, a final soft cap, images, 3-D positions) keeps HF's.
-- and at each step: a hook on either outer module (or a global one, or accelerate's) would see no call, so the
-  step runs HF's forward instead.
+- the forwards must be transformers' own (a `functools.wraps` wrapper from anywhere else, which `inspect` reads
+  through, is refused), the decoder the one `get_decoder` gives, the attention batchrun's;
+- and at each step: a hook on either outer module (or a global one, or accelerate's) would see no call, a class
+  forward replaced or a config changed since the load would not be honoured, so the step runs HF's forward
+  instead.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import torch
 from torch.nn.modules import module as torch_module
 from transformers.modeling_utils import slice_logits_to_keep
 
+from .attention import ATTENTION_NAME
+from .cpu_linear import hooked
 from .fused_elementwise import statements
 
 # the causal LM's forward: the model's last hidden states, the kept positions, the LM head (Llama's; also
@@ -160,6 +165,11 @@ KNOWN_CAUSAL_LM = frozenset(statements(s) for s in CAUSAL_LM_FORMS)
 KNOWN_MODEL = frozenset(statements(s) for s in MODEL_FORMS)
 
 
+# where the decorators' wrappers are defined: a wrapper from anywhere else (a profiler's, a patch's) is code the
+# stack would skip, though `inspect` reads the wrapped function's source through it
+WRAPPER_FILES = ("utils/deprecation.py", "utils/generic.py", "utils/output_capturing.py")
+
+
 def _decorators(function) -> set[str] | None:
     """The names of the decorators `function` was written with; None when its source cannot be read."""
     try:
@@ -170,25 +180,40 @@ def _decorators(function) -> set[str] | None:
     return {d.id if isinstance(d, ast.Name) else ast.unparse(d) for d in calls}
 
 
+def _wrapped_by_transformers_alone(function) -> bool:
+    """Every wrapper around `function` is one of transformers' decorators, and what they wrap is a function of
+    transformers' own modeling files (not remote code, whose helper functions may differ under the same names)."""
+    while hasattr(function, "__wrapped__"):
+        code = getattr(function, "__code__", None)
+        if code is None or not code.co_filename.replace("\\", "/").endswith(WRAPPER_FILES):
+            return False
+        function = function.__wrapped__
+    return getattr(function, "__module__", "").startswith("transformers.models.")
+
+
 def _form(cls, known: frozenset) -> bool:
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
     decorators = _decorators(cls.forward)
-    return statements(source) in known and decorators is not None and decorators <= DECORATORS
+    return (
+        statements(source) in known
+        and decorators is not None
+        and decorators <= DECORATORS
+        and _wrapped_by_transformers_alone(cls.forward)
+    )
 
 
 def _hooked(module: torch.nn.Module) -> bool:
-    """Whether anything would see this module's call that a direct call of its children would bypass: its
-    hooks, a forward set on the instance (accelerate's device hooks replace it), a global module hook."""
+    """Whether anything would see this module's call that a direct call of its children would bypass: its hooks
+    (cpu_linear.hooked: hooks, accelerate's), backward pre-hooks, a forward set on the instance, a compiled call,
+    a global module hook."""
     return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
+        hooked(module)
         or module._backward_pre_hooks
         or "forward" in module.__dict__
-        or getattr(module, "_hf_hook", None) is not None
+        or getattr(module, "_compiled_call_impl", None) is not None
         or torch_module._global_forward_hooks
         or torch_module._global_forward_pre_hooks
         or torch_module._global_backward_hooks
@@ -205,6 +230,16 @@ def refusal(model: torch.nn.Module) -> str | None:
         return f"{type(model).__name__}.forward is not a form decoder_stack.py knows"
     if not _form(type(inner), KNOWN_MODEL):
         return f"{type(inner).__name__}.forward is not a form decoder_stack.py knows"
+    if model.get_decoder() is not inner:
+        return "its decoder (get_decoder) is not its `model`"
+    config = inner.config
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        return "it does not attend by batchrun's attention (whose masks transformers leaves to it: None)"
+    return _config_refusal(inner)
+
+
+def _config_refusal(inner: torch.nn.Module) -> str | None:
+    """What of the config would make HF's forward differ from the stack's (read at load and every step)."""
     config = inner.config
     if getattr(config, "is_causal", None) is not None:
         return "the config sets `is_causal`, which HF's forward passes to every layer"
@@ -240,22 +275,36 @@ class DecoderStack(HFForward):
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
         self.inner = model.model
+        # the classes' forwards the form was read from: replaced later (a patch after load), HF's runs
+        self.forwards = (type(model).forward, type(self.inner).forward)
+
+    def _intact(self, outer: bool) -> bool:
+        """Whether the step may run the stack: what was checked at load still holds (each step: a hook, a
+        patch or a config change may come after the load; a few attribute reads)."""
+        model, inner = self.model, self.inner
+        return (
+            type(model).forward is self.forwards[0]
+            and type(inner).forward is self.forwards[1]
+            and not (outer and _hooked(model))
+            and not _hooked(inner)
+            and _config_refusal(inner) is None
+        )
 
     def logits(self, input_ids, position_ids, logits_to_keep, **kwargs) -> torch.Tensor:
-        model = self.model
-        if _hooked(model) or _hooked(self.inner):
+        if not self._intact(outer=True):
             return super().logits(input_ids, position_ids, logits_to_keep, **kwargs)
         hidden = self._hidden_states(input_ids, position_ids, kwargs)
-        return model.lm_head(slice_logits_to_keep(hidden, logits_to_keep))[0]
+        return self.model.lm_head(slice_logits_to_keep(hidden, logits_to_keep))[0]
 
     def decoder(self, input_ids, position_ids, **kwargs) -> None:
-        if _hooked(self.inner):
+        if not self._intact(outer=False):
             return super().decoder(input_ids, position_ids, **kwargs)
         self._hidden_states(input_ids, position_ids, kwargs)
 
     def _hidden_states(self, input_ids, position_ids, kwargs: dict) -> torch.Tensor:
         inner = self.inner
         hidden = inner.embed_tokens(input_ids)
+        # Llama's form passes position_ids by keyword, Qwen2's by position: the same call for the module
         position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
         for layer in inner.layers:
             hidden = layer(

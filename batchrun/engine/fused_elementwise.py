@@ -122,12 +122,19 @@ class ExactRMSNorm(torch.nn.Module):
         self._hf, self._kernels = [hf], kernels  # in a list: HF's module is no child
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad:
+        if (
+            x.dtype != torch.float32
+            or self.weight.dtype != x.dtype
+            or x.device.type != "cpu"
+            or x.requires_grad
+        ):
             return self._hf[0](x)  # HF's promotion rules or autograd: its own code
-        variance = x.pow(2).mean(-1, keepdim=True)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        if not self._kernels.rms_norm_scale(out, x, variance, self.weight, self.variance_epsilon):
-            return self._hf[0](x)  # rows not one stride apart
+        variance = x.pow(2).mean(-1, keepdim=True)  # of HF's own tensor, whatever its layout
+        out, eps = torch.empty(x.shape, dtype=x.dtype), self.variance_epsilon
+        if not self._kernels.rms_norm_scale(out, x, variance, self.weight, eps):
+            # rows not one stride apart (a q/k norm over a column slice of a fused q/k/v product): the rest is
+            # elementwise, so the same values from a contiguous copy
+            self._kernels.rms_norm_scale(out, x.contiguous(), variance, self.weight, eps)
         return out
 
     def extra_repr(self) -> str:

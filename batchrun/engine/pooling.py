@@ -109,7 +109,7 @@ class PoolingRunner:
         # a post-op's result is within an fp32 unit of HF's separate operations', not always equal)
         fp32 = dtype == torch.float32
         self.fused_encoder = fused_encoder.fuse(self.model) if self.packed_weights and not fp32 else 0
-        # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's (never in fp32)
+        # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's; fp32 norms bit-equal
         self.fused_elementwise = fused_elementwise.fuse(self.model, dtype) if device.type == "cpu" else 0
         self.fused_rotary = fused_rotary.install(self.model) if device.type == "cpu" else 0  # as generation's
         # bf16 texts of a few dozen tokens or more attend by generation's C++ prompt kernel (attention/packed.py)
