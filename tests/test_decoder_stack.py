@@ -42,8 +42,19 @@ def recorded_run(family: str, forward_class) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("family", STACKED)
-def test_the_stack_computes_hfs_logits_bit_for_bit(family):
+def test_the_stack_computes_hfs_logits_bit_for_bit(family, monkeypatch):
+    fell_back = []  # a DecoderStack step that ran HF's forward after all (its per-step checks said no)
+    for name in ("logits", "decoder"):
+        hf = getattr(HFForward, name)
+
+        def counted(self, *args, hf=hf, **kwargs):
+            if type(self) is DecoderStack:
+                fell_back.append(1)
+            return hf(self, *args, **kwargs)
+
+        monkeypatch.setattr(HFForward, name, counted)
     stacked, stacked_tokens = recorded_run(family, DecoderStack)
+    assert not fell_back
     hf, hf_tokens = recorded_run(family, HFForward)
     assert None in stacked and any(x is not None for x in stacked)  # both of the stack's calls ran
     assert len(stacked) == len(hf)

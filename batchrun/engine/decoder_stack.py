@@ -277,6 +277,7 @@ class DecoderStack(HFForward):
         self.inner = model.model
         # the classes' forwards the form was read from: replaced later (a patch after load), HF's runs
         self.forwards = (type(model).forward, type(self.inner).forward)
+        self.num_layers = len(self.inner.layers)
 
     def _intact(self, outer: bool) -> bool:
         """Whether the step may run the stack: what was checked at load still holds (each step: a hook, a
@@ -287,8 +288,13 @@ class DecoderStack(HFForward):
             and type(inner).forward is self.forwards[1]
             and not (outer and _hooked(model))
             and not _hooked(inner)
-            and _config_refusal(inner) is None
+            and self._config_unchanged(inner.config.__dict__)
         )
+
+    def _config_unchanged(self, config: dict) -> bool:
+        """`_config_refusal`'s two checks on the config's own attributes, as a step can afford them (a config
+        attribute read goes through transformers' `__getattribute__`: microseconds each)."""
+        return config.get("is_causal") is None and config.get("num_hidden_layers") == self.num_layers
 
     def logits(self, input_ids, position_ids, logits_to_keep, **kwargs) -> torch.Tensor:
         if not self._intact(outer=True):
