@@ -281,9 +281,12 @@ class Engine:
                 )
             return result
         logits = self.runner.execute(plan)
-        self.scheduler.computed(plan)
+        # the step's tokens marked computed (Scheduler.computed), then sampled and finished sequences: all of it
+        # under the output processor's phase timers (bench/host.py's bookkeeping counts them), as is handing the
+        # runner its rows' news
         self.outputs.process(plan, logits, result)
-        self.runner.sampled(result.forks, *result.sampled, result.finished)
+        with self.times("finish"):
+            self.runner.sampled(result.forks, *result.sampled, result.finished)
         return result
 
     # ---- text and grammars ---------------------------------------------------------------------------------

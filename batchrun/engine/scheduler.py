@@ -172,8 +172,14 @@ class Scheduler:
             if out.preempted and seq not in running:
                 break  # preempted for an older one: so is every sequence after it
             if plain:
-                start = seq.num_computed_tokens
-                if decodes_generated_token(seq, start, snapshot_ends):  # _chunk's 1
+                start, generated = seq.num_computed_tokens, seq.output_token_ids
+                # decodes_generated_token (_chunk's 1) written out: its last token, a generated one (there is
+                # one, and the tokens before it are computed), where no kept prefix state ends
+                if (
+                    generated
+                    and start == len(seq.prompt_token_ids) + len(generated) - 1
+                    and seq.seq_id not in snapshot_ends
+                ):
                     record = records[seq.seq_id]  # its tables as the runner has them already
                     if record.unsent is None:
                         tables = record.tables
@@ -186,7 +192,9 @@ class Scheduler:
                         else:
                             news = False  # the general path below (it preempts for pages)
                         if news is not False:
-                            if register is not None:
+                            # register_full_pages returns at once unless a page is newly full: asked only then
+                            # (its own test, on the record it reads: the same pages, registered in the same step)
+                            if register is not None and (start + 1) // P > record.num_registered:
                                 register(seq, start + 1)
                             scheduled.append(decode(seq, start, () if stateless else units_of(seq), news))
                             budget -= 1
@@ -331,7 +339,8 @@ class Scheduler:
     # ---- after the forward pass -----------------------------------------------------------------------------
     def computed(self, plan: SchedulerOutput) -> None:
         """The step of `plan` ran: its tokens' K/V are in the cache (before its samples are forked and its tokens
-        sampled)."""
+        sampled). The output processor calls it first thing (OutputProcessor.process); its plain decode path
+        does the same in its own pass over the step's sequences."""
         for s in plan.scheduled:  # every step, for every sequence: kept lean
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
 
@@ -344,9 +353,9 @@ class Scheduler:
 
 def decodes_generated_token(seq: Sequence, start: int, snapshot_ends) -> bool:
     """Whether `seq` computes one token from `start`, its last, a generated one, that no resource cuts: the rule
-    `_chunk` asks first and the decode fast path asks alone (the callers leave a budget > 0; whole prompts,
-    whole images and the encoder's budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may
-    end a step anywhere)."""
+    `_chunk` asks first and the decode fast path writes out in its loop (a call per sequence costs more than the
+    test: keep the two alike). The callers leave a budget > 0; whole prompts, whole images and the encoder's
+    budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may end a step anywhere."""
     num_prompt = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
     return (
         num_prompt <= start == num_prompt + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends
