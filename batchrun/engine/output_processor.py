@@ -140,6 +140,7 @@ class OutputProcessor:
                     continue
                 self.scheduler.finish(seq)
                 finished.append(seq)
+            self.scheduler.running_computed_tokens += plan.num_batched_tokens  # as Scheduler.computed adds
             result.num_generated += len(tokens)
 
     def _sampling_rows(self, plan: SchedulerOutput, result) -> tuple[list[Sequence], list[int]]:
