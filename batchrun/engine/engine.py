@@ -281,9 +281,12 @@ class Engine:
                 )
             return result
         logits = self.runner.execute(plan)
-        self.scheduler.computed(plan)
+        # the step's tokens marked computed (Scheduler.computed), then sampled and finished sequences: all of it
+        # under the output processor's phase timers (bench/host.py's bookkeeping counts them), as is handing the
+        # runner its rows' news
         self.outputs.process(plan, logits, result)
-        self.runner.sampled(result.forks, *result.sampled, result.finished)
+        with self.times("finish"):
+            self.runner.sampled(result.forks, *result.sampled, result.finished)
         return result
 
     # ---- text and grammars ---------------------------------------------------------------------------------
@@ -352,20 +355,27 @@ class Engine:
         return self.reserved_slots((seq,))
 
     def reserved_slots(self, seqs) -> int:
-        """`reservation` summed over `seqs` (the statistics ask it of every running sequence, every step)."""
+        """`reservation` summed over `seqs` (the recount asks it of every running sequence; a step's count reads
+        the scheduler's running sum instead)."""
         return sum([s.reserved_tokens for s in seqs]) * self.kv_groups.num_groups
 
     def memory_snapshot(self, recount: bool = False) -> MemorySnapshot:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""
-        counter = memory.recount if recount else memory.count
-        running = self.scheduler.running
-        return counter(
+        scheduler = self.scheduler
+        running = scheduler.running
+        usage = usage_row(self.cache_kinds, self.kv.managers, running, recount)
+        if recount:  # from the sequences themselves, not the scheduler's running sums
+            return memory.recount(
+                self.kv.bm, usage, running, self.num_waiting, self.num_swapped, self.reserved_slots
+            )
+        return memory.count(
             self.kv.bm,
-            usage_row(self.cache_kinds, self.kv.managers, running, recount),
+            usage,
             running,
             self.num_waiting,
             self.num_swapped,
-            self.reserved_slots,
+            scheduler.running_reserved_tokens * self.kv_groups.num_groups,
+            scheduler.running_computed_tokens,
         )
 
     def check_integrity(self) -> None:

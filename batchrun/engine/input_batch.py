@@ -59,6 +59,11 @@ class InputBatch:
         # the free rows as a heap, lowest first: requests admitted together then take rows in order, whatever
         # order the rows came back in, and a step's tables stay views of the buffers (block_table_buffer.py)
         self._free = list(range(capacity))
+        # the last step's request ids and their rows (`rows`): a decode step's sampled tokens go onto the very
+        # rows it ran, so `append` reuses them instead of looking every id up again (a row never moves while
+        # its request holds it: forks take new rows, finished requests give theirs back after the append)
+        self._step_ids: list[int] = []
+        self._step_rows = np.zeros(0, dtype=np.int64)
 
     # ---- rows in and out ------------------------------------------------------------------------------------
     def add(self, requests: list[NewRequest]) -> None:
@@ -88,6 +93,8 @@ class InputBatch:
         self.images[row] = self.images[src]
 
     def remove(self, req_ids) -> None:
+        if req_ids:  # a row given back may be taken by another request: the step's rows are not reused
+            self._step_ids = []
         for req_id in req_ids:
             row = self.row_of.pop(req_id, None)
             if row is not None:
@@ -100,17 +107,21 @@ class InputBatch:
         """The step's sampled tokens, one per request, onto the ends of their rows (one indexed write)."""
         if not req_ids:
             return
-        rows = np.fromiter([self.row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
+        rows = self._step_rows if req_ids == self._step_ids else self.rows(req_ids, keep=False)
         ends = self.num_tokens[rows]
         self._fit(int(ends.max()) + 1)
         self.token_ids[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
 
     # ---- a step's inputs --------------------------------------------------------------------------------------
-    def rows(self, req_ids: list[int]) -> np.ndarray:
-        """[S] int64: the requests' rows (the step's per-sequence values are gathered by them)."""
+    def rows(self, req_ids: list[int], keep: bool = True) -> np.ndarray:
+        """[S] int64: the requests' rows (the step's per-sequence values are gathered by them); `keep`: kept as
+        the step's, for `append`."""
         row_of = self.row_of
-        return np.fromiter([row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
+        rows = np.fromiter([row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
+        if keep:
+            self._step_ids, self._step_rows = req_ids, rows
+        return rows
 
     def decode_ids(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """[S] int64: each row's token at its position (a decode step's input ids)."""

@@ -55,14 +55,24 @@ class MemorySnapshot:
 
 
 def count(
-    bm: BlockManager, usage, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
+    bm: BlockManager,
+    usage,
+    running: list[Sequence],
+    num_waiting: int,
+    num_swapped: int,
+    reserved_slots: int,
+    computed: int,
 ) -> MemorySnapshot:
     """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
-    `usage`: the kinds' usage columns (cache_kind.usage_row); `reserved_slots(seqs)`: what contiguous
-    reservations for those sequences would hold (Engine.reserved_slots)."""
-    counter = _count_shared if bm.pool.num_shared else _count_unshared
-    counted = counter(bm, running)
-    counted["reserved_slots_contiguous"] = reserved_slots(running)
+    `usage`: the kinds' usage columns (cache_kind.usage_row); `reserved_slots`: what contiguous reservations for
+    the running sequences would hold (Engine.reserved_slots of them); `computed`: their computed tokens summed
+    (both kept as running sums by the scheduler, so a step's count passes over no sequence where none is shared
+    and no group has a window)."""
+    if bm.pool.num_shared:
+        counted = _count_shared(bm, running)
+    else:
+        counted = _count_unshared(bm, running, computed)
+    counted["reserved_slots_contiguous"] = reserved_slots
     return _snapshot(bm, usage, running, num_waiting, num_swapped, **counted)
 
 
@@ -98,15 +108,14 @@ def _count_shared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
     )
 
 
-def _count_unshared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
+def _count_unshared(bm: BlockManager, running: list[Sequence], computed: int) -> dict[str, int]:
     """`count` while no page is held by two tables (the pool counts those): every page in the tables is
     distinct and holds its own table's tokens, P for each page but the one a computed end falls in, less P for
     each entry given back behind a window (always before that end). A running sequence's tables cover its
     computed tokens (its pages are taken before they are computed), so its tables of a group hold its c computed
-    tokens: the sums need each sequence's computed count and the block manager's count of table entries (kept as
-    the tables change), not a pass over each table (every step, for every sequence)."""
+    tokens: the sums need the sequences' computed counts summed (`computed`, the scheduler's running sum) and the
+    block manager's count of table entries (kept as the tables change), not a pass over each table."""
     P, records = bm.page_size, bm.sequences
-    computed = sum([seq.num_computed_tokens for seq in running])
     freed = (
         sum([t.count(NULL_PAGE) for seq in running for t in records[seq.seq_id].tables])
         if bm.layout.windowed

@@ -77,11 +77,15 @@ class OutputProcessor:
         return g
 
     def process(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
-        """The step's tokens from its logits, into `result` (engine.StepResult): finished sequences, counts."""
+        """The step's tokens from its logits, into `result` (engine.StepResult): finished sequences, counts. The
+        step's tokens are marked computed first (Scheduler.computed: before samples are forked or tokens
+        appended), under the "finish" timer; the plain path marks each in its own pass instead."""
         times = self.times
         if self.plain and plan.num_generating == len(plan.scheduled):
             self._decode_plain(plan, logits, result)
             return
+        with times("finish"):
+            self.scheduler.computed(plan)
         with times("sample"):  # scoring, forking samples, grammar masks, sampling, logprobs
             # the positions scoring prompt tokens were fixed when the step was planned (ScheduledSequence):
             # scoring them changes what is left to score
@@ -111,7 +115,9 @@ class OutputProcessor:
     def _decode_plain(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
         """`process` where every sequence samples its next generated token greedily, one logits row each, and no
         request has a grammar, logprobs or stop strings: one argmax over the rows, then one pass appending each
-        token and checking EOS and the length limits (`_check_finished`'s checks that apply)."""
+        token and checking EOS and the length limits (`_check_finished`'s checks that apply). That pass also
+        marks each sequence's token computed (what Scheduler.computed does, sequence by sequence, before the
+        sequence can finish): one pass over the step's sequences instead of two."""
         with self.times("sample"):
             scheduled = plan.scheduled
             tokens = cpu_kernels.argmax_rows(logits).tolist()  # sample()'s greedy rows
@@ -120,6 +126,7 @@ class OutputProcessor:
             eos, max_model_len, finished = self.eos_token_ids, self.max_model_len, result.finished
             for s, token in zip(scheduled, tokens):  # every step, for every sequence: kept lean
                 seq = s.seq
+                seq.num_computed_tokens = s.start + s.num_new_tokens  # Scheduler.computed's
                 out = seq.output_token_ids
                 out.append(token)
                 params = seq.params
@@ -133,6 +140,7 @@ class OutputProcessor:
                     continue
                 self.scheduler.finish(seq)
                 finished.append(seq)
+            self.scheduler.running_computed_tokens += plan.num_batched_tokens  # as Scheduler.computed adds
             result.num_generated += len(tokens)
 
     def _sampling_rows(self, plan: SchedulerOutput, result) -> tuple[list[Sequence], list[int]]:

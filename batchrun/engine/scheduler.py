@@ -71,6 +71,11 @@ class Scheduler:
         # in admission order: a dict as an ordered set, so that a finished or preempted sequence leaves in O(1)
         self.running: dict[Sequence, None] = {}
         self.swapped: deque[Sequence] = deque()  # in preemption order
+        # sums over `running` of each sequence's reserved_tokens and num_computed_tokens, kept where a sequence
+        # enters or leaves it (_enter, _leave) and where its tokens are computed (`computed`, the output
+        # processor's plain pass): the statistics read them every step instead of passing over the sequences
+        self.running_reserved_tokens = 0
+        self.running_computed_tokens = 0
         # whether any request given so far has a LoRA adapter (a fork has its parent's): until one has, a step
         # needs no pass over its sequences to order them by adapter
         self.adapted = False
@@ -88,7 +93,19 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.kv.finish(seq)
+        self._leave(seq)
+
+    def _enter(self, seq: Sequence) -> None:
+        """`seq` runs from now on (admitted, swapped in, forked), its computed tokens counted as they are."""
+        self.running[seq] = None
+        self.running_reserved_tokens += seq.reserved_tokens
+        self.running_computed_tokens += seq.num_computed_tokens
+
+    def _leave(self, seq: Sequence) -> None:
+        """`seq` runs no more (finished, preempted, to be recomputed): before its computed count changes."""
         del self.running[seq]
+        self.running_reserved_tokens -= seq.reserved_tokens
+        self.running_computed_tokens -= seq.num_computed_tokens
 
     def abort_all(self) -> None:
         """Drop every request and free its pages and state slots (the caller gave up on them)."""
@@ -96,6 +113,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+        self.running_reserved_tokens = self.running_computed_tokens = 0
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -172,8 +190,14 @@ class Scheduler:
             if out.preempted and seq not in running:
                 break  # preempted for an older one: so is every sequence after it
             if plain:
-                start = seq.num_computed_tokens
-                if decodes_generated_token(seq, start, snapshot_ends):  # _chunk's 1
+                start, generated = seq.num_computed_tokens, seq.output_token_ids
+                # decodes_generated_token (_chunk's 1) written out: its last token, a generated one (there is
+                # one, and the tokens before it are computed), where no kept prefix state ends
+                if (
+                    generated
+                    and start == len(seq.prompt_token_ids) + len(generated) - 1
+                    and seq.seq_id not in snapshot_ends
+                ):
                     record = records[seq.seq_id]  # its tables as the runner has them already
                     if record.unsent is None:
                         tables = record.tables
@@ -186,7 +210,9 @@ class Scheduler:
                         else:
                             news = False  # the general path below (it preempts for pages)
                         if news is not False:
-                            if register is not None:
+                            # register_full_pages returns at once unless a page is newly full: asked only then
+                            # (its own test, on the record it reads: the same pages, registered in the same step)
+                            if register is not None and (start + 1) // P > record.num_registered:
                                 register(seq, start + 1)
                             scheduled.append(decode(seq, start, () if stateless else units_of(seq), news))
                             budget -= 1
@@ -230,7 +256,7 @@ class Scheduler:
         out.tables_changed = out.tables_changed or s.new_block_ids is not None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        del self.running[seq]
+        self._leave(seq)
         seq.num_preemptions += 1
         out.preempted.append(seq)
         if self.config.preemption == "swap" and self.kv.can_swap_out(seq):
@@ -243,7 +269,7 @@ class Scheduler:
     def recompute(self, seq: Sequence) -> None:
         """A running sequence computes its tokens again, as one prompt, next admitted (not a preemption: the
         model asks for it, `recompute_at`)."""
-        del self.running[seq]
+        self._leave(seq)
         self._drop_for_recompute(seq)
 
     def _drop_for_recompute(self, seq: Sequence) -> None:
@@ -275,7 +301,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq))
-            self.running[seq] = None
+            self._enter(seq)
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
             self._schedule(seq, n, out)
@@ -311,7 +337,7 @@ class Scheduler:
             self.kv.keep_prefix_state(seq, match, self.waiting)
             # again: the snapshot it may have been given ends its first chunk
             n = self.kv.admit(seq, self._chunk(seq, budget, out, start), match)
-            self.running[seq] = None
+            self._enter(seq)
             out.new_requests.append(NewRequest.of(seq))
             self._planned(seq, n, out)
             budget -= n
@@ -331,22 +357,25 @@ class Scheduler:
     # ---- after the forward pass -----------------------------------------------------------------------------
     def computed(self, plan: SchedulerOutput) -> None:
         """The step of `plan` ran: its tokens' K/V are in the cache (before its samples are forked and its tokens
-        sampled)."""
+        sampled). The output processor calls it first thing (OutputProcessor.process); its plain decode path
+        does the same in its own pass over the step's sequences (and adds the step's tokens to the running sum,
+        as here: each scheduled sequence runs, computed from `start`, its count when it was planned)."""
         for s in plan.scheduled:  # every step, for every sequence: kept lean
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        self.running_computed_tokens += plan.num_batched_tokens
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add a parallel sample that shares every page of its parent (and takes a copy of its state, made
         before the next step)."""
         self.kv.fork(parent, child)
-        self.running[child] = None
+        self._enter(child)
 
 
 def decodes_generated_token(seq: Sequence, start: int, snapshot_ends) -> bool:
     """Whether `seq` computes one token from `start`, its last, a generated one, that no resource cuts: the rule
-    `_chunk` asks first and the decode fast path asks alone (the callers leave a budget > 0; whole prompts,
-    whole images and the encoder's budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may
-    end a step anywhere)."""
+    `_chunk` asks first and the decode fast path writes out in its loop (a call per sequence costs more than the
+    test: keep the two alike). The callers leave a budget > 0; whole prompts, whole images and the encoder's
+    budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may end a step anywhere."""
     num_prompt = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
     return (
         num_prompt <= start == num_prompt + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends
