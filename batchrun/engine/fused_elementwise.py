@@ -130,12 +130,16 @@ class ExactRMSNorm(torch.nn.Module):
         ):
             return self._hf[0](x)  # HF's promotion rules or autograd: its own code
         variance = x.pow(2).mean(-1, keepdim=True)  # of HF's own tensor, whatever its layout
-        out, eps = torch.empty(x.shape, dtype=x.dtype), self.variance_epsilon
-        if not self._kernels.rms_norm_scale(out, x, variance, self.weight, eps):
-            # rows not one stride apart (a q/k norm over a column slice of a fused q/k/v product): the rest is
-            # elementwise, so the same values from a contiguous copy
-            self._kernels.rms_norm_scale(out, x.contiguous(), variance, self.weight, eps)
-        return out
+        # made from x, as an elementwise result is (no shape from Python inside the forward: test_no_sync.py)
+        out, eps = torch.empty_like(x, memory_format=torch.contiguous_format), self.variance_epsilon
+        kernel = self._kernels.rms_norm_scale
+        # rows not one stride apart (a q/k norm over a column slice of a fused q/k/v product): the rest is
+        # elementwise, so the same values from a contiguous copy
+        if kernel(out, x, variance, self.weight, eps) or kernel(
+            out, x.contiguous(), variance, self.weight, eps
+        ):
+            return out
+        return self._hf[0](x)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fp32, bit-equal (C++ after the variance)"
