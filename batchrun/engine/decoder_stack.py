@@ -170,11 +170,11 @@ KNOWN_MODEL = frozenset(statements(s) for s in MODEL_FORMS)
 WRAPPER_FILES = ("utils/deprecation.py", "utils/generic.py", "utils/output_capturing.py")
 
 
-def _decorators(function) -> set[str] | None:
-    """The names of the decorators `function` was written with; None when its source cannot be read."""
+def _decorators(source: str) -> set[str] | None:
+    """The names of the decorators a function's `source` was written with; None when it cannot be parsed."""
     try:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+        fn = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
         return None
     calls = [d.func if isinstance(d, ast.Call) else d for d in getattr(fn, "decorator_list", [])]
     return {d.id if isinstance(d, ast.Name) else ast.unparse(d) for d in calls}
@@ -196,7 +196,7 @@ def _form(cls, known: frozenset) -> bool:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    decorators = _decorators(cls.forward)
+    decorators = _decorators(source)
     return (
         statements(source) in known
         and decorators is not None
