@@ -113,12 +113,14 @@ def submit(
 
     Runs JOB_FILE; exit 0 once every row has its output rows, 2 for a bad job, 3 when stopped by a signal."""
     from .config import load_job
-    from .job import Job
-    from .report import format_summary
 
     if replicas is not None:
         overrides = (*overrides, f"engine.replicas={replicas}")
+    # the job file first: its mistakes are refused before .job imports torch and transformers (seconds)
     spec = load_job(job_file, overrides)
+    from .job import Job
+    from .report import format_summary
+
     if ray_address is not None:
         return submit_on_ray(spec, ray_address, shard, resume, overwrite, limit, quiet, no_lock)
     job = Job(
@@ -176,10 +178,11 @@ def validate(job_file: Path, overrides) -> None:
     types, unique ids, its rows), the model path, a job-wide response format (it compiles and is enforced), the
     outputs (writable; an object store's conditional writes) and the KV budget against this machine's memory."""
     from .config import load_job
+
+    spec = load_job(job_file, overrides)  # before the imports below (torch, transformers: seconds)
     from .job import check_job, check_outputs
     from .model_loader import check_model_path
 
-    spec = load_job(job_file, overrides)
     source = check_job(spec, spec.input.limit).source
     model = check_model_path(spec.model.path, spec.source_file)
     if (
@@ -406,10 +409,11 @@ def slurm(
     Task i of the array runs shard i/N of JOB_FILE; with --submit the script is submitted and its job id
     printed."""
     from .config import load_job
+
+    spec = load_job(job_file, overrides)  # before the imports below (torch, transformers: seconds)
     from .job import check_job
     from .slurm import SlurmOptions, submit_script, write_script
 
-    spec = load_job(job_file, overrides)
     check_job(spec, spec.input.limit)  # a mistake found here, not in every array task
     opts = SlurmOptions(
         array=array,

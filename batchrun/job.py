@@ -18,12 +18,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import storage
 from .config import JobSpec
-from .engine.sizing import check_memory_budget
-from .engine.structured import check_format
 from .errors import BadInput, JobStopped
 from .heartbeat import Heartbeat
 from .host import place
@@ -32,12 +30,16 @@ from .loop import drive
 from .model_loader import fingerprint_dtype, load_config
 from .pooling_worker import PoolingCheckpoint, open_checkpoint, task_columns
 from .progress import BAR_FORMAT, RemainingTime
-from .replicas import replica_count, run_replicas
-from .rows import InputRow, OutputRow, Shard
+from .rows import InputRow, OutputRow, Shard, row_samples
 from .sinks import OutputSink, check_writable, move_legacy_state
 from .sources import InputSource, OpenAIBatchSource, open_source
 from .stats import StatsCollector, StatsFile
-from .worker import RowWorker, load_worker, row_samples
+
+if TYPE_CHECKING:
+    from .worker import RowWorker
+
+# The engine's modules (worker, replicas, sizing, structured outputs) are imported where a job first needs them:
+# they import torch and transformers (seconds), and a job whose input or outputs are refused never does
 
 
 class ShardRows:
@@ -214,6 +216,8 @@ class Job:
     def _run(self) -> dict:
         from tqdm.auto import tqdm
 
+        from .replicas import replica_count, run_replicas
+
         count = replica_count(self.replicas, self.spec.engine.device)
         total = self.rows.shard_rows()
         self.heartbeat.start(self.rows.input_rows(), total, self.rows.before, count)
@@ -266,6 +270,8 @@ class Job:
 
     def _run_here(self, stats_file: StatsFile) -> dict:
         """One engine, in this process."""
+        from .worker import load_worker
+
         worker = self.worker or load_worker(self.spec, placement=self.placement, checkpoint=self.checkpoint)
         self.worker = worker  # kept: whoever made this job may run another shard on it
         self.loaded()
@@ -355,6 +361,8 @@ def check_job(spec: JobSpec, limit: int | None) -> CheckedJob:
     # a pooling job's pooler keys against the checkpoint's files (an impossible combination)
     checkpoint = open_checkpoint(spec) if spec.task != "generate" else None
     if spec.sampling.structured:
+        from .engine.structured import check_format
+
         try:
             check_format(spec.sampling.response_format)
         except ValueError as e:
@@ -378,6 +386,8 @@ def check_outputs(spec: JobSpec) -> None:
         )
     except Exception:  # noqa: BLE001 - an unreadable config is the load's to report
         model_config = None
+    from .engine.sizing import check_memory_budget
+
     try:
         check_memory_budget(spec.engine, model_config, placement.dtype, placement.device)
     except BadInput as e:

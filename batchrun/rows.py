@@ -215,3 +215,10 @@ def row_seed(seed: int, row_id: Any, sample: int) -> int:
     """The generator seed of one sample of one row: its output depends on nothing else."""
     digest = hashlib.sha256(f"{seed}:{row_id!r}:{sample}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def row_samples(row: InputRow, params) -> int:
+    """How many output rows an input row has: its own n when it sets a valid one (an error row too); `params`:
+    the job's SamplingParams (their n otherwise)."""
+    n = row.sampling.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else params.n

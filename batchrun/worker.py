@@ -17,7 +17,7 @@ from .errors import BadInput
 from .host import Placement
 from .llm import LLM, Prompt
 from .progress import rows_in_flight_done
-from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_seed
+from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_samples, row_seed
 from .stats import StatsCollector
 
 
@@ -31,12 +31,6 @@ class RowState:
 def row_window(spec: JobSpec) -> int:
     """How many rows to keep queued in an engine: enough to fill max_num_seqs after the running ones."""
     return max(spec.engine.max_num_seqs, 16)
-
-
-def row_samples(row: InputRow, params: SamplingParams) -> int:
-    """How many output rows an input row has: its own n when it sets a valid one (an error row too)."""
-    n = row.sampling.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else params.n
 
 
 class RowWorker:

@@ -62,9 +62,10 @@ def load():
 
 
 def build_dir() -> Path:
-    """Where the extension is built: one folder per source, torch, Python environment and kind of CPU
+    """Where the extension is built: one folder per source, checkout, torch, Python environment and kind of CPU
     (-march=native; a cache folder may be shared between machines and versions; torch's build file names the
-    interpreter, so two environments sharing a folder would rebuild it each time the other ran)."""
+    interpreter and the sources' paths, so two environments or two checkouts sharing a folder would rebuild it
+    each time the other ran)."""
     return cache_dir() / "torch_extensions" / f"cpu_kernels-{_build_key()}"
 
 
@@ -107,7 +108,8 @@ def _build_key() -> str:
         )
     )
     key.update(
-        f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{platform.machine()}|{cpu_description()}".encode()
+        f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{SOURCE.parent}|{platform.machine()}|"
+        f"{cpu_description()}".encode()
     )
     return key.hexdigest()[:16]
 

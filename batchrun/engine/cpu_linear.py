@@ -16,6 +16,7 @@ a plain float tensor of a stock `nn.Linear` stays as it is (`plain_float_linear`
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -55,16 +56,22 @@ def available(dtype: torch.dtype) -> bool:
 def read_directly(model: torch.nn.Module) -> set[str]:
     """Names of child modules whose weight or bias the model's own code reads (`self.gate.weight.dtype`,
     `F.linear(x, self.classifier.weight)`): a PackedLinear has no plain weight to read, so those stay."""
-    import inspect
-
     names: set[str] = set()
     for cls in {type(m) for m in model.modules()}:
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            continue
-        names |= set(re.findall(r"\.(\w+)\.(?:weight|bias)\b", source))
+        names |= _read_directly_by(cls)
     return names
+
+
+@functools.cache
+def _read_directly_by(cls: type) -> frozenset[str]:
+    """Once per class (reading a class's source tokenizes its file)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"\.(\w+)\.(?:weight|bias)\b", source))
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

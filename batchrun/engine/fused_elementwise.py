@@ -20,6 +20,7 @@ module's parameters and children under their names; `restore` puts HF's modules 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 
@@ -76,8 +77,16 @@ KNOWN_MLPS = {statements(s) for s in MLP_FORWARDS}
 
 
 def forward_of(module: torch.nn.Module) -> str | None:
+    """The statements of the module's class forward (`statements`); None when its source cannot be read."""
+    return _statements_of(type(module).forward)
+
+
+@functools.cache
+def _statements_of(forward) -> str | None:
+    """Once per function: reading a function's source tokenizes its whole file, and a model asks this of every
+    norm, MLP and layer (a 30-layer model's load asked it 608 times, a fifth of the load)."""
     try:
-        return statements(inspect.getsource(type(module).forward))
+        return statements(inspect.getsource(forward))
     except (OSError, TypeError):
         return None
 

@@ -21,6 +21,7 @@ recorded.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 import types
@@ -120,12 +121,18 @@ def fused_forward(
 
 
 def attention_returns_o_proj(attention: torch.nn.Module) -> bool:
+    return _ends_with_o_proj(type(attention).forward) and plain_linear(getattr(attention, "o_proj", None))
+
+
+@functools.cache
+def _ends_with_o_proj(forward) -> bool:
+    """Once per function (as fused_elementwise.forward_of): the forward's last two statements are ATTENTION_TAIL."""
     try:
-        source = textwrap.dedent(inspect.getsource(type(attention).forward))
+        source = textwrap.dedent(inspect.getsource(forward))
         body = ast.parse(source).body[0].body
     except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
         return False
-    return [ast.dump(s) for s in body[-2:]] == _TAIL and plain_linear(getattr(attention, "o_proj", None))
+    return [ast.dump(s) for s in body[-2:]] == _TAIL
 
 
 def mlp_returns_down_proj(mlp: torch.nn.Module) -> bool:

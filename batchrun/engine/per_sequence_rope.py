@@ -35,7 +35,6 @@ import inspect
 
 import torch
 from transformers import modeling_rope_utils
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .attention import AttentionMetadata, UnsupportedModel, int_tensor, refusal
 
@@ -244,6 +243,10 @@ class DynamicNtkFrequencies:
 def _is_standard_dynamic_rotary(module: torch.nn.Module) -> bool:
     """The module's forward is transformers' standard rotary forward (Llama's, which most families copy: compared
     by its compiled code) under `dynamic_rope_update`, and its dynamic NTK is transformers' own function."""
+    # here, not at the top: the job's checks before the load import this module, and Llama's modeling file
+    # imports much of torch (compiler, distributed tensors: seconds before a bad job file could be refused)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     forward = type(module).forward
     standard = LlamaRotaryEmbedding.forward
     inner = getattr(forward, "__wrapped__", None)
