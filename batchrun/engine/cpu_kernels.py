@@ -62,10 +62,11 @@ def load():
 
 
 def build_dir() -> Path:
-    """Where the extension is built: one folder per source, checkout, torch, Python environment and kind of CPU
-    (-march=native; a cache folder may be shared between machines and versions; torch's build file names the
-    interpreter and the sources' paths, so two environments or two checkouts sharing a folder would rebuild it
-    each time the other ran)."""
+    """Where the extension is built: one folder per source, checkout, torch install, Python and kind of CPU
+    (-march=native; a cache folder may be shared between machines and versions). torch's build file names the
+    sources' paths and torch's and Python's include folders, so two checkouts, or two torch installs, sharing a
+    folder would rebuild it each time the other ran; two environments over one torch install (`make test`'s
+    .venv-quant over .venv) write the same build file and share one build."""
     return cache_dir() / "torch_extensions" / f"cpu_kernels-{_build_key()}"
 
 
@@ -101,6 +102,7 @@ def _build_key() -> str:
     import hashlib
     import platform
     import sys
+    import sysconfig
 
     key = hashlib.sha256(
         b"".join(
@@ -108,8 +110,8 @@ def _build_key() -> str:
         )
     )
     key.update(
-        f"{torch.__version__}|{sys.version_info[:2]}|{sys.prefix}|{SOURCE.parent}|{platform.machine()}|"
-        f"{cpu_description()}".encode()
+        f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version_info[:2]}|"
+        f"{sysconfig.get_paths()['include']}|{SOURCE.parent}|{platform.machine()}|{cpu_description()}".encode()
     )
     return key.hexdigest()[:16]
 

@@ -60,8 +60,9 @@ class InputBatch:
         # order the rows came back in, and a step's tables stay views of the buffers (block_table_buffer.py)
         self._free = list(range(capacity))
         # the last step's request ids and their rows (`rows`): a decode step's sampled tokens go onto the very
-        # rows it ran, so `append` reuses them instead of looking every id up again (a row never moves while
-        # its request holds it: forks take new rows, finished requests give theirs back after the append)
+        # rows it ran, and the next step most often runs the same requests in the same order, so both reuse
+        # them instead of looking every id up again (a row never moves while its request holds it: forks take
+        # new rows; a row given back forgets them, as another request may take it)
         self._step_ids: list[int] = []
         self._step_rows = np.zeros(0, dtype=np.int64)
 
@@ -107,7 +108,7 @@ class InputBatch:
         """The step's sampled tokens, one per request, onto the ends of their rows (one indexed write)."""
         if not req_ids:
             return
-        rows = self._step_rows if req_ids == self._step_ids else self.rows(req_ids, keep=False)
+        rows = self.rows(req_ids, keep=False)
         ends = self.num_tokens[rows]
         self._fit(int(ends.max()) + 1)
         self.token_ids[rows, ends] = tokens
@@ -117,6 +118,8 @@ class InputBatch:
     def rows(self, req_ids: list[int], keep: bool = True) -> np.ndarray:
         """[S] int64: the requests' rows (the step's per-sequence values are gathered by them); `keep`: kept as
         the step's, for `append`."""
+        if req_ids == self._step_ids:  # the last step's requests in the same order (most decode steps)
+            return self._step_rows
         row_of = self.row_of
         rows = np.fromiter([row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
         if keep:
