@@ -141,9 +141,11 @@ def test_a_build_killed_midway_does_not_hang_the_next_process():
     assert not stale.exists()
 
 
-def test_the_build_folder_is_keyed_by_source_torch_and_cpu(tmp_path, monkeypatch):
+def test_the_build_folder_is_keyed_by_source_checkout_torch_and_cpu(tmp_path, monkeypatch):
     """Issue 24, item 5: two checkouts (or installed versions) of other sources, or two torch versions, rebuilt
-    each other's build in turn in one folder per CPU; each now has its own, and `make install` builds it."""
+    each other's build in turn in one folder per CPU; each now has its own, and `make install` builds it. Two
+    checkouts of the same sources, or two torch installs, have one each too; two environments over one torch
+    install share one."""
     from batchrun.engine import cpu_kernels
 
     here = build_dir()
@@ -157,6 +159,22 @@ def test_the_build_folder_is_keyed_by_source_torch_and_cpu(tmp_path, monkeypatch
     monkeypatch.undo()
     monkeypatch.setattr(cpu_kernels, "cpu_description", lambda: "another CPU")
     assert build_dir() != here
+    monkeypatch.undo()
+    # a second checkout of the same sources (torch's build file names the sources' paths)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / cpu_kernels.SOURCE.name).write_bytes(cpu_kernels.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCE", checkout / cpu_kernels.SOURCE.name)
+    assert build_dir() != here
+    monkeypatch.undo()
+    # another torch install of the same version (its include folder is in the build file)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "site-packages" / "torch" / "__init__.py"))
+    assert build_dir() != here
+    monkeypatch.undo()
+    # another environment over the same torch install (make test's .venv-quant over .venv) shares the build:
+    # its build file is the same, and a folder of its own compiled the kernels a second time
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv-quant"))
+    assert build_dir() == here
     monkeypatch.undo()
     assert build_dir() == here
     makefile = (Path(__file__).parent.parent / "Makefile").read_text()

@@ -2,6 +2,8 @@
 
 import json
 import resource
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -247,6 +249,29 @@ def test_validate_refuses_what_submit_refuses(tmp_path, extra, words):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     for w in words:
         assert w in r.stderr, (w, r.stderr)
+
+
+def test_a_bad_job_file_is_refused_before_torch_is_imported(tmp_path):
+    """submit, validate and slurm read the job file before they import the engine: a mistake in it is refused in
+    a fraction of a second, not after the seconds torch and transformers take to import (a fresh interpreter,
+    so nothing here has imported them first)."""
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: t\ninput:\n  parquet: {tmp_path / 'in.parquet'}\nsampling:\n  max_new_tokens: -3\n"
+        f"output:\n  path: {tmp_path / 'out'}\n",
+    )
+    probe = f"""
+import sys
+from click.testing import CliRunner
+from batchrun.cli import main
+import batchrun.job  # the module alone imports no engine either
+for cmd in (["submit", "--quiet"], ["validate"], ["slurm", "--array", "2"]):
+    r = CliRunner().invoke(main, [*cmd, {str(job)!r}])
+    assert r.exit_code == 2 and "sampling.max_new_tokens" in r.output, (cmd, r.exit_code, r.output)
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_duplicate_ids_are_rejected_before_any_work(tmp_path):

@@ -108,7 +108,7 @@ class FusedRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.requires_grad:
             return self._hf[0](x)  # HF's promotion rules or autograd: its own code
-        out = torch.empty(x.shape, dtype=x.dtype)  # the kernel takes [..., H] rows: no reshape, no view
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)  # [..., H] rows: no reshape, no view
         eps = self.variance_epsilon
         if not self._kernels.rms_norm(out, x, self.weight, eps):  # rows not one stride apart: made so
             self._kernels.rms_norm(out, x.contiguous(), self.weight, eps)

@@ -101,7 +101,7 @@ def fused_forward(
     )
     norm = self.post_attention_layernorm
     if isinstance(norm, FusedRMSNorm):
-        normed = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
+        normed = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         if kernels.add_rms_norm(normed, hidden_states, residual, norm.weight, norm.variance_epsilon):
             residual = hidden_states
             hidden_states = normed
