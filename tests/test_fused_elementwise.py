@@ -258,6 +258,38 @@ def test_what_does_not_fit_stays_as_hf_wrote_it():
     assert counts(hooked)[0] == 2 * TINY["num_hidden_layers"]
 
 
+def foreign_wrapper(module: torch.nn.Module):
+    """Give `module` a class whose forward a `functools.wraps` wrapper from outside transformers doubles (a
+    profiler's or a patch's wrapper): `inspect` reads the wrapped forward's source through it."""
+    import functools
+
+    inner = type(module).forward
+
+    @functools.wraps(inner)
+    def doubled(self, *args, **kwargs):
+        return 2 * inner(self, *args, **kwargs)
+
+    module.__class__ = type("Wrapped" + type(module).__name__, (type(module),), {"forward": doubled})
+
+
+def test_a_forward_wrapped_by_code_outside_transformers_stays_as_written():
+    """A norm or an MLP whose forward such a wrapper wraps stays the model's own (the wrapper runs); transformers'
+    own wrappers (a decoder layer's, an attention's) are read through."""
+    model = tiny("llama", torch.bfloat16)
+    norm, mlp = model.model.norm, model.model.layers[0].mlp
+    foreign_wrapper(norm)
+    foreign_wrapper(mlp)
+    fused_elementwise.fuse(model, torch.bfloat16)
+    assert model.model.norm is norm and model.model.layers[0].mlp is mlp
+    assert counts(model) == (2 * TINY["num_hidden_layers"], TINY["num_hidden_layers"] - 1)
+    x = rows(4, TINY["hidden_size"], torch.bfloat16, seed=5)
+    assert torch.equal(norm(x), 2 * type(norm).__mro__[1].forward(norm, x))
+    layer = type(model.model.layers[0])  # Llama's layer forward: under transformers' deprecation wrapper
+    assert hasattr(layer.forward, "__wrapped__") and fused_elementwise.wrapped_by_transformers_alone(
+        layer.forward
+    )
+
+
 def test_a_bf16_llm_runs_fused_and_each_rows_tokens_are_its_own():
     """LLM fuses a bf16 model's 61 norms and 30 MLPs (SmolLM2-135M), an fp32 one's norms alone; with them, a row's
     tokens do not depend on its batch-mates (a prompt alone and among others, in one packed step)."""

@@ -37,7 +37,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from .attention import ATTENTION_NAME
 from .cpu_linear import hooked
-from .fused_elementwise import statements
+from .fused_elementwise import statements, wrapped_by_transformers_alone
 
 # the causal LM's forward: the model's last hidden states, the kept positions, the LM head (Llama's; also
 # Qwen2's, Mistral's, Phi-3's and some thirty others')
@@ -165,11 +165,6 @@ KNOWN_CAUSAL_LM = frozenset(statements(s) for s in CAUSAL_LM_FORMS)
 KNOWN_MODEL = frozenset(statements(s) for s in MODEL_FORMS)
 
 
-# where the decorators' wrappers are defined: a wrapper from anywhere else (a profiler's, a patch's) is code the
-# stack would skip, though `inspect` reads the wrapped function's source through it
-WRAPPER_FILES = ("utils/deprecation.py", "utils/generic.py", "utils/output_capturing.py")
-
-
 def _decorators(source: str) -> set[str] | None:
     """The names of the decorators a function's `source` was written with; None when it cannot be parsed."""
     try:
@@ -183,12 +178,9 @@ def _decorators(source: str) -> set[str] | None:
 def _wrapped_by_transformers_alone(function) -> bool:
     """Every wrapper around `function` is one of transformers' decorators, and what they wrap is a function of
     transformers' own modeling files (not remote code, whose helper functions may differ under the same names)."""
-    while hasattr(function, "__wrapped__"):
-        code = getattr(function, "__code__", None)
-        if code is None or not code.co_filename.replace("\\", "/").endswith(WRAPPER_FILES):
-            return False
-        function = function.__wrapped__
-    return getattr(function, "__module__", "").startswith("transformers.models.")
+    if not wrapped_by_transformers_alone(function):
+        return False
+    return getattr(inspect.unwrap(function), "__module__", "").startswith("transformers.models.")
 
 
 def _form(cls, known: frozenset) -> bool:

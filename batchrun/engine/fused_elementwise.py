@@ -76,8 +76,29 @@ KNOWN_NORMS = {statements(s) for s in NORM_FORWARDS}
 KNOWN_MLPS = {statements(s) for s in MLP_FORWARDS}
 
 
+# transformers' own wrappers around a module's forward (argument renames, output capture, gradient checkpointing:
+# each calls the forward it wraps, unchanged, at inference), by the file that defines them
+TRANSFORMERS_WRAPPERS = tuple(
+    "/transformers/" + f
+    for f in ("utils/deprecation.py", "utils/generic.py", "utils/output_capturing.py", "modeling_layers.py")
+)
+
+
+def wrapped_by_transformers_alone(function) -> bool:
+    """Every wrapper around `function` (a `functools.wraps` chain) is one of transformers' own: `inspect` reads
+    the source of the function innermost, so a wrapper from elsewhere (one that changes the inputs or the output)
+    would pass unseen as the form it wraps."""
+    while hasattr(function, "__wrapped__"):
+        code = getattr(function, "__code__", None)
+        if code is None or not code.co_filename.replace("\\", "/").endswith(TRANSFORMERS_WRAPPERS):
+            return False
+        function = function.__wrapped__
+    return True
+
+
 def forward_of(module: torch.nn.Module) -> str | None:
-    """The statements of the module's class forward (`statements`); None when its source cannot be read."""
+    """The statements of the module's class forward (`statements`); None when its source cannot be read or a
+    wrapper around it is not transformers' own."""
     return _statements_of(type(module).forward)
 
 
@@ -85,6 +106,8 @@ def forward_of(module: torch.nn.Module) -> str | None:
 def _statements_of(forward) -> str | None:
     """Once per function: reading a function's source tokenizes its whole file, and a model asks this of every
     norm, MLP and layer (a 30-layer model's load asked it 608 times, a fifth of the load)."""
+    if not wrapped_by_transformers_alone(forward):
+        return None
     try:
         return statements(inspect.getsource(forward))
     except (OSError, TypeError):
