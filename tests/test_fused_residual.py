@@ -89,14 +89,14 @@ def test_what_does_not_fit_keeps_its_forward():
     model.model.layers[0].register_forward_hook(lambda *a: None)  # hooked: its calls must be seen
     model.model.layers[1].self_attn.o_proj = torch.nn.Sequential(model.model.layers[1].self_attn.o_proj)
     assert fused_residual.install(model) == 0  # the second's attention output is not a product's new tensor
+    # a wrapper from outside transformers around a layer's or an attention's forward: that layer keeps its own
+    # forward (the fused one would skip the layer's wrapper, or add into an output the attention's wrapper keeps)
     from test_fused_elementwise import foreign_wrapper
 
-    wrapped = llama(
-        torch.float32
-    )  # a wrapper from outside transformers around a layer's forward: it must run
-    foreign_wrapper(wrapped.model.layers[0])
-    assert fused_residual.install(wrapped) == 1 and wrapped.model.layers[0].forward.__func__ is not (
-        fused_residual.fused_forward
-    )
+    for part in (lambda m: m.model.layers[0], lambda m: m.model.layers[0].self_attn):
+        wrapped = llama(torch.float32)
+        foreign_wrapper(part(wrapped))
+        assert fused_residual.install(wrapped) == 1
+        assert "forward" not in vars(wrapped.model.layers[0]) and "forward" in vars(wrapped.model.layers[1])
     gemma2 = tiny_model("gemma2", torch.float32)  # norms after the attention and the MLP: another forward
     assert fused_residual.install(gemma2) == 0

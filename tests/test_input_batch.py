@@ -36,6 +36,26 @@ def test_rows_follow_requests_through_growth():
     assert not batch.row_of
 
 
+def test_a_steps_rows_are_reused_only_for_the_same_requests_in_the_same_order():
+    """`rows` gives the last step's rows back for the same ids in the same order (most decode steps) and looks
+    them up again otherwise: other ids or order, the caller's list changed after, a row given back (another
+    request may take it), no ids at all."""
+    batch = InputBatch(4, width=4)
+    batch.add([NewRequest(i, [i], 1, None) for i in (10, 11, 12)])
+    ids = [12, 10]
+    assert batch.rows(ids).tolist() == [2, 0]
+    ids.append(11)  # the caller's list, changed after it was kept
+    kept = batch.rows(ids)
+    assert kept.tolist() == [2, 0, 1] and batch.rows([12, 10, 11]) is kept
+    assert batch.rows([10, 12]).tolist() == [0, 2]  # another order: looked up (and kept)
+    batch.remove([10])
+    assert batch.rows([]).tolist() == []
+    batch.add([NewRequest(13, [13], 1, None)])  # takes row 0, given back by 10
+    assert batch.rows([12, 13]).tolist() == [2, 0]
+    batch.append([12, 13], [7, 8])  # the step's tokens onto the rows it ran
+    assert _tokens(batch, 12) == [12, 7] and _tokens(batch, 13) == [13, 8]
+
+
 def test_integrity_check_catches_a_stale_table_or_position():
     """The runner's rows follow the plan's changes alone (new block ids, computed counts): after each step of a
     small engine they equal the block manager's tables and the sequences' counts, and a row written wrong (a

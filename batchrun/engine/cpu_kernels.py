@@ -7,8 +7,9 @@ attention with AVX512-BF16 dot products; (cpu_kv_write.cpp) a layer's K/V writte
 Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed) by `make install`
 (`python -m batchrun.engine.cpu_kernels`), or else at first use, into the cache folder
 (`$BATCHRUN_CACHE/torch_extensions`, default ~/.cache/batchrun), then loaded in well under a second. The build
-folder is keyed by the source, the torch and Python versions and the CPU: two checkouts or installed versions
-never rebuild each other's build in turn, and a job waits on a build lock only while its very build is made.
+folder is keyed by the sources and their checkout, the torch install and version, Python's version and include
+folder, and the CPU (`build_dir`): two checkouts or installed versions never rebuild each other's build in turn,
+two environments over one torch share one, and a job waits on a build lock only while its very build is made.
 Where it cannot be built, `load()` warns with the reason and returns None: `attention: torch` falls back to
 `gather`, and `argmax_rows` to torch's argmax.
 """
@@ -111,7 +112,7 @@ def _build_key() -> str:
     )
     key.update(
         f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version_info[:2]}|"
-        f"{sysconfig.get_paths()['include']}|{SOURCE.parent}|{platform.machine()}|{cpu_description()}".encode()
+        f"{sysconfig.get_path('include', scheme='nt' if os.name == 'nt' else 'posix_prefix')}|{SOURCE.parent}|{platform.machine()}|{cpu_description()}".encode()
     )
     return key.hexdigest()[:16]
 

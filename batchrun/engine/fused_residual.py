@@ -30,7 +30,14 @@ import torch
 
 from . import cpu_kernels
 from .cpu_linear import hooked, plain_linear
-from .fused_elementwise import KNOWN_MLPS, FusedRMSNorm, SiluAndMulMLP, forward_of, statements
+from .fused_elementwise import (
+    KNOWN_MLPS,
+    FusedRMSNorm,
+    SiluAndMulMLP,
+    forward_of,
+    statements,
+    wrapped_by_transformers_alone,
+)
 
 LAYER_FORWARDS = (
     """
@@ -126,7 +133,10 @@ def attention_returns_o_proj(attention: torch.nn.Module) -> bool:
 
 @functools.cache
 def _ends_with_o_proj(forward) -> bool:
-    """Once per function (as fused_elementwise.forward_of): the forward's last two statements are ATTENTION_TAIL."""
+    """Once per function (as fused_elementwise.forward_of): the forward's last two statements are ATTENTION_TAIL,
+    and no wrapper from outside transformers is around it (one could keep or return the output the add reuses)."""
+    if not wrapped_by_transformers_alone(forward):
+        return False
     try:
         source = textwrap.dedent(inspect.getsource(forward))
         body = ast.parse(source).body[0].body

@@ -95,7 +95,7 @@ class InputBatch:
 
     def remove(self, req_ids) -> None:
         if req_ids:  # a row given back may be taken by another request: the step's rows are not reused
-            self._step_ids = []
+            self._step_ids, self._step_rows = [], np.zeros(0, dtype=np.int64)
         for req_id in req_ids:
             row = self.row_of.pop(req_id, None)
             if row is not None:
@@ -118,12 +118,12 @@ class InputBatch:
     def rows(self, req_ids: list[int], keep: bool = True) -> np.ndarray:
         """[S] int64: the requests' rows (the step's per-sequence values are gathered by them); `keep`: kept as
         the step's, for `append`."""
-        if req_ids == self._step_ids:  # the last step's requests in the same order (most decode steps)
+        if req_ids and req_ids == self._step_ids:  # the last step's requests in the same order (most decodes)
             return self._step_rows
         row_of = self.row_of
         rows = np.fromiter([row_of[i] for i in req_ids], dtype=np.int64, count=len(req_ids))
-        if keep:
-            self._step_ids, self._step_rows = req_ids, rows
+        if keep:  # a copy: the caller's list may change after
+            self._step_ids, self._step_rows = list(req_ids), rows
         return rows
 
     def decode_ids(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:

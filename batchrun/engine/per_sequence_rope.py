@@ -243,8 +243,8 @@ class DynamicNtkFrequencies:
 def _is_standard_dynamic_rotary(module: torch.nn.Module) -> bool:
     """The module's forward is transformers' standard rotary forward (Llama's, which most families copy: compared
     by its compiled code) under `dynamic_rope_update`, and its dynamic NTK is transformers' own function."""
-    # here, not at the top: the job's checks before the load import this module, and Llama's modeling file
-    # imports much of torch (compiler, distributed tensors: seconds before a bad job file could be refused)
+    # here, not at the top: `batchrun validate`'s memory check reaches this module through the KV sizing, and
+    # Llama's modeling file imports much of torch (its compiler, distributed tensors: seconds) that it never needs
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     forward = type(module).forward
