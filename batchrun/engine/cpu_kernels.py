@@ -110,9 +110,12 @@ def _build_key() -> str:
             f.read_bytes() for f in (SOURCE, ELEMENTWISE, PROMPTS, DECODE_BF16, KV_WRITE, RESIDUAL, *HEADERS)
         )
     )
+    # Python's include folder as torch's builder reads it (cpp_extension names it in the build file)
+    python_include = sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix")
+    torch_install = Path(torch.__file__).parent
     key.update(
-        f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version_info[:2]}|"
-        f"{sysconfig.get_path('include', scheme='nt' if os.name == 'nt' else 'posix_prefix')}|{SOURCE.parent}|{platform.machine()}|{cpu_description()}".encode()
+        f"{torch.__version__}|{torch_install}|{sys.version_info[:2]}|{python_include}|{SOURCE.parent}|"
+        f"{platform.machine()}|{cpu_description()}".encode()
     )
     return key.hexdigest()[:16]
 
