@@ -37,7 +37,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from .attention import ATTENTION_NAME
 from .cpu_linear import hooked
-from .fused_elementwise import statements, wrapped_by_transformers_alone
+from .fused_elementwise import forward_source, statements
 
 # the causal LM's forward: the model's last hidden states, the kept positions, the LM head (Llama's; also
 # Qwen2's, Mistral's, Phi-3's and some thirty others')
@@ -175,25 +175,19 @@ def _decorators(source: str) -> set[str] | None:
     return {d.id if isinstance(d, ast.Name) else ast.unparse(d) for d in calls}
 
 
-def _wrapped_by_transformers_alone(function) -> bool:
-    """Every wrapper around `function` is one of transformers' decorators, and what they wrap is a function of
-    transformers' own modeling files (not remote code, whose helper functions may differ under the same names)."""
-    if not wrapped_by_transformers_alone(function):
-        return False
-    return getattr(inspect.unwrap(function), "__module__", "").startswith("transformers.models.")
-
-
 def _form(cls, known: frozenset) -> bool:
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
+    """`cls.forward` is a known form, with transformers' decorators alone (its wrappers checked by
+    `forward_source`), and a function of transformers' own modeling files (not remote code, whose helper functions
+    may differ under the same names)."""
+    source = forward_source(cls.forward)
+    if source is None:
         return False
     decorators = _decorators(source)
     return (
         statements(source) in known
         and decorators is not None
         and decorators <= DECORATORS
-        and _wrapped_by_transformers_alone(cls.forward)
+        and getattr(inspect.unwrap(cls.forward), "__module__", "").startswith("transformers.models.")
     )
 
 

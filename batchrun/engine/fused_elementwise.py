@@ -96,22 +96,29 @@ def wrapped_by_transformers_alone(function) -> bool:
     return True
 
 
+@functools.cache
+def forward_source(forward) -> str | None:
+    """The source of a module class's `forward`, read once per function (reading a function's source tokenizes its
+    whole file, and a load asks this of every norm, MLP, attention and layer); None when it cannot be read or a
+    wrapper around it is not transformers' own (`wrapped_by_transformers_alone`). Every form check reads its
+    forward here."""
+    if not wrapped_by_transformers_alone(forward):
+        return None
+    try:
+        return inspect.getsource(forward)
+    except (OSError, TypeError):
+        return None
+
+
 def forward_of(module: torch.nn.Module) -> str | None:
-    """The statements of the module's class forward (`statements`); None when its source cannot be read or a
-    wrapper around it is not transformers' own."""
+    """The statements of the module's class forward (`statements`); None where `forward_source` gives none."""
     return _statements_of(type(module).forward)
 
 
 @functools.cache
 def _statements_of(forward) -> str | None:
-    """Once per function: reading a function's source tokenizes its whole file, and a model asks this of every
-    norm, MLP and layer (a 30-layer model's load asked it 608 times, a fifth of the load)."""
-    if not wrapped_by_transformers_alone(forward):
-        return None
-    try:
-        return statements(inspect.getsource(forward))
-    except (OSError, TypeError):
-        return None
+    source = forward_source(forward)
+    return None if source is None else statements(source)
 
 
 def silu(module) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import textwrap
 import types
 
@@ -35,8 +34,8 @@ from .fused_elementwise import (
     FusedRMSNorm,
     SiluAndMulMLP,
     forward_of,
+    forward_source,
     statements,
-    wrapped_by_transformers_alone,
 )
 
 LAYER_FORWARDS = (
@@ -133,14 +132,14 @@ def attention_returns_o_proj(attention: torch.nn.Module) -> bool:
 
 @functools.cache
 def _ends_with_o_proj(forward) -> bool:
-    """Once per function (as fused_elementwise.forward_of): the forward's last two statements are ATTENTION_TAIL,
-    and no wrapper from outside transformers is around it (one could keep or return the output the add reuses)."""
-    if not wrapped_by_transformers_alone(forward):
+    """Once per function: the forward's last two statements are ATTENTION_TAIL (its source by `forward_source`,
+    so none under a wrapper from outside transformers, which could keep or return the output the add reuses)."""
+    source = forward_source(forward)
+    if source is None:
         return False
     try:
-        source = textwrap.dedent(inspect.getsource(forward))
-        body = ast.parse(source).body[0].body
-    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        body = ast.parse(textwrap.dedent(source)).body[0].body
+    except (SyntaxError, IndexError, AttributeError):
         return False
     return [ast.dump(s) for s in body[-2:]] == _TAIL
 
