@@ -5,7 +5,8 @@ scheduler turns the fast path off and cuts nothing), must give the same plans st
 sequence computes, its new block-table entries, preemptions, swaps), the same block tables and free counts,
 tables as long as a recount of each sequence's tokens says, every page held counted once in the free count, the
 runner's copy of the tables built from the plans alone equal to the block manager's, and `check_integrity()`
-every step. Page size 16; sequences cross several page boundaries while others are preempted (swapped or
+every step. Steps where every running sequence decodes are planned over the scheduler's columns
+(steady_decodes.py; the general path's plans are the loop's), and the columns are checked every step. Page size 16; sequences cross several page boundaries while others are preempted (swapped or
 dropped for recompute) and come back, beside a parallel sample's shared pages and a shared prefix (which turn
 the fast path off while they are held twice), in one KV cache group and in two; a sliding-window group keeps
 every decode on the general path."""
@@ -21,6 +22,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.kv_coordinator import KVCacheCoordinator
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import NULL_PAGE, Sequence
+from batchrun.engine.steady_decodes import SteadyDecodes
 
 P = 16
 GROUPS = {
@@ -71,7 +73,7 @@ class Run:
         self.scheduler = Scheduler(config, KVCacheCoordinator(self.bm), encoder=encoder)
         for s in workload():
             self.scheduler.add(s)
-        self.appended, self.preempted, self.swapped_in = 0, 0, 0
+        self.appended, self.preempted, self.swapped_in, self.steady_steps = 0, 0, 0, 0
         append = self.bm.append_pages
 
         def counted(entry, num_blocks):
@@ -84,6 +86,7 @@ class Run:
     def step(self) -> tuple:
         """One step: what it planned, as plain values."""
         plan, bm = self.scheduler.schedule(), self.bm
+        self.steady_steps += plan.decodes is not None
         self.preempted += len(plan.preempted)
         self.swapped_in += len(plan.swap_in)
         planned = [(s.seq.seq_id, s.start, s.num_new_tokens, s.new_block_ids) for s in plan.scheduled]
@@ -110,6 +113,8 @@ class Run:
                 self.scheduler.finish(seq)
         live = self.scheduler.live_sequences()
         bm.check_integrity(live)
+        if self.scheduler.steady is not None:
+            self.scheduler.steady.check(self.scheduler.running, bm, self.scheduler.kv.prefix_cache)
         self.runner.check(self.scheduler.running, bm)
         held = {p for e in bm.sequences.values() for t in e.tables for p in t if p != NULL_PAGE}
         assert bm.num_free_pages == bm.num_pages - len(held)
@@ -136,7 +141,16 @@ class Run:
 
 @pytest.mark.parametrize("groups", sorted(GROUPS))
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
-def test_the_decode_fast_path_plans_what_the_general_path_plans(groups, preemption):
+def test_the_decode_fast_path_plans_what_the_general_path_plans(groups, preemption, monkeypatch):
+    refused = []  # steps the steady columns could not plan (too few free pages: the loop preempts)
+    plan = SteadyDecodes.plan
+
+    def counted(self, *args):
+        decodes = plan(self, *args)
+        refused.append(decodes is None)
+        return decodes
+
+    monkeypatch.setattr(SteadyDecodes, "plan", counted)
     fast, general = Run(groups, preemption, general=False), Run(groups, preemption, general=True)
     for step in range(2000):
         if not fast.scheduler.has_unfinished():
@@ -148,8 +162,28 @@ def test_the_decode_fast_path_plans_what_the_general_path_plans(groups, preempti
     assert not general.scheduler.has_unfinished()
     assert fast.bm.num_free_pages == fast.bm.num_pages and not fast.bm.sequences
     assert fast.preempted > 0 and (preemption == "recompute" or fast.swapped_in > 0)  # the pool was tight
-    assert general.appended == 0
+    assert general.appended == 0 and general.steady_steps == 0
     if groups == "full+window":  # pages go back behind the window: never the fast path
-        assert fast.appended == 0
-    else:  # many decodes crossed into a new page by the fast path
-        assert fast.appended >= 10
+        assert fast.appended == 0 and fast.steady_steps == 0
+    else:  # many decodes crossed into a new page by the fast path, steps planned over its columns among them
+        assert fast.appended >= 10 and fast.steady_steps >= 10 and any(refused)
+
+
+def test_the_steady_columns_are_checked_against_the_sequences():
+    """`SteadyDecodes.check` fails on a sequence whose computed count, length limit or pages moved under it."""
+    run = Run("full", "swap", general=False)
+    while run.scheduler.steady is None:
+        run.step()
+    steady, running, cache = run.scheduler.steady, run.scheduler.running, run.bm.prefix_cache
+    steady.check(running, run.bm, cache)
+    seq = next(iter(running))
+    for field, change in [("num_computed_tokens", 1), ("reserved_tokens", -1)]:
+        setattr(seq, field, getattr(seq, field) + change)
+        with pytest.raises(AssertionError):
+            steady.check(running, run.bm, cache)
+        setattr(seq, field, getattr(seq, field) - change)
+    steady.rooms[0] += P
+    with pytest.raises(AssertionError):
+        steady.check(running, run.bm, cache)
+    steady.rooms[0] -= P
+    steady.check(running, run.bm, cache)

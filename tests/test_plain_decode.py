@@ -1,5 +1,6 @@
 """The plain decode step (OutputProcessor._decode_plain: every live request greedy, with no grammar, logprobs or
-stop strings, and every scheduled sequence generating) against the general path (`process` with `plain` off):
+stop strings, and every scheduled sequence generating; its checks over the step's columns) against the general
+path (`process` with `plain` off), steps planned over the scheduler's steady columns among them both ways:
 one workload run both ways must give the same tokens, finish reasons and step results, EOS reached and ignored,
 the length limit and the context limit reached, and a greedy n=2 whose sample is forked. And the flag itself:
 one request that is not plain turns it off while any request is live, and it comes back with the next plain
@@ -52,14 +53,17 @@ def workload(tiny, eos: int | None, plain: bool, monkeypatch) -> tuple[list, lis
     ]
     for i, (prompt, params) in enumerate(requests):
         engine.add(prompt, params, request=i)
-    done, steps = {}, []
+    done, steps, steady_steps = {}, [], 0
     while engine.has_unfinished():
         if not plain:
             engine.outputs.plain = False
         r = engine.step()
+        engine.check_integrity()  # the scheduler's steady columns among the rest
+        steady_steps += r.plan.decodes is not None
         steps.append((r.num_generated, sorted(s.seq_id for s in r.finished), r.sampled))
         for s in r.finished:
             done.setdefault(s.request, []).append((s.sample_index, list(s.output_token_ids), s.finish_reason))
+    assert steady_steps >= 3  # steps planned over the scheduler's columns (steady_decodes.py), both ways
     return [sorted(done[i]) for i in range(len(requests))], steps, len(calls)
 
 

@@ -165,7 +165,6 @@ class Engine:
             self.tokenizer,
             plan.vocab_size,
             self.eos_token_ids,
-            plan.max_model_len,
             self.scheduler,
             self.times,
         )
@@ -380,7 +379,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Page and state-slot bookkeeping agrees with every live sequence, the runner's persistent block
-        tables with the block manager's and its input batch's rows with the sequences (AssertionError otherwise)."""
-        running = self.scheduler.running
+        tables with the block manager's, its input batch's rows and the scheduler's steady columns with the
+        sequences (AssertionError otherwise)."""
+        running, steady = self.scheduler.running, self.scheduler.steady
         self.kv.check_integrity(running, self.scheduler.swapped)
         self.runner.batch.check(self.scheduler.live_sequences(), self.kv.bm.sequences)
+        if steady is not None:  # the scheduler's columns of a steady decode batch (steady_decodes.py)
+            steady.check(running, self.kv.bm, self.kv.prefix_cache)

@@ -86,10 +86,10 @@ class ModelRunner:
         runner's batch and the plan's fields: no live Sequence is read here."""
         # every step, for every sequence: kept lean (host time per step, bench/host.py); per-sequence values are
         # numpy arrays over the batch's rows, staged in persistent buffers (staging.py)
-        scheduled, batch, stage = plan.scheduled, self.batch, self.staging
-        rows = batch.rows([s.req_id for s in scheduled])
+        batch, stage = self.batch, self.staging
+        rows = batch.rows(plan.req_ids)
         starts = batch.num_computed[rows]  # where each row's step begins
-        num_seqs = len(scheduled)
+        num_seqs = plan.num_scheduled
         if plan.num_batched_tokens == num_seqs and not plan.scores_prompts:
             # decode-only (the common step): one token per sequence, at its start
             input_ids, positions, token_rows = batch.decode_ids(rows, starts), starts, rows
@@ -98,9 +98,10 @@ class ModelRunner:
             logits_index = (
                 None
                 if plan.num_generating == num_seqs  # each samples: every token's logits
-                else [i for i, s in enumerate(scheduled) if s.needs_sample_logits]
+                else [i for i, s in enumerate(plan.scheduled) if s.needs_sample_logits]
             )
         else:
+            scheduled = plan.scheduled
             pieces, positions, logits_index, products = [], [], [], []
             query_lens = [s.num_new_tokens for s in scheduled]
             for s, row, start in zip(scheduled, rows.tolist(), starts.tolist()):
@@ -128,7 +129,8 @@ class ModelRunner:
             step.lora = self.lora.step_batch([adapters[r] for r in rows], query_lens, len(positions))
         batch.computed(rows, ends)
         if plan.tables_changed:
-            batch.block_tables.write(rows.tolist(), [s.new_block_ids for s in scheduled])
+            places, news = plan.table_changes()
+            batch.block_tables.write(rows[places].tolist(), news)
         tables = batch.block_tables.step_tables(rows)
         page_index = positions // P  # each token's page in its sequence's table
         offsets = stage.slot_offsets.put(positions % P)  # and its place in that page: every group's
@@ -149,7 +151,7 @@ class ModelRunner:
             for g, table in enumerate(tables)
         ]
         views = {  # each kind's step view, keyed by its tensors' class, from its units in packed order
-            type(tensors): tensors.step_view([s.units[i] for s in scheduled], query_lens, starts)
+            type(tensors): tensors.step_view([s.units[i] for s in plan.scheduled], query_lens, starts)
             for i, tensors in enumerate(self.kind_tensors)
         }
         rotary = None
@@ -169,7 +171,7 @@ class ModelRunner:
         if self.encoder is not None:  # images: what each sequence computes, for the encoder and 3-D positions
             chunks = [
                 (s.req_id, batch.images[r], a, a + n)
-                for s, r, a, n in zip(scheduled, rows.tolist(), starts, query_lens)
+                for s, r, a, n in zip(plan.scheduled, rows.tolist(), starts, query_lens)
             ]
             if self.mrope is not None:  # [3, 1, T]
                 pos = self.mrope.step_positions(pos[0], chunks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import cpu_kernels
@@ -32,14 +33,12 @@ class OutputProcessor:
         tokenizer: Any,
         vocab_size: int,
         eos_token_ids: set[int],
-        max_model_len: int,
         scheduler: Scheduler,
         times: PhaseTimes,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.scheduler = scheduler  # forks the samples of a prefilled prompt, finishes sequences
         self.times = times
         self._grammars: Grammars | None = None  # made on the first structured request
@@ -81,7 +80,7 @@ class OutputProcessor:
         step's tokens are marked computed first (Scheduler.computed: before samples are forked or tokens
         appended), under the "finish" timer; the plain path marks each in its own pass instead."""
         times = self.times
-        if self.plain and plan.num_generating == len(plan.scheduled):
+        if self.plain and plan.num_generating == plan.num_scheduled:
             self._decode_plain(plan, logits, result)
             return
         with times("finish"):
@@ -91,10 +90,10 @@ class OutputProcessor:
             # scoring them changes what is left to score
             if plan.scores_prompts:
                 self._score_prompts(plan, logits)
-            if plan.num_generating == len(plan.scheduled):
+            if plan.num_generating == plan.num_scheduled:
                 # each sequence samples its next generated token (the common step): a logits row each, in order,
                 # no prompt token to count or score, no sample to fork, none done unsampled
-                sampling, rows = [s.seq for s in plan.scheduled], None
+                sampling, rows = plan.seqs, None
             else:
                 sampling, rows = self._sampling_rows(plan, result)
             tokens = self._sample(logits, rows, sampling) if sampling else []
@@ -114,34 +113,35 @@ class OutputProcessor:
 
     def _decode_plain(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
         """`process` where every sequence samples its next generated token greedily, one logits row each, and no
-        request has a grammar, logprobs or stop strings: one argmax over the rows, then one pass appending each
-        token and checking EOS and the length limits (`_check_finished`'s checks that apply). That pass also
-        marks each sequence's token computed (what Scheduler.computed does, sequence by sequence, before the
-        sequence can finish): one pass over the step's sequences instead of two."""
+        request has a grammar, logprobs or stop strings: one argmax over the rows, one pass appending each token
+        and marking it computed (what Scheduler.computed does), then EOS and the length limit checked over the
+        step at once (`_check_finished`'s checks that apply) and only the sequences that finish visited. The
+        step's sequences as columns (scheduler_output.DecodeBatch: as the scheduler planned a steady decode
+        step, or made here from the plan's list)."""
+        batch = plan.decode_batch()
         with self.times("sample"):
-            scheduled = plan.scheduled
-            tokens = cpu_kernels.argmax_rows(logits).tolist()  # sample()'s greedy rows
-            result.sampled = ([s.req_id for s in scheduled], tokens)
+            sampled = cpu_kernels.argmax_rows(logits)  # sample()'s greedy rows
+            tokens = sampled.tolist()
+            result.sampled = (batch.req_ids, tokens)
         with self.times("finish"):
-            eos, max_model_len, finished = self.eos_token_ids, self.max_model_len, result.finished
-            for s, token in zip(scheduled, tokens):  # every step, for every sequence: kept lean
-                seq = s.seq
-                seq.num_computed_tokens = s.start + s.num_new_tokens  # Scheduler.computed's
-                out = seq.output_token_ids
-                out.append(token)
-                params = seq.params
-                if token in eos and not params.ignore_eos:
-                    seq.finish_reason = "eos"
-                elif (
-                    len(out) >= params.max_new_tokens or len(out) + len(seq.prompt_token_ids) >= max_model_len
-                ):
-                    seq.finish_reason = "length"
-                else:
-                    continue
-                self.scheduler.finish(seq)
-                finished.append(seq)
+            ends = batch.positions + 1
+            for seq, token, end in zip(batch.seqs, tokens, ends.tolist()):  # every step, for every sequence
+                seq.output_token_ids.append(token)
+                seq.num_computed_tokens = end  # Scheduler.computed's
             self.scheduler.running_computed_tokens += plan.num_batched_tokens  # as Scheduler.computed adds
             result.num_generated += len(tokens)
+            # each one's count is now end + 1: the length limit is reached at its limit (reserved_tokens)
+            done = ends + 1 >= batch.limits
+            eos = self.eos_token_ids
+            at_eos = None
+            if not eos.isdisjoint(tokens):
+                at_eos = np.isin(sampled.numpy(), list(eos)) & batch.stops_at_eos
+                done |= at_eos
+            for i in np.flatnonzero(done).tolist():  # in the step's order, as the general path finishes them
+                seq = batch.seqs[i]
+                seq.finish_reason = "eos" if at_eos is not None and at_eos[i] else "length"
+                self.scheduler.finish(seq)
+                result.finished.append(seq)
 
     def _sampling_rows(self, plan: SchedulerOutput, result) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample (forked samples of a prompt just prefilled among them) and the logits row
@@ -245,7 +245,7 @@ class OutputProcessor:
             seq.finish_reason = "eos"
         elif params.stop and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens >= seq.reserved_tokens:  # max_new_tokens or the context's limit
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 

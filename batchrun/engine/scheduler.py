@@ -21,6 +21,7 @@ from .kv_coordinator import KVCacheCoordinator
 from .multimodal import EncoderCache
 from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
+from .steady_decodes import SteadyDecodes
 
 # how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
 # adapter would be one more than a step may run
@@ -74,11 +75,12 @@ class Scheduler:
         # sums over `running` of each sequence's reserved_tokens and num_computed_tokens, kept where a sequence
         # enters or leaves it (_enter, _leave) and where its tokens are computed (`computed`, the output
         # processor's plain pass): the statistics read them every step instead of passing over the sequences
-        self.running_reserved_tokens = 0
-        self.running_computed_tokens = 0
+        self.running_reserved_tokens = self.running_computed_tokens = 0
         # whether any request given so far has a LoRA adapter (a fork has its parent's): until one has, a step
         # needs no pass over its sequences to order them by adapter
         self.adapted = False
+        # the running sequences as columns while each only decodes (steady_decodes.py); None once `running` changes
+        self.steady: SteadyDecodes | None = None
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -97,12 +99,14 @@ class Scheduler:
 
     def _enter(self, seq: Sequence) -> None:
         """`seq` runs from now on (admitted, swapped in, forked), its computed tokens counted as they are."""
+        self.steady = None
         self.running[seq] = None
         self.running_reserved_tokens += seq.reserved_tokens
         self.running_computed_tokens += seq.num_computed_tokens
 
     def _leave(self, seq: Sequence) -> None:
         """`seq` runs no more (finished, preempted, to be recomputed): before its computed count changes."""
+        self.steady = None
         del self.running[seq]
         self.running_reserved_tokens -= seq.reserved_tokens
         self.running_computed_tokens -= seq.num_computed_tokens
@@ -113,6 +117,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+        self.steady = None
         self.running_reserved_tokens = self.running_computed_tokens = 0
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -121,13 +126,21 @@ class Scheduler:
         out = SchedulerOutput(kind_copies=self.kv.new_step())
         if self.encoder is not None:
             self.encoder.new_step()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget, plain_decodes = self.config.max_num_batched_tokens, 0
+        left = None if self.steady is None else self.steady.plan(self.kv, out, budget)  # every one decodes
+        if left is None:  # the loop, sequence by sequence
+            self.steady = None
+            left, plain_decodes = self._schedule_running(out, budget)
+        budget = left
         if not out.preempted:
             budget = self._swap_in(out, budget)
             if not self.swapped:
                 budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget  # every path takes its tokens
+        if plain_decodes == out.num_scheduled == len(self.running) > 0 and not (
+            self.adapted or self.kv.managers
+        ):
+            self.steady = SteadyDecodes(out.scheduled, self.kv.bm)  # the next step, over columns
         if self.adapted and any([s.seq.adapter is not None for s in out.scheduled]):
             # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which
             # every adapted layer reads as a slice (no gather, no scatter); the order of a step's sequences
@@ -148,11 +161,11 @@ class Scheduler:
             return 1
         n = seq.num_tokens - start
         if self.whole_prompts:
-            n = n if n <= budget or not out.scheduled else 0
+            n = n if n <= budget or out.is_empty else 0
         else:
             n = min(n, budget)
             if self.whole_images and seq.images is not None:
-                n = seq.images.keep_whole(start, n, first=not out.scheduled)
+                n = seq.images.keep_whole(start, n, first=out.is_empty)
             if self.encoder is not None:
                 n = self.encoder.fit(seq, start, n)
         if n and seq.seq_id in snapshot_ends:
@@ -166,7 +179,8 @@ class Scheduler:
             return self.max_chunk
         return max([self.max_chunk] + [b - a for a, b in images.blocks])
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """The running sequences' step, one by one: the budget left and the decodes planned by the fast path."""
         # a running sequence's growth is pages alone (a state slot never grows): this loop asks the block
         # manager itself (kv.bm: trim, num_pages_to_grow, grow), every step, for every sequence
         kv, running = self.kv, self.running
@@ -229,7 +243,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     out.num_generating += decodes
-                    return budget  # it preempted itself: every sequence after it is gone already
+                    return budget, 0  # it preempted itself: every sequence after it is gone already
                 need = bm.num_pages_to_grow(seq, n)
             if need:  # most decodes write into a page they already own: nothing to grow
                 self._schedule(seq, n, out)
@@ -237,7 +251,7 @@ class Scheduler:
                 self._planned(seq, n, out)
             budget -= n
         out.num_generating += decodes
-        return budget
+        return budget, decodes
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         out.copy_on_write.extend(self.kv.bm.grow(seq, n))
@@ -360,8 +374,12 @@ class Scheduler:
         sampled). The output processor calls it first thing (OutputProcessor.process); its plain decode path
         does the same in its own pass over the step's sequences (and adds the step's tokens to the running sum,
         as here: each scheduled sequence runs, computed from `start`, its count when it was planned)."""
-        for s in plan.scheduled:  # every step, for every sequence: kept lean
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        if plan.decodes is not None:
+            for seq, end in zip(plan.decodes.seqs, (plan.decodes.positions + 1).tolist()):
+                seq.num_computed_tokens = end
+        else:
+            for s in plan.scheduled:  # every step, for every sequence: kept lean
+                s.seq.num_computed_tokens = s.start + s.num_new_tokens
         self.running_computed_tokens += plan.num_batched_tokens
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -1,6 +1,11 @@
 """The scheduler's plan for one step (vLLM v1's `SchedulerOutput`): what each scheduled sequence computes, which
 requests are new to the model runner, and the copies the cache owners make first.
 
+A step whose every sequence decodes the token it generated last comes as columns (`DecodeBatch`, vLLM v1's
+`CachedRequestData` for the case that fills a decode-heavy batch): the sequences, their ids and their starts as
+arrays, the few new pages by place. The model runner and the output processor read the columns; anything else
+reads `scheduled`, which makes each sequence's `ScheduledSequence` from them the first time it is asked.
+
 A scheduled sequence carries, of its block tables, only what changed since the runner last saw them
 (`new_block_ids`, from the block manager's record of what it has handed on): nothing for most decodes, one page
 for a decode crossing into a new page, a copied page for copy on write, and the whole table once for a request
@@ -11,6 +16,8 @@ reads the block manager's lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .cache_kind import KindCopies
 from .input_batch import NewRequest
@@ -71,11 +78,56 @@ class ScheduledSequence:
         )
 
 
+@dataclass(slots=True)
+class DecodeBatch:
+    """A step in which each sequence decodes its last token, a generated one (`ScheduledSequence.decode`'s case:
+    one token at its start, sampled, no prompt position scored, no state unit), as columns."""
+
+    seqs: list[Sequence]
+    req_ids: list[int]  # each one's seq_id (the runner's row of it)
+    # [S] int64: the position of each one's last token this step: a decode's token, at its computed count (of a
+    # plan's list, `of`, a recomputed sequence's last chunk may compute several: its last)
+    positions: np.ndarray
+    # the tokens each may reach (Sequence.reserved_tokens): it finishes by length when its count reaches them
+    limits: np.ndarray
+    stops_at_eos: np.ndarray  # [S] bool: each one's request does not ignore EOS
+    new_block_ids: dict[int, NewBlockIds] = field(
+        default_factory=dict
+    )  # by place: those crossing into a page
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledSequence]) -> DecodeBatch:
+        """The columns of a plan (made by the scheduler's loop) whose sequences each compute generated tokens
+        alone and sample: for the output processor (`scheduled` of it would not give back a chunk's length)."""
+        seqs = [s.seq for s in scheduled]
+        return cls(
+            seqs,
+            [s.req_id for s in scheduled],
+            np.array([s.start + s.num_new_tokens - 1 for s in scheduled], dtype=np.int64),
+            np.array([seq.reserved_tokens for seq in seqs], dtype=np.int64),
+            np.array([not seq.params.ignore_eos for seq in seqs], dtype=bool),
+            {i: s.new_block_ids for i, s in enumerate(scheduled) if s.new_block_ids is not None},
+        )
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def scheduled(self) -> list[ScheduledSequence]:
+        """Each sequence's `ScheduledSequence`, for the readers of a plan that do not read columns."""
+        decode, news = ScheduledSequence.decode, self.new_block_ids
+        return [
+            decode(seq, start, (), news.get(i))
+            for i, (seq, start) in enumerate(zip(self.seqs, self.positions.tolist()))
+        ]
+
+
 @dataclass
 class SchedulerOutput:
-    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest."""
+    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest. Its sequences
+    are `scheduled` or, in a step of decodes alone planned over columns, `decodes` (one of the two at a time)."""
 
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    decodes: DecodeBatch | None = None
+    _scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)  # admitted: the model runner's new rows
     swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page
     swap_in: list[PageCopy] = field(default_factory=list)  # CPU page -> accelerator page
@@ -95,5 +147,39 @@ class SchedulerOutput:
     tables_changed: bool = False
 
     @property
+    def scheduled(self) -> list[ScheduledSequence]:
+        """The step's sequences in order, each as a `ScheduledSequence` (a plan of columns is made one here and
+        is one from then on: the scheduler appends what it plans after its decodes)."""
+        if self.decodes is not None:
+            self._scheduled, self.decodes = self.decodes.scheduled() + self._scheduled, None
+        return self._scheduled
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self._scheduled) if self.decodes is None else len(self.decodes)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled
+
+    @property
+    def req_ids(self) -> list[int]:
+        """The step's sequences' ids, in order."""
+        return [s.req_id for s in self._scheduled] if self.decodes is None else self.decodes.req_ids
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """The step's sequences, in order."""
+        return [s.seq for s in self._scheduled] if self.decodes is None else self.decodes.seqs
+
+    def table_changes(self) -> tuple[list[int], list]:
+        """The places in the step whose block tables changed, and what changed in each (NewBlockIds)."""
+        if self.decodes is not None:
+            news = self.decodes.new_block_ids
+            return list(news), list(news.values())
+        changed = [(i, s.new_block_ids) for i, s in enumerate(self._scheduled) if s.new_block_ids is not None]
+        return [i for i, _ in changed], [new for _, new in changed]
+
+    def decode_batch(self) -> DecodeBatch:
+        """The step's sequences as columns; the caller knows each decodes a generated token."""
+        return self.decodes if self.decodes is not None else DecodeBatch.of(self._scheduled)

@@ -12,7 +12,7 @@ from .config import SamplingParams
 NULL_PAGE = -1  # a block-table entry whose page was given back: behind its group's window, never read again
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A prompt and what has been generated for it.
 
@@ -42,8 +42,9 @@ class Sequence:
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
     images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
     adapter: int | None = None  # its LoRA adapter's id (lora.py); None: the base model
-    # prompt + max_new_tokens within the context limit: the tokens a contiguous reservation would hold for it
-    # (set where the engine makes it; the statistics sum it over the running sequences every step)
+    # prompt + max_new_tokens within the context limit: the most tokens it may reach, where it finishes by length
+    # (the output processor's check) and what a contiguous reservation would hold for it (the statistics sum it
+    # over the running sequences every step); set where the engine makes it
     reserved_tokens: int = 0
 
     @property

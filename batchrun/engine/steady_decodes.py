@@ -1,0 +1,83 @@
+"""The running sequences as columns while each of them only decodes: the scheduler's steady state.
+
+A step of decodes at 256 sequences spent about 1 µs a sequence in the scheduler's loop (the tests of
+`decodes_generated_token`, the block manager's record, a `ScheduledSequence` made), and about as much again in
+the output processor's pass: most of a decode step's bookkeeping. Once a step has planned every running sequence
+as a plain decode (scheduler.py's fast path: no page held twice, no window, no encoder budget, no state unit, no
+LoRA adapter), the next step's plan is known but for the few sequences that cross into a new page: each decodes
+the token it generated, one position on. This holds those sequences as columns (their starts, the tokens their
+pages hold, their length limits) and plans a step over them in a few numpy operations; the plan carries them as
+a `DecodeBatch` (scheduler_output.py), which the runner and the output processor read as columns too.
+
+It stays true while the running set is the one it was made from and each step it plans runs: the scheduler
+drops it when a sequence enters or leaves `running` (admitted, swapped in, forked, finished, preempted,
+recomputed, aborted), and falls back to its loop, dropping it, when a step cannot be planned this way (too few
+free pages for the sequences crossing into a page: the loop preempts; a token budget under the batch).
+`check` holds it against the sequences and the block manager (Engine.check_integrity).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .block_manager import BlockManager
+from .kv_coordinator import KVCacheCoordinator
+from .prefix_cache import PrefixCache
+from .scheduler_output import DecodeBatch, ScheduledSequence, SchedulerOutput
+
+
+class SteadyDecodes:
+    def __init__(self, scheduled: list[ScheduledSequence], bm: BlockManager):
+        """From a step just planned whose every sequence decodes a generated token (each plain: no window, no
+        page held twice, no state unit); the columns then describe the step after it."""
+        self.seqs = [s.seq for s in scheduled]
+        self.req_ids = [s.req_id for s in scheduled]
+        self.starts = np.array([s.start + 1 for s in scheduled], dtype=np.int64)
+        self.rooms = np.array([self._room(bm, i) for i in self.req_ids], dtype=np.int64)
+        self.limits = np.array([seq.reserved_tokens for seq in self.seqs], dtype=np.int64)
+        self.stops_at_eos = np.array([not seq.params.ignore_eos for seq in self.seqs], dtype=bool)
+
+    @staticmethod
+    def _room(bm: BlockManager, req_id: int) -> int:
+        """The tokens a sequence's pages hold: its shortest table's pages, full."""
+        return bm.page_size * min(map(len, bm.sequences[req_id].tables))
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def plan(self, kv: KVCacheCoordinator, out: SchedulerOutput, budget: int) -> int | None:
+        """The next step's decodes into `out` (each sequence's token at its start, a new page in each group for
+        those crossing into one): the budget left; None, nothing taken, when the budget is under the batch, too
+        few pages are free for those crossing, or a page is held twice (the scheduler's loop then plans)."""
+        bm, starts = kv.bm, self.starts
+        P = bm.page_size
+        crossing = np.flatnonzero(starts == self.rooms).tolist()
+        if len(self) > budget or bm.pool.num_shared or len(crossing) * bm.num_groups > bm.num_free_pages:
+            return None
+        records, req_ids = bm.sequences, self.req_ids
+        news = {}
+        for i in crossing:
+            news[i] = bm.append_pages(records[req_ids[i]], int(starts[i]) // P + 1)
+        if crossing:
+            self.rooms[crossing] += P
+        if kv.prefix_cache.enabled:  # pages the step fills, registered as the loop registers them
+            for i in np.flatnonzero((starts + 1) % P == 0).tolist():
+                end = int(starts[i]) + 1
+                if end // P > records[req_ids[i]].num_registered:
+                    kv.prefix_cache.register_full_pages(self.seqs[i], end)
+        self.starts = starts + 1  # the step after: each has one more token computed, one more generated
+        out.decodes = DecodeBatch(self.seqs, req_ids, starts, self.limits, self.stops_at_eos, news)
+        out.num_generating, out.tables_changed = len(self), bool(news)
+        return budget - len(self)
+
+    def check(self, running, bm: BlockManager, prefix_cache: PrefixCache) -> None:
+        """The columns hold what the sequences and their pages say (AssertionError otherwise): each sequence
+        decodes its last generated token next, its pages hold what the columns say, the runner has its tables,
+        and every page its computed tokens fill is registered (`plan` registers a page as it fills)."""
+        assert self.seqs == list(running), "the running set changed under the steady columns"
+        for seq, start, room, limit in zip(self.seqs, self.starts.tolist(), self.rooms.tolist(), self.limits):
+            assert seq.num_computed_tokens == start == seq.num_tokens - 1 >= seq.num_prompt_tokens, seq.seq_id
+            assert room == self._room(bm, seq.seq_id) and limit == seq.reserved_tokens, seq.seq_id
+            record = bm.sequences[seq.seq_id]
+            assert record.unsent is None, seq.seq_id
+            assert not prefix_cache.enabled or record.num_registered == start // bm.page_size, seq.seq_id
