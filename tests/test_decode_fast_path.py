@@ -13,6 +13,7 @@ every decode on the general path."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_block_manager import RunnerTables
 
@@ -187,3 +188,48 @@ def test_the_steady_columns_are_checked_against_the_sequences():
         steady.check(running, run.bm, cache)
     steady.rooms[0] -= P
     steady.check(running, run.bm, cache)
+
+
+def test_the_steady_columns_hold_the_generated_tokens_until_a_sequence_is_read_or_written():
+    """While the steady columns hold each step's sampled tokens (`SteadyDecodes.generated`, the output processor's
+    plain pass), a sequence's own fields fall behind, and its properties do not: reading one sequence writes its
+    tokens in, a write to any writes every sequence's in and holds no more, and so does dropping the columns."""
+    bm = BlockManager(64, P, 40)
+    scheduler = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheCoordinator(bm))
+    seqs = [Sequence(i, [100 + i] * (5 + i), SamplingParams(max_new_tokens=40)) for i in range(3)]
+    for seq in seqs:
+        seq.reserved_tokens = seq.num_prompt_tokens + 40
+        scheduler.add(seq)
+
+    def step(tokens: list[int]) -> None:
+        plan = scheduler.schedule()
+        if plan.decodes is not None:  # the output processor's plain pass, in short
+            plan.decodes.owner.generated(np.array(tokens))
+            return
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        for s, token in zip(plan.scheduled, tokens):
+            s.seq.append_token(token)
+
+    step([1, 2, 3])  # the prompts
+    step([4, 5, 6])  # decodes, planned by the loop: the columns are made
+    steady = scheduler.steady
+    assert steady is not None
+    step([7, 8, 9])
+    step([10, 11, 12])  # two steps held
+    assert all(s._pending is steady for s in seqs)
+    assert [s._output_token_ids for s in seqs] == [[1, 4], [2, 5], [3, 6]]
+    assert seqs[0].output_token_ids == [1, 4, 7, 10] and seqs[0]._output_token_ids == [1, 4, 7, 10]
+    assert seqs[0].num_computed_tokens == seqs[0].num_tokens - 1 == 5 + 3
+    assert seqs[1]._output_token_ids == [2, 5]  # not read yet
+    steady.check(scheduler.running, bm, bm.prefix_cache)
+    step([13, 14, 15])
+    seqs[2].num_computed_tokens = seqs[2].num_computed_tokens  # a writer: every sequence's written in
+    assert all(s._pending is None for s in seqs)
+    assert [s._output_token_ids for s in seqs] == [[1, 4, 7, 10, 13], [2, 5, 8, 11, 14], [3, 6, 9, 12, 15]]
+    assert [s._num_computed_tokens for s in seqs] == [s.num_prompt_tokens + 4 for s in seqs]
+    step([16, 17, 18])  # held again
+    assert seqs[1]._output_token_ids[-1] == 14
+    scheduler.finish(seqs[0])  # the running set changes: the columns go, written in first
+    assert scheduler.steady is None and all(s._pending is None for s in seqs)
+    assert [s._output_token_ids[-1] for s in seqs] == [16, 17, 18]

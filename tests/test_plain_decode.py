@@ -12,6 +12,7 @@ import pytest
 from helpers import make_engine, paged_model_from_config
 from model_families import perturb, tiny_config
 
+from batchrun.engine import steady_decodes
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.output_processor import OutputProcessor
 
@@ -76,6 +77,9 @@ def test_plain_decode_steps_are_the_general_path(tiny, monkeypatch):
     slow, slow_steps, slow_calls = workload(tiny, eos, False, monkeypatch)
     assert fast_calls > 0 and slow_calls == 0
     assert fast == slow and fast_steps == slow_steps
+    # the scheduler's steady columns hold the plain pass's tokens two steps at most, then write them in
+    monkeypatch.setattr(steady_decodes, "PENDING_ROWS", 2)
+    assert workload(tiny, eos, True, monkeypatch)[:2] == (slow, slow_steps)
     assert fast[0] == [(0, first[: want_eos_at + 1], "eos")]
     ((_, tokens, reason),) = fast[1]
     assert reason == "length" and len(tokens) == 9 and eos in tokens[:-1]  # EOS ignored

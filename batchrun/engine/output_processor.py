@@ -113,11 +113,12 @@ class OutputProcessor:
 
     def _decode_plain(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
         """`process` where every sequence samples its next generated token greedily, one logits row each, and no
-        request has a grammar, logprobs or stop strings: one argmax over the rows, one pass appending each token
-        and marking it computed (what Scheduler.computed does), then EOS and the length limit checked over the
-        step at once (`_check_finished`'s checks that apply) and only the sequences that finish visited. The
-        step's sequences as columns (scheduler_output.DecodeBatch: as the scheduler planned a steady decode
-        step, or made here from the plan's list)."""
+        request has a grammar, logprobs or stop strings: one argmax over the rows; the tokens held by the
+        scheduler's steady columns that planned the step (steady_decodes.py: written into the sequences when read),
+        or else one pass appending each and marking it computed (what Scheduler.computed does); then EOS and the
+        length limit checked over the step at once (`_check_finished`'s checks that apply), and only the
+        sequences that finish visited. The step's sequences as columns (scheduler_output.DecodeBatch: as the
+        scheduler planned a steady decode step, or made here from the plan's list)."""
         batch = plan.decode_batch()
         with self.times("sample"):
             sampled = cpu_kernels.argmax_rows(logits)  # sample()'s greedy rows
@@ -125,9 +126,12 @@ class OutputProcessor:
             result.sampled = (batch.req_ids, tokens)
         with self.times("finish"):
             ends = batch.positions + 1
-            for seq, token, end in zip(batch.seqs, tokens, ends.tolist()):  # every step, for every sequence
-                seq.output_token_ids.append(token)
-                seq.num_computed_tokens = end  # Scheduler.computed's
+            if batch.owner is not None:  # the scheduler's steady batch holds them (steady_decodes.py)
+                batch.owner.generated(sampled.numpy())
+            else:
+                for seq, token, end in zip(batch.seqs, tokens, ends.tolist()):  # every step, every sequence
+                    seq.output_token_ids.append(token)
+                    seq.num_computed_tokens = end  # Scheduler.computed's
             self.scheduler.running_computed_tokens += plan.num_batched_tokens  # as Scheduler.computed adds
             result.num_generated += len(tokens)
             # each one's count is now end + 1: the length limit is reached at its limit (reserved_tokens)

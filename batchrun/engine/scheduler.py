@@ -99,25 +99,30 @@ class Scheduler:
 
     def _enter(self, seq: Sequence) -> None:
         """`seq` runs from now on (admitted, swapped in, forked), its computed tokens counted as they are."""
-        self.steady = None
+        self._drop_steady()
         self.running[seq] = None
         self.running_reserved_tokens += seq.reserved_tokens
         self.running_computed_tokens += seq.num_computed_tokens
 
     def _leave(self, seq: Sequence) -> None:
         """`seq` runs no more (finished, preempted, to be recomputed): before its computed count changes."""
-        self.steady = None
+        self._drop_steady()
         del self.running[seq]
         self.running_reserved_tokens -= seq.reserved_tokens
         self.running_computed_tokens -= seq.num_computed_tokens
 
+    def _drop_steady(self) -> None:
+        if self.steady is not None:
+            self.steady.release()  # the tokens it holds are written into the sequences first
+        self.steady = None
+
     def abort_all(self) -> None:
         """Drop every request and free its pages and state slots (the caller gave up on them)."""
+        self._drop_steady()
         self.kv.abort(self.running, self.swapped, self.waiting)
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
-        self.steady = None
         self.running_reserved_tokens = self.running_computed_tokens = 0
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -129,7 +134,7 @@ class Scheduler:
         budget, plain_decodes = self.config.max_num_batched_tokens, 0
         left = None if self.steady is None else self.steady.plan(self.kv, out, budget)  # every one decodes
         if left is None:  # the loop, sequence by sequence
-            self.steady = None
+            self._drop_steady()
             left, plain_decodes = self._schedule_running(out, budget)
         budget = left
         if not out.preempted:
@@ -371,9 +376,7 @@ class Scheduler:
     # ---- after the forward pass -----------------------------------------------------------------------------
     def computed(self, plan: SchedulerOutput) -> None:
         """The step of `plan` ran: its tokens' K/V are in the cache (before its samples are forked and its tokens
-        sampled). The output processor calls it first thing (OutputProcessor.process); its plain decode path
-        does the same in its own pass over the step's sequences (and adds the step's tokens to the running sum,
-        as here: each scheduled sequence runs, computed from `start`, its count when it was planned)."""
+        sampled). The output processor calls it first thing; its plain pass does the same itself."""
         if plan.decodes is not None:
             for seq, end in zip(plan.decodes.seqs, (plan.decodes.positions + 1).tolist()):
                 seq.num_computed_tokens = end
@@ -391,10 +394,7 @@ class Scheduler:
 
 def decodes_generated_token(seq: Sequence, start: int, snapshot_ends) -> bool:
     """Whether `seq` computes one token from `start`, its last, a generated one, that no resource cuts: the rule
-    `_chunk` asks first and the decode fast path writes out in its loop (a call per sequence costs more than the
-    test: keep the two alike). The callers leave a budget > 0; whole prompts, whole images and the encoder's
-    budget cut prompt tokens only; a hybrid's kept prefix, `snapshot_ends`, may end a step anywhere."""
-    num_prompt = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
-    return (
-        num_prompt <= start == num_prompt + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends
-    )
+    `_chunk` asks first and the decode fast path writes out (keep the two alike). With a budget > 0, whole prompts,
+    whole images and the encoder cut prompt tokens only; a hybrid's kept prefix (`snapshot_ends`) cuts anywhere."""
+    p = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
+    return p <= start == p + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends

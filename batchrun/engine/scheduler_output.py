@@ -16,6 +16,7 @@ reads the block manager's lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -91,9 +92,11 @@ class DecodeBatch:
     # the tokens each may reach (Sequence.reserved_tokens): it finishes by length when its count reaches them
     limits: np.ndarray
     stops_at_eos: np.ndarray  # [S] bool: each one's request does not ignore EOS
-    new_block_ids: dict[int, NewBlockIds] = field(
-        default_factory=dict
-    )  # by place: those crossing into a page
+    # by place: what changed in the tables of those crossing into a new page
+    new_block_ids: dict[int, NewBlockIds] = field(default_factory=dict)
+    # the scheduler's steady batch that planned it (steady_decodes.SteadyDecodes), which holds the tokens the step
+    # generates for the sequences (`generated`); None: made from a plan's list, the tokens go into the sequences
+    owner: Any = None
 
     @classmethod
     def of(cls, scheduled: list[ScheduledSequence]) -> DecodeBatch:

@@ -21,6 +21,11 @@ class Sequence:
     when the sequence is admitted (its cached prefix) or forked (its parent's), the scheduler after each step
     (`Scheduler.computed`) and for a sequence preempted by recompute, which goes back to 0 and computes prompt +
     generated tokens again as one longer prompt.
+
+    While every running sequence only decodes, the scheduler's steady batch (steady_decodes.py) keeps their new
+    tokens and computed counts as columns instead of writing each sequence every step (after a forward that
+    streams the KV cache through the processor's caches, touching a Python object costs a miss to memory): the two
+    are properties that have it write a sequence's in first, so a reader never sees them behind.
     """
 
     seq_id: int
@@ -28,8 +33,10 @@ class Sequence:
     params: SamplingParams
     request: Any = None  # the job's handle for the row this sequence answers
     sample_index: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    # output_token_ids and num_computed_tokens (the properties below) as last written here: behind by the tokens
+    # a steady decode batch holds for it still (`_pending`)
+    _output_token_ids: list[int] = field(default_factory=list, repr=False)
+    _num_computed_tokens: int = field(default=0, repr=False)
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
     sibling_seeds: list[int] = field(default_factory=list)  # the generator seed of each sample 0 .. n-1
@@ -46,6 +53,34 @@ class Sequence:
     # (the output processor's check) and what a contiguous reservation would hold for it (the statistics sum it
     # over the running sequences every step); set where the engine makes it
     reserved_tokens: int = 0
+    # the steady decode batch (steady_decodes.SteadyDecodes) holding tokens generated for it and its computed
+    # count, not yet written here: it writes them in when either is read or written; None: none held
+    _pending: Any = field(default=None, repr=False)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        if self._pending is not None:
+            self._pending.write_back(self)
+        return self._output_token_ids
+
+    @output_token_ids.setter
+    def output_token_ids(self, tokens: list[int]) -> None:
+        if self._pending is not None:
+            self._pending.release()
+        self._output_token_ids = tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        if self._pending is not None:
+            self._pending.write_back(self)
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        if self._pending is not None:
+            self._pending.release()
+        self._num_computed_tokens = n
 
     @property
     def cache_salt(self) -> bytes | None:

@@ -14,6 +14,13 @@ drops it when a sequence enters or leaves `running` (admitted, swapped in, forke
 recomputed, aborted), and falls back to its loop, dropping it, when a step cannot be planned this way (too few
 free pages for the sequences crossing into a page: the loop preempts; a token budget under the batch).
 `check` holds it against the sequences and the block manager (Engine.check_integrity).
+
+What touches a Python object per sequence costs most after the forward: the forward streams the KV cache through
+the processor's caches, so each object is a miss to memory (a loop appending 256 tokens to 256 sequences: 11 µs
+warm, 87 µs after 64 MB were touched; bench/RESULTS.md). So the tokens the output processor's plain pass samples
+are held here too, a row a step (`generated`), and written into a sequence only when something reads or writes
+its tokens or computed count (Sequence's properties call `write_back` or `release`), when the columns are
+dropped, or every PENDING_ROWS steps.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from .block_manager import BlockManager
 from .kv_coordinator import KVCacheCoordinator
 from .prefix_cache import PrefixCache
 from .scheduler_output import DecodeBatch, ScheduledSequence, SchedulerOutput
+
+PENDING_ROWS = 64  # steps of tokens held before they are written into the sequences at once
 
 
 class SteadyDecodes:
@@ -36,6 +45,14 @@ class SteadyDecodes:
         self.rooms = np.array([self._room(bm, i) for i in self.req_ids], dtype=np.int64)
         self.limits = np.array([seq.reserved_tokens for seq in self.seqs], dtype=np.int64)
         self.stops_at_eos = np.array([not seq.params.ignore_eos for seq in self.seqs], dtype=bool)
+        # the tokens the steps planned here generated, row k the k-th step's, not yet written into the sequences
+        # (`generated`); each sequence's rows written in so far, and the computed counts they come with
+        self.pending = np.zeros((PENDING_ROWS, len(self.seqs)), dtype=np.int64)
+        self.num_pending = 0
+        self.written = np.zeros(len(self.seqs), dtype=np.int64)
+        self.computed = self.starts
+        self.place = {seq: i for i, seq in enumerate(self.seqs)}
+        self.holding = False  # whether the sequences' `_pending` is this
 
     @staticmethod
     def _room(bm: BlockManager, req_id: int) -> int:
@@ -66,9 +83,45 @@ class SteadyDecodes:
                 if end // P > records[req_ids[i]].num_registered:
                     kv.prefix_cache.register_full_pages(self.seqs[i], end)
         self.starts = starts + 1  # the step after: each has one more token computed, one more generated
-        out.decodes = DecodeBatch(self.seqs, req_ids, starts, self.limits, self.stops_at_eos, news)
+        out.decodes = DecodeBatch(self.seqs, req_ids, starts, self.limits, self.stops_at_eos, news, self)
         out.num_generating, out.tables_changed = len(self), bool(news)
         return budget - len(self)
+
+    # ---- the tokens generated: held here as columns, written into the sequences when read ----------------------
+    def generated(self, tokens: np.ndarray) -> None:
+        """The step this planned last ran and sampled `tokens` (one a sequence, in order): each sequence has one
+        more token and one more computed, held here (the output processor's plain pass), not written into it."""
+        if self.num_pending == len(self.pending):
+            self.release()  # the rows are full: written in, and held again from the next
+        if not self.holding:
+            for seq in self.seqs:
+                seq._pending = self
+            self.holding = True
+        self.pending[self.num_pending] = tokens
+        self.num_pending += 1
+        self.computed = self.starts  # plan() moved them on when it planned the step
+
+    def write_back(self, seq) -> None:
+        """Write what is held for `seq` into it (a reader asks for its tokens or its computed count)."""
+        i = self.place[seq]
+        k = int(self.written[i])
+        if k < self.num_pending:
+            seq._output_token_ids += self.pending[k : self.num_pending, i].tolist()
+            self.written[i] = self.num_pending
+        seq._num_computed_tokens = int(self.computed[i])
+
+    def release(self) -> None:
+        """Write everything held into the sequences and hold nothing more (the scheduler drops the columns, a
+        writer changes a sequence, the rows are full)."""
+        if not self.holding:
+            return
+        self.holding = False
+        for seq in self.seqs:
+            if seq._pending is self:
+                seq._pending = None
+                self.write_back(seq)
+        self.num_pending = 0
+        self.written[:] = 0
 
     def check(self, running, bm: BlockManager, prefix_cache: PrefixCache) -> None:
         """The columns hold what the sequences and their pages say (AssertionError otherwise): each sequence
