@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_block_manager import RunnerTables
 
+from batchrun.engine import scheduler as scheduler_module
 from batchrun.engine.attention import FULL, MaskKind
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
@@ -26,6 +27,15 @@ from batchrun.engine.sequence import NULL_PAGE, Sequence
 from batchrun.engine.steady_decodes import SteadyDecodes
 
 P = 16
+
+
+@pytest.fixture(autouse=True)
+def steady_from_one_sequence(monkeypatch):
+    """The steady columns made for any number of running sequences (the engine waits for 16): these workloads
+    run a few at a time."""
+    monkeypatch.setattr(scheduler_module, "MIN_SEQS", 1)
+
+
 GROUPS = {
     "full": None,
     "full+full": [FULL.first_key, FULL.first_key],  # two full groups (layers of two K/V shapes)

@@ -18,7 +18,7 @@ from . import cpu_kernels
 from .config import SamplingParams
 from .sampler import prompt_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
-from .scheduler_output import SchedulerOutput
+from .scheduler_output import DecodeBatch, SchedulerOutput
 from .sequence import Sequence
 from .structured import Grammars
 from .timing import PhaseTimes
@@ -113,39 +113,53 @@ class OutputProcessor:
 
     def _decode_plain(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
         """`process` where every sequence samples its next generated token greedily, one logits row each, and no
-        request has a grammar, logprobs or stop strings: one argmax over the rows; the tokens held by the
-        scheduler's steady columns that planned the step (steady_decodes.py: written into the sequences when read),
-        or else one pass appending each and marking it computed (what Scheduler.computed does); then EOS and the
-        length limit checked over the step at once (`_check_finished`'s checks that apply), and only the
-        sequences that finish visited. The step's sequences as columns (scheduler_output.DecodeBatch: as the
-        scheduler planned a steady decode step, or made here from the plan's list)."""
-        batch = plan.decode_batch()
+        request has a grammar, logprobs or stop strings: one argmax over the rows, then each token appended and
+        marked computed (what Scheduler.computed does) and EOS and the length limit checked (`_check_finished`'s
+        checks that apply): over columns for a step the scheduler's steady columns planned (`_finish_columns`),
+        else in one pass over the step's sequences."""
         with self.times("sample"):
             sampled = cpu_kernels.argmax_rows(logits)  # sample()'s greedy rows
             tokens = sampled.tolist()
-            result.sampled = (batch.req_ids, tokens)
+            result.sampled = (plan.req_ids, tokens)
         with self.times("finish"):
-            ends = batch.positions + 1
-            if batch.owner is not None:  # the scheduler's steady batch holds them (steady_decodes.py)
-                batch.owner.generated(sampled.numpy())
-            else:
-                for seq, token, end in zip(batch.seqs, tokens, ends.tolist()):  # every step, every sequence
-                    seq.output_token_ids.append(token)
-                    seq.num_computed_tokens = end  # Scheduler.computed's
             self.scheduler.running_computed_tokens += plan.num_batched_tokens  # as Scheduler.computed adds
             result.num_generated += len(tokens)
-            # each one's count is now end + 1: the length limit is reached at its limit (reserved_tokens)
-            done = ends + 1 >= batch.limits
-            eos = self.eos_token_ids
-            at_eos = None
-            if not eos.isdisjoint(tokens):
-                at_eos = np.isin(sampled.numpy(), list(eos)) & batch.stops_at_eos
-                done |= at_eos
-            for i in np.flatnonzero(done).tolist():  # in the step's order, as the general path finishes them
-                seq = batch.seqs[i]
-                seq.finish_reason = "eos" if at_eos is not None and at_eos[i] else "length"
+            if plan.decodes is not None:
+                self._finish_columns(plan.decodes, sampled, tokens, result.finished)
+                return
+            eos, finished = self.eos_token_ids, result.finished
+            for s, token in zip(plan.scheduled, tokens):  # every step, for every sequence: kept lean
+                seq = s.seq
+                seq.num_computed_tokens = s.start + s.num_new_tokens  # Scheduler.computed's
+                out = seq.output_token_ids
+                out.append(token)
+                if token in eos and not seq.params.ignore_eos:
+                    seq.finish_reason = "eos"
+                elif len(out) + len(seq.prompt_token_ids) >= seq.reserved_tokens:
+                    seq.finish_reason = "length"
+                else:
+                    continue
                 self.scheduler.finish(seq)
-                result.finished.append(seq)
+                finished.append(seq)
+
+    def _finish_columns(
+        self, batch: DecodeBatch, sampled: torch.Tensor, tokens: list[int], finished: list
+    ) -> None:
+        """`_decode_plain`'s pass over a step of the scheduler's steady columns: their holder keeps the tokens
+        (steady_decodes.py: written into a sequence when it is read), EOS and the length limit are checked over
+        arrays, and only the sequences that finish are visited, in the step's order."""
+        batch.owner.generated(sampled.numpy())
+        # each one's count is now its position + 2: the length limit is reached at its limit (reserved_tokens)
+        done = batch.positions + 2 >= batch.limits
+        eos, at_eos = self.eos_token_ids, None
+        if not eos.isdisjoint(tokens):
+            at_eos = np.isin(sampled.numpy(), list(eos)) & batch.stops_at_eos
+            done |= at_eos
+        for i in np.flatnonzero(done).tolist():
+            seq = batch.seqs[i]
+            seq.finish_reason = "eos" if at_eos is not None and at_eos[i] else "length"
+            self.scheduler.finish(seq)
+            finished.append(seq)
 
     def _sampling_rows(self, plan: SchedulerOutput, result) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample (forked samples of a prompt just prefilled among them) and the logits row

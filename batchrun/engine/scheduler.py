@@ -21,7 +21,7 @@ from .kv_coordinator import KVCacheCoordinator
 from .multimodal import EncoderCache
 from .scheduler_output import ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
-from .steady_decodes import SteadyDecodes
+from .steady_decodes import MIN_SEQS, SteadyDecodes
 
 # how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
 # adapter would be one more than a step may run
@@ -142,9 +142,8 @@ class Scheduler:
             if not self.swapped:
                 budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget  # every path takes its tokens
-        if plain_decodes == out.num_scheduled == len(self.running) > 0 and not (
-            self.adapted or self.kv.managers
-        ):
+        steady = plain_decodes == out.num_scheduled == len(self.running) >= MIN_SEQS  # each a plain decode
+        if steady and not (self.adapted or self.kv.managers):
             self.steady = SteadyDecodes(out.scheduled, self.kv.bm)  # the next step, over columns
         if self.adapted and any([s.seq.adapter is not None for s in out.scheduled]):
             # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which

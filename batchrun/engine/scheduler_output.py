@@ -86,31 +86,15 @@ class DecodeBatch:
 
     seqs: list[Sequence]
     req_ids: list[int]  # each one's seq_id (the runner's row of it)
-    # [S] int64: the position of each one's last token this step: a decode's token, at its computed count (of a
-    # plan's list, `of`, a recomputed sequence's last chunk may compute several: its last)
-    positions: np.ndarray
+    positions: np.ndarray  # [S] int64: each one's token's position, its computed count
     # the tokens each may reach (Sequence.reserved_tokens): it finishes by length when its count reaches them
     limits: np.ndarray
     stops_at_eos: np.ndarray  # [S] bool: each one's request does not ignore EOS
     # by place: what changed in the tables of those crossing into a new page
     new_block_ids: dict[int, NewBlockIds] = field(default_factory=dict)
-    # the scheduler's steady batch that planned it (steady_decodes.SteadyDecodes), which holds the tokens the step
-    # generates for the sequences (`generated`); None: made from a plan's list, the tokens go into the sequences
+    # the scheduler's steady columns that planned it (steady_decodes.SteadyDecodes), which hold the tokens the
+    # step generates for the sequences (`generated`)
     owner: Any = None
-
-    @classmethod
-    def of(cls, scheduled: list[ScheduledSequence]) -> DecodeBatch:
-        """The columns of a plan (made by the scheduler's loop) whose sequences each compute generated tokens
-        alone and sample: for the output processor (`scheduled` of it would not give back a chunk's length)."""
-        seqs = [s.seq for s in scheduled]
-        return cls(
-            seqs,
-            [s.req_id for s in scheduled],
-            np.array([s.start + s.num_new_tokens - 1 for s in scheduled], dtype=np.int64),
-            np.array([seq.reserved_tokens for seq in seqs], dtype=np.int64),
-            np.array([not seq.params.ignore_eos for seq in seqs], dtype=bool),
-            {i: s.new_block_ids for i, s in enumerate(scheduled) if s.new_block_ids is not None},
-        )
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -182,7 +166,3 @@ class SchedulerOutput:
             return list(news), list(news.values())
         changed = [(i, s.new_block_ids) for i, s in enumerate(self._scheduled) if s.new_block_ids is not None]
         return [i for i, _ in changed], [new for _, new in changed]
-
-    def decode_batch(self) -> DecodeBatch:
-        """The step's sequences as columns; the caller knows each decodes a generated token."""
-        return self.decodes if self.decodes is not None else DecodeBatch.of(self._scheduled)

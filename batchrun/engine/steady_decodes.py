@@ -15,12 +15,12 @@ recomputed, aborted), and falls back to its loop, dropping it, when a step canno
 free pages for the sequences crossing into a page: the loop preempts; a token budget under the batch).
 `check` holds it against the sequences and the block manager (Engine.check_integrity).
 
-What touches a Python object per sequence costs most after the forward: the forward streams the KV cache through
-the processor's caches, so each object is a miss to memory (a loop appending 256 tokens to 256 sequences: 11 µs
-warm, 87 µs after 64 MB were touched; bench/RESULTS.md). So the tokens the output processor's plain pass samples
-are held here too, a row a step (`generated`), and written into a sequence only when something reads or writes
-its tokens or computed count (Sequence's properties call `write_back` or `release`), when the columns are
-dropped, or every PENDING_ROWS steps.
+The output processor's plain pass would still touch every sequence every step, after a forward that has streamed
+the KV cache through the processor's caches, where each distinct object touched costs a miss to memory
+(bench/micro/cold_objects.py: 256 appends and counts, 9-11 µs warm, 39 µs right after a 64 MB write). So the
+tokens it samples are held here too, a row a step (`generated`), and written into a sequence only when something
+reads or writes its tokens or computed count (Sequence's properties call `write_back` or `release`), when the
+columns are dropped, or every PENDING_ROWS steps. The properties cost every other reader about 45 ns an access.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from .prefix_cache import PrefixCache
 from .scheduler_output import DecodeBatch, ScheduledSequence, SchedulerOutput
 
 PENDING_ROWS = 64  # steps of tokens held before they are written into the sequences at once
+# the fewest running sequences the columns are made for: below, the loop's passes cost less than the arrays'
+# operations, about 1 µs each whatever their length (bench/RESULTS.md)
+MIN_SEQS = 16
 
 
 class SteadyDecodes:
