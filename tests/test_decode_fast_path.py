@@ -142,12 +142,13 @@ class Run:
         )
 
     def state(self) -> tuple:
-        """Every sequence's pages and prefix-cache record, and the free counts."""
+        """Every sequence's pages and prefix-cache record, the free counts and the prefix cache's index."""
         bm = self.bm
         records = {
             i: (e.tables, e.cpu_tables, e.num_registered, len(e.hash_chain)) for i, e in bm.sequences.items()
         }
-        return records, bm.num_free_pages, bm.cpu_pool.num_free, bm.num_table_entries
+        index = dict(bm.pool._hash_to_page)  # the prefix cache's pages by hash: registered in the same order
+        return records, bm.num_free_pages, bm.cpu_pool.num_free, bm.num_table_entries, index
 
 
 @pytest.mark.parametrize("groups", sorted(GROUPS))
@@ -243,3 +244,48 @@ def test_the_steady_columns_hold_the_generated_tokens_until_a_sequence_is_read_o
     scheduler.finish(seqs[0])  # the running set changes: the columns go, written in first
     assert scheduler.steady is None and all(s._pending is None for s in seqs)
     assert [s._output_token_ids[-1] for s in seqs] == [16, 17, 18]
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_a_cached_page_taken_in_the_step_another_fills_its_page_is_indexed_as_the_loop_indexes_it(
+    steady, monkeypatch
+):
+    """A step where sequence i fills a page whose hash a free cached page X holds, and sequence j after it crosses
+    into a new page with X the only free page: the loop registers i's page first (its hash is taken: not indexed),
+    then j takes X (its hash goes with it); the steady columns must do the same, in the same order."""
+    if not steady:
+        monkeypatch.setattr(scheduler_module, "MIN_SEQS", 10**9)
+    bm = BlockManager(3, P, 40)
+    scheduler = Scheduler(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheCoordinator(bm))
+
+    def step(tokens: dict[int, int]) -> object:
+        plan = scheduler.schedule()
+        if plan.decodes is not None:
+            plan.decodes.owner.generated(np.array([tokens[i] for i in plan.decodes.req_ids]))
+            return plan
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            if s.samples:
+                s.seq.append_token(tokens[s.seq.seq_id])
+        return plan
+
+    first_page = list(range(1, P + 1))
+    a = Sequence(0, [*first_page, 99], SamplingParams(max_new_tokens=1))  # its first page cached, then freed
+    a.reserved_tokens = a.num_prompt_tokens + 1
+    scheduler.add(a)
+    step({0: 5})
+    scheduler.finish(a)
+    (x,) = bm.pool._hash_to_page.values()  # A's first page: free, cached
+    i = Sequence(1, first_page[:14], SamplingParams(max_new_tokens=8))  # generates 15, 16: the same page
+    j = Sequence(2, [50 + k for k in range(P - 1)], SamplingParams(max_new_tokens=8))  # crosses at 16
+    for seq in (i, j):
+        seq.reserved_tokens = seq.num_prompt_tokens + 8
+        scheduler.add(seq)
+    step({1: 15, 2: 7})  # the prompts
+    step({1: 16, 2: 7})  # first decodes (the loop's)
+    assert bm.num_free_pages == 1 and bm.pool.page_hash.get(x) is not None  # X alone is free, cached
+    plan = step({1: 17, 2: 7})  # i fills [1..16]; j crosses into X
+    assert (plan.decodes is not None) == steady
+    assert bm.block_tables(j)[0][-1] == x
+    assert all(page != bm.block_tables(i)[0][0] for page in bm.pool._hash_to_page.values())  # not indexed
+    assert i.output_token_ids == [15, 16, 17] and j.output_token_ids == [7, 7, 7]

@@ -78,7 +78,7 @@ class OutputProcessor:
     def process(self, plan: SchedulerOutput, logits: torch.Tensor, result) -> None:
         """The step's tokens from its logits, into `result` (engine.StepResult): finished sequences, counts. The
         step's tokens are marked computed first (Scheduler.computed: before samples are forked or tokens
-        appended), under the "finish" timer; the plain path marks each in its own pass instead."""
+        appended), under the "finish" timer; the plain path does it itself (`_decode_plain`)."""
         times = self.times
         if self.plain and plan.num_generating == plan.num_scheduled:
             self._decode_plain(plan, logits, result)
@@ -115,8 +115,8 @@ class OutputProcessor:
         """`process` where every sequence samples its next generated token greedily, one logits row each, and no
         request has a grammar, logprobs or stop strings: one argmax over the rows, then each token appended and
         marked computed (what Scheduler.computed does) and EOS and the length limit checked (`_check_finished`'s
-        checks that apply): over columns for a step the scheduler's steady columns planned (`_finish_columns`),
-        else in one pass over the step's sequences."""
+        checks that apply), in one pass over the step's sequences; for a step the scheduler's steady columns
+        planned, the columns hold the tokens instead and the checks run over arrays (`_finish_columns`)."""
         with self.times("sample"):
             sampled = cpu_kernels.argmax_rows(logits)  # sample()'s greedy rows
             tokens = sampled.tolist()
@@ -148,12 +148,13 @@ class OutputProcessor:
         """`_decode_plain`'s pass over a step of the scheduler's steady columns: their holder keeps the tokens
         (steady_decodes.py: written into a sequence when it is read), EOS and the length limit are checked over
         arrays, and only the sequences that finish are visited, in the step's order."""
-        batch.owner.generated(sampled.numpy())
+        sampled = sampled.cpu().numpy()  # on the host already, but for a GPU's logits
+        batch.owner.generated(sampled)
         # each one's count is now its position + 2: the length limit is reached at its limit (reserved_tokens)
         done = batch.positions + 2 >= batch.limits
         eos, at_eos = self.eos_token_ids, None
         if not eos.isdisjoint(tokens):
-            at_eos = np.isin(sampled.numpy(), list(eos)) & batch.stops_at_eos
+            at_eos = np.isin(sampled, list(eos)) & batch.stops_at_eos
             done |= at_eos
         for i in np.flatnonzero(done).tolist():
             seq = batch.seqs[i]

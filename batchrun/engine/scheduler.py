@@ -79,7 +79,8 @@ class Scheduler:
         # whether any request given so far has a LoRA adapter (a fork has its parent's): until one has, a step
         # needs no pass over its sequences to order them by adapter
         self.adapted = False
-        # the running sequences as columns while each only decodes (steady_decodes.py); None once `running` changes
+        # the running sequences as columns while each only decodes (steady_decodes.py); None once `running`
+        # changes or a step cannot be planned over them
         self.steady: SteadyDecodes | None = None
 
     # ---- queues ---------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class Scheduler:
         steady = plain_decodes == out.num_scheduled == len(self.running) >= MIN_SEQS  # each a plain decode
         if steady and not (self.adapted or self.kv.managers):
             self.steady = SteadyDecodes(out.scheduled, self.kv.bm)  # the next step, over columns
-        if self.adapted and any([s.seq.adapter is not None for s in out.scheduled]):
+        if self.adapted and out.decodes is None and any([s.seq.adapter is not None for s in out.scheduled]):
             # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which
             # every adapted layer reads as a slice (no gather, no scatter); the order of a step's sequences
             # changes nothing else (each row is computed apart, its outputs are matched by place)

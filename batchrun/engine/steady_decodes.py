@@ -74,17 +74,18 @@ class SteadyDecodes:
         crossing = np.flatnonzero(starts == self.rooms).tolist()
         if len(self) > budget or bm.pool.num_shared or len(crossing) * bm.num_groups > bm.num_free_pages:
             return None
-        records, req_ids = bm.sequences, self.req_ids
-        news = {}
-        for i in crossing:
-            news[i] = bm.append_pages(records[req_ids[i]], int(starts[i]) // P + 1)
+        records, req_ids, news = bm.sequences, self.req_ids, {}
+        # pages the step fills, registered where the prefix cache is on: both in the loop's order, sequence by
+        # sequence (a page taken from the free pool may be a cached one whose hash a later registration reuses)
+        filling = np.flatnonzero((starts + 1) % P == 0).tolist() if kv.prefix_cache.enabled else []
+        for i in sorted(crossing + filling) if filling else crossing:
+            record = records[req_ids[i]]
+            if starts[i] == self.rooms[i]:  # its token begins a page (a page's last token cannot)
+                news[i] = bm.append_pages(record, int(starts[i]) // P + 1)
+            elif (int(starts[i]) + 1) // P > record.num_registered:
+                kv.prefix_cache.register_full_pages(self.seqs[i], int(starts[i]) + 1)
         if crossing:
             self.rooms[crossing] += P
-        if kv.prefix_cache.enabled:  # pages the step fills, registered as the loop registers them
-            for i in np.flatnonzero((starts + 1) % P == 0).tolist():
-                end = int(starts[i]) + 1
-                if end // P > records[req_ids[i]].num_registered:
-                    kv.prefix_cache.register_full_pages(self.seqs[i], end)
         self.starts = starts + 1  # the step after: each has one more token computed, one more generated
         out.decodes = DecodeBatch(self.seqs, req_ids, starts, self.limits, self.stops_at_eos, news, self)
         out.num_generating, out.tables_changed = len(self), bool(news)
