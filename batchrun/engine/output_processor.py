@@ -18,7 +18,7 @@ from . import cpu_kernels
 from .config import SamplingParams
 from .sampler import prompt_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
-from .scheduler_output import DecodeBatch, SchedulerOutput
+from .scheduler_output import DecodeColumns, SchedulerOutput
 from .sequence import Sequence
 from .structured import Grammars
 from .timing import PhaseTimes
@@ -143,7 +143,7 @@ class OutputProcessor:
                 finished.append(seq)
 
     def _finish_columns(
-        self, batch: DecodeBatch, sampled: torch.Tensor, tokens: list[int], finished: list
+        self, batch: DecodeColumns, sampled: torch.Tensor, tokens: list[int], finished: list
     ) -> None:
         """`_decode_plain`'s pass over a step of the scheduler's steady columns: their holder keeps the tokens
         (steady_decodes.py: written into a sequence when it is read), EOS and the length limit are checked over

@@ -1,7 +1,7 @@
 """The scheduler's plan for one step (vLLM v1's `SchedulerOutput`): what each scheduled sequence computes, which
 requests are new to the model runner, and the copies the cache owners make first.
 
-A step whose every sequence decodes the token it generated last comes as columns (`DecodeBatch`, vLLM v1's
+A step whose every sequence decodes the token it generated last comes as columns (`DecodeColumns`, vLLM v1's
 `CachedRequestData` for the case that fills a decode-heavy batch): the sequences, their ids and their starts as
 arrays, the few new pages by place. The model runner and the output processor read the columns; anything else
 reads `scheduled`, which makes each sequence's `ScheduledSequence` from them the first time it is asked.
@@ -80,7 +80,7 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
-class DecodeBatch:
+class DecodeColumns:
     """A step in which each sequence decodes its last token, a generated one (`ScheduledSequence.decode`'s case:
     one token at its start, sampled, no prompt position scored, no state unit), as columns."""
 
@@ -90,11 +90,11 @@ class DecodeBatch:
     # the tokens each may reach (Sequence.reserved_tokens): it finishes by length when its count reaches them
     limits: np.ndarray
     stops_at_eos: np.ndarray  # [S] bool: each one's request does not ignore EOS
-    # by place: what changed in the tables of those crossing into a new page
-    new_block_ids: dict[int, NewBlockIds] = field(default_factory=dict)
     # the scheduler's steady columns that planned it (steady_decodes.SteadyDecodes), which hold the tokens the
     # step generates for the sequences (`generated`)
-    owner: Any = None
+    owner: Any
+    # by place: what changed in the tables of those crossing into a new page
+    new_block_ids: dict[int, NewBlockIds] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -113,7 +113,7 @@ class SchedulerOutput:
     """The plan for one step; the KV-cache owner applies the copies, the model runner the rest. Its sequences
     are `scheduled` or, in a step of decodes alone planned over columns, `decodes` (one of the two at a time)."""
 
-    decodes: DecodeBatch | None = None
+    decodes: DecodeColumns | None = None
     _scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)  # admitted: the model runner's new rows
     swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page

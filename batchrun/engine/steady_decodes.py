@@ -1,13 +1,13 @@
 """The running sequences as columns while each of them only decodes: the scheduler's steady state.
 
-A step of decodes at 256 sequences spent about 1 µs a sequence in the scheduler's loop (the tests of
-`decodes_generated_token`, the block manager's record, a `ScheduledSequence` made), and about as much again in
-the output processor's pass: most of a decode step's bookkeeping. Once a step has planned every running sequence
+A step of decodes at 256 sequences spent most of its bookkeeping passing over sequences one by one: in the
+scheduler's loop (the tests of `decodes_generated_token`, the block manager's record, a `ScheduledSequence` made)
+and again in the output processor's pass (bench/RESULTS.md, "2026-12-06 (03:00)" and "(06:10)"). Once a step has planned every running sequence
 as a plain decode (scheduler.py's fast path: no page held twice, no window, no encoder budget, no state unit, no
 LoRA adapter), the next step's plan is known but for the few sequences that cross into a new page: each decodes
 the token it generated, one position on. This holds those sequences as columns (their starts, the tokens their
 pages hold, their length limits) and plans a step over them in a few numpy operations; the plan carries them as
-a `DecodeBatch` (scheduler_output.py), which the runner and the output processor read as columns too.
+a `DecodeColumns` (scheduler_output.py), which the runner and the output processor read as columns too.
 
 It stays true while the running set is the one it was made from and each step it plans runs: the scheduler
 drops it when a sequence enters or leaves `running` (admitted, swapped in, forked, finished, preempted,
@@ -17,10 +17,11 @@ free pages for the sequences crossing into a page: the loop preempts; a token bu
 
 The output processor's plain pass would still touch every sequence every step, after a forward that has streamed
 the KV cache through the processor's caches, where each distinct object touched costs a miss to memory
-(bench/micro/cold_objects.py: 256 appends and counts, 9-11 µs warm, 39 µs right after a 64 MB write). So the
+(bench/micro/cold_objects.py; its figures in bench/RESULTS.md, "2026-12-06 (06:10)"). So the
 tokens it samples are held here too, a row a step (`generated`), and written into a sequence only when something
 reads or writes its tokens or computed count (Sequence's properties call `write_back` or `release`), when the
-columns are dropped, or every PENDING_ROWS steps. The properties cost every other reader about 45 ns an access.
+columns are dropped, or every PENDING_ROWS steps. The properties cost every other reader a Python call per
+access (measured in the same section).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import numpy as np
 from .block_manager import BlockManager
 from .kv_coordinator import KVCacheCoordinator
 from .prefix_cache import PrefixCache
-from .scheduler_output import DecodeBatch, ScheduledSequence, SchedulerOutput
+from .scheduler_output import DecodeColumns, ScheduledSequence, SchedulerOutput
 
 PENDING_ROWS = 64  # steps of tokens held before they are written into the sequences at once
 # the fewest running sequences the columns are made for: below, the loop's passes cost less than the arrays'
-# operations, about 1 µs each whatever their length (bench/RESULTS.md)
+# operations, whose cost is fixed whatever their length (bench/RESULTS.md, "2026-12-06 (06:10)")
 MIN_SEQS = 16
 
 
@@ -87,7 +88,7 @@ class SteadyDecodes:
         if crossing:
             self.rooms[crossing] += P
         self.starts = starts + 1  # the step after: each has one more token computed, one more generated
-        out.decodes = DecodeBatch(self.seqs, req_ids, starts, self.limits, self.stops_at_eos, news, self)
+        out.decodes = DecodeColumns(self.seqs, req_ids, starts, self.limits, self.stops_at_eos, self, news)
         out.num_generating, out.tables_changed = len(self), bool(news)
         return budget - len(self)
 

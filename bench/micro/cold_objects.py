@@ -8,8 +8,8 @@ and right after 64 MB were written, in thread CPU time, medians over 300 runs.
   OMP_NUM_THREADS=1 python -m bench.micro.cold_objects
 
 Why a decode step's bookkeeping in the engine costs several times the sum of its parts timed alone: after the
-flush, the interpreter's and numpy's own state is out of the caches too, so even the column pass pays tens of
-microseconds; what the engine can cut is the number of distinct places a step touches.
+flush, the interpreter's and numpy's own state is out of the caches too, so even the column pass pays for it;
+what the engine can cut is the number of distinct places a step touches.
 """
 
 from __future__ import annotations
