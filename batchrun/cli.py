@@ -78,7 +78,12 @@ def main() -> None:
     show_default=True,
     help="Skip the rows already written by this same job.",
 )
-@click.option("--overwrite", is_flag=True, help="Delete the output directory's part files and start over.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Start the shard over: its earlier part files are deleted once the model has loaded (a refused job "
+    "deletes nothing).",
+)
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="Only the first N input rows.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option(

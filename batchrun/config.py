@@ -42,9 +42,18 @@ def _adapter_names(v: dict) -> str | None:
     return f"a mapping of adapter names to folders, URLs or hub ids (not {bad[0]!r})" if bad else None
 
 
+# the reserved name of the base model in an adapter column's cell or an OpenAI request's `model`: the base model
+# even where `model.adapter` gives the job's rows an adapter
+BASE_MODEL = "base"
+# what an OpenAI reply names the embedded default model (no `model.path`, no `model.name`)
+DEFAULT_MODEL_NAME = "batchrun-default-model"
+
+
 @dataclass
 class ModelSpec:
     path: str | None = None
+    # the base model's name in an OpenAI request's `model` and in the replies (default: model.path as given)
+    name: str | None = None
     dtype: str = field(default="auto", metadata={"check": one_of("auto", "float32", "bfloat16", "float16")})
     chat_template: bool = True
     system_prompt: str | None = None
@@ -53,14 +62,54 @@ class ModelSpec:
     adapters: dict[str, str] = field(default_factory=dict, metadata={"check": _adapter_names})
     # the adapter of every row that names none (input.adapter_column's null cells too); None: the base model
     adapter: str | None = None
+    # a rerun's answer to finished rows whose weights changed since they were written (the model's weight files,
+    # or their adapter's: weights.py): recompute them | refuse (exit 2 naming what changed) | keep them as they are
+    on_change: str = field(default="recompute", metadata={"check": one_of("recompute", "refuse", "keep")})
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if BASE_MODEL in self.adapters:
+            raise FieldError(
+                "adapters", f"{BASE_MODEL!r} names the base model; give the adapter another name"
+            )
         if self.adapter is not None and self.adapter not in self.adapters:
             raise FieldError(
                 "adapter",
                 f"{self.adapter!r} is not one of model.adapters ({', '.join(self.adapters) or 'none'})",
             )
+
+    @property
+    def served_name(self) -> str:
+        """The base model's name in OpenAI replies: model.name, else model.path as the job gives it."""
+        return self.name or self.path or DEFAULT_MODEL_NAME
+
+    def base_names(self) -> list[str]:
+        """The names a request may give the base model: `base`, model.name, and model.path as given or its last
+        part (an OpenAI request's `model: Llama-3.2-1B` for `model.path: /models/Llama-3.2-1B`)."""
+        names = [BASE_MODEL, self.served_name]
+        if self.path:
+            names += [self.path, Path(self.path.rstrip("/")).name]
+        return list(dict.fromkeys(names))
+
+    def adapter_named(self, name: Any, where: str) -> str | None:
+        """The adapter a row asks for by `name` (an adapter column's cell, an OpenAI request's `model`), None
+        for the base model: no name takes model.adapter; an adapter's name that adapter; the base model's names
+        (base_names) the base model. ValueError starting with `where` for any other name, naming the known ones:
+        a request is never answered by other weights than it names."""
+        if name is None:
+            return self.adapter
+        if isinstance(name, str) and name in self.adapters:
+            return name
+        if isinstance(name, str) and name in self.base_names():
+            return None
+        known = ", ".join([*self.adapters, *self.base_names()])
+        raise ValueError(
+            f"{where}: {name!r} is neither one of model.adapters nor the base model (known: {known})"
+        )
+
+    def name_of(self, adapter: str | None) -> str:
+        """What ran, as a reply names it: the adapter's name, or the base model's."""
+        return adapter if adapter is not None else self.served_name
 
 
 # the sampling keys a row may set for itself (input.sampling_columns, or an OpenAI batch request's body)

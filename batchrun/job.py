@@ -34,6 +34,7 @@ from .rows import InputRow, OutputRow, Shard, row_samples
 from .sinks import OutputSink, check_writable, move_legacy_state
 from .sources import InputSource, OpenAIBatchSource, open_source
 from .stats import StatsCollector, StatsFile
+from .weights import JobWeights
 
 if TYPE_CHECKING:
     from .worker import RowWorker
@@ -44,46 +45,59 @@ if TYPE_CHECKING:
 
 class ShardRows:
     """This shard's input rows against its output, counted once before any model loads: `before`, the rows
-    (up to the limit) whose output earlier runs wrote and that stays; `changed`, those whose output was removed
-    because their input changed (`input.on_change`); and the pending ones, in input order."""
+    (up to the limit) whose output earlier runs wrote and that stays; `stale`, those whose output was made from
+    another input or other weights and is redone (`input.on_change`, `model.on_change`; the sink removes their
+    outputs once the job's checks have passed); and the pending ones, in input order."""
 
     def __init__(self, spec: JobSpec, source, sink: OutputSink, shard: Shard, limit: int | None):
         self.spec, self.source, self.sink, self.shard, self.limit = spec, source, sink, shard, limit
         self._pending: Iterator[InputRow] | None = None  # pending(), made once
-        self.before, self.changed = self._recheck() if sink.done else (0, 0)
+        self.before = self._recheck() if sink.done else 0
+        self.changed = 0  # the outputs removed to be redone, once the sink began (Job.loaded)
 
-    def _recheck(self) -> tuple[int, int]:
+    def _recheck(self) -> int:
         """One pass over this shard's rows, before any model loads: an output made from another input than the
-        row's (its content hash differs) is removed, so the row runs again, or refuses the run, as
-        `input.on_change` says. Returns (rows whose output stays, rows whose output was removed)."""
-        done = self.sink.done
-        kept, changed = 0, []
+        row's (its content hash differs) or with other weights than the row's now (weights.py) is forgotten, so
+        the row runs again, or refuses the run, as `input.on_change` and `model.on_change` say. Returns the rows
+        whose output stays."""
+        done, weights = self.sink.done, self.sink.weights
+        keep_weights = self.spec.model.on_change == "keep"
+        kept, inputs, reweighed = 0, [], {}  # reweighed: what changed -> the ids of the rows it made
         for row in self.source.rows(self.shard, self.limit):
             if row.id not in done.hashes:
                 continue
             old = done.hashes[row.id]
+            what = weights.what_changed(done.weights.get(row.id), row)
             if old is not None and old != row.input_hash:
-                changed.append(row.id)
+                inputs.append(row.id)
+            elif what is not None and not keep_weights:
+                reweighed.setdefault(what, []).append(row.id)
             elif self.sink.is_done(row.id, row_samples(row, self.spec.sampling)):
                 kept += 1
-        if not changed:
-            return kept, 0
+                if what is not None:
+                    reweighed.setdefault(what, []).append(row.id)
+        if inputs:
+            self._redo(inputs, f"of {self.source.describe()} changed", "input.on_change")
+        for what, ids in reweighed.items():
+            self._redo(ids, f"were made with other weights: {what} changed", "model.on_change")
+        return kept
+
+    def _redo(self, ids: list, why: str, key: str) -> None:
+        """Rows whose output is stale (`why`): refused, recomputed or kept as the job's `key` says."""
         spec = self.spec
-        some = ", ".join(repr(i) for i in changed[:5]) + (", ..." if len(changed) > 5 else "")
-        what = f"{len(changed)} row{'s' if len(changed) > 1 else ''} of {self.source.describe()}"
-        if spec.input.on_change == "refuse":
+        action = spec.input.on_change if key == "input.on_change" else spec.model.on_change
+        some = ", ".join(repr(i) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
+        what = f"{len(ids)} row{'s' if len(ids) > 1 else ''} {why} since their output in {spec.output_dir} was written"
+        if action == "refuse":
             raise BadInput(
-                f"{spec.source_file}: {what} changed since their output in {spec.output_dir} was written (ids "
-                f"{some}), and key `input.on_change` is refuse; set it to recompute to redo them, or use "
-                f"--overwrite to start over."
+                f"{spec.source_file}: {what} (ids {some}), and key `{key}` is refuse; set it to recompute to "
+                f"redo them{', or keep to keep them' if key == 'model.on_change' else ''}, or use --overwrite "
+                "to start over."
             )
-        print(
-            f"batchrun: {what} changed since their output was written (ids {some}): recomputing them "
-            f"(input.on_change: recompute).",
-            file=sys.stderr,
-            flush=True,
-        )
-        return kept, self.sink.forget(set(changed))
+        done = "recomputing them" if action == "recompute" else "keeping their outputs"
+        print(f"batchrun: {what} (ids {some}): {done} ({key}: {action}).", file=sys.stderr, flush=True)
+        if action == "recompute":
+            self.sink.forget(set(ids))
 
     def pending(self) -> Iterator[InputRow]:
         """This shard's rows that do not have all their output rows yet, in input order: one pass over the
@@ -155,16 +169,13 @@ class Job:
                 self.shard,
                 self.source.id_type,
                 self.source.passthrough_fields(),
+                JobWeights.read(spec),
                 resume,
                 overwrite,
                 dtype,
                 guard=self.lock.check,
                 task_types=task_types,
             )
-            move_legacy_state(spec)
-            # under the shard's lock: a dead run's half-written temporary files (kill -9 during a write)
-            for folder in (spec.output_dir, spec.state_dir):
-                storage.remove_dead_temporaries(folder)
             self.stats_path = spec.stats_path(self.shard.index, self.shard.count)
             check_writable(self.stats_path.parent, "output.stats", src)
             self.rows = ShardRows(spec, self.source, self.sink, self.shard, self.limit)
@@ -203,6 +214,7 @@ class Job:
             rows = self.pending_rows()
             first = next(rows, None)
             if first is None:  # nothing to do (or an input without rows) loads no model
+                self.tidy()
                 self.sink.write_empty()
                 total = self.rows.shard_rows()  # `batchrun status`: finished, not pending 0/?
                 self.heartbeat.start(self.rows.input_rows(), total, total or 0, 0)
@@ -214,24 +226,17 @@ class Job:
             self.lock.release()
 
     def _run(self) -> dict:
-        from tqdm.auto import tqdm
-
         from .replicas import replica_count, run_replicas
 
         count = replica_count(self.replicas, self.spec.engine.device)
         total = self.rows.shard_rows()
         self.heartbeat.start(self.rows.input_rows(), total, self.rows.before, count)
         stats_file = StatsFile(self.stats_path, self.sink.fingerprint, fresh=self.overwrite)
-        self.bar = tqdm(
-            total=None if total is None else max(0, total - self.rows.before),
-            unit="row",
-            desc=self.spec.name,
-            disable=not self.progress,
-            mininterval=0.5 if sys.stderr.isatty() else 10.0,
-            dynamic_ncols=True,
-            bar_format=BAR_FORMAT,
-        )
-        self.remaining = RemainingTime(self.bar)
+        if (
+            self.progress
+        ):  # the bar comes once the model is loaded (loaded()): a refusal at the load draws none
+            model = self.spec.model.path or "the embedded default model"
+            print(f"batchrun: {self.spec.name}: loading {model}", file=sys.stderr, flush=True)
         handlers = self._install_signal_handlers()
         failure = None
         try:
@@ -245,7 +250,8 @@ class Job:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
-            self.bar.close()
+            if self.bar is not None:
+                self.bar.close()
             self.sink.flush()
         run_summary.update(
             {
@@ -292,13 +298,33 @@ class Job:
         return stats.summary() | self.run_counts
 
     def loaded(self) -> None:
-        """Every engine has its model: the heartbeat goes from loading to running, and the bar's clock starts
-        again (its rate and ETA are of the rows, not of the model's load)."""
+        """Every engine has its model, so every check that can refuse the job has passed: only now is anything
+        in the output removed (--overwrite's earlier parts, the outputs of rows to redo: OutputSink.begin). The
+        heartbeat goes from loading to running, and the progress bar starts (its rate and ETA are of the rows,
+        not of the model's load)."""
+        self.tidy()
+        self.rows.changed = self.sink.begin()
         self.heartbeat.running()
-        done = self.bar.n  # rows a faster replica finished already
-        self.bar.reset(total=self.bar.total)
-        self.bar.update(done)
-        self.remaining.restart()
+        from tqdm.auto import tqdm
+
+        total = self.rows.shard_rows()
+        self.bar = tqdm(
+            total=None if total is None else max(0, total - self.rows.before),
+            unit="row",
+            desc=self.spec.name,
+            disable=not self.progress,
+            mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            dynamic_ncols=True,
+            bar_format=BAR_FORMAT,
+        )
+        self.remaining = RemainingTime(self.bar)
+
+    def tidy(self) -> None:
+        """Under the shard's lock, once nothing can refuse the run: output directories of earlier versions'
+        layout moved to this one's, and a dead run's half-written temporary files (kill -9 during a write) gone."""
+        move_legacy_state(self.spec)
+        for folder in (self.spec.output_dir, self.spec.state_dir):
+            storage.remove_dead_temporaries(folder)
 
     def emit(self, rows: list[OutputRow]) -> None:
         """All output rows of one input row, to the sink."""
@@ -322,7 +348,8 @@ class Job:
         self.heartbeat.beat(self.sink.input_rows_written)
         if stats is not None and stats_file.due():
             stats_file.write(stats.summary() | self.run_counts, self.job_counts)
-        self.remaining.show(in_flight, f"{postfix}, written {self.sink.input_rows_written}")
+        if self.remaining is not None:  # replicas still loading: no bar yet
+            self.remaining.show(in_flight, f"{postfix}, written {self.sink.input_rows_written}")
 
     # ---- signals ------------------------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> dict:
@@ -356,7 +383,7 @@ def check_job(spec: JobSpec, limit: int | None) -> CheckedJob:
     """Everything about a job that needs no model weights, checked before any loads (`batchrun validate` too):
     the input opens and its columns hold what they should, ids are unique, a job-wide response format
     compiles into an enforced grammar, a pooling job's pooler keys fit its checkpoint (read here, once)."""
-    source = open_source(spec.input, spec.source_file, spec.task)
+    source = open_source(spec)
     source.check_unique_ids(limit)
     # a pooling job's pooler keys against the checkpoint's files (an impossible combination)
     checkpoint = open_checkpoint(spec) if spec.task != "generate" else None

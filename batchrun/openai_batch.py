@@ -1,10 +1,12 @@
 """OpenAI Batch API files: the request JSONL batchrun reads, and the output JSONL it writes.
 
 A request line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}` in a generation job, `"url": "/v1/embeddings"` with `body.input` one text in a task embed job. The body's sampling fields map onto the job's `sampling:` keys (`max_tokens` ->
-`max_new_tokens`, `logprobs` + `top_logprobs` -> `logprobs`, ...); `model` is recorded in the output, not used to
-pick a model. A line that cannot be served (not JSON, no custom_id, an unknown url, a body without messages or
-prompt, a field batchrun cannot honour) becomes an error line in the output; the job goes on.
+"body": {...}}` in a generation job, `"url": "/v1/embeddings"` with `body.input` one text in a task embed job. The
+body's sampling fields map onto the job's `sampling:` keys (`max_tokens` -> `max_new_tokens`, `logprobs` +
+`top_logprobs` -> `logprobs`, ...); `model` names the base model or an adapter (config.ModelSpec.adapter_named)
+and the reply names what answered. A line that cannot be served (not JSON, no custom_id, an unknown url, a body
+without messages or prompt, a `model` that is neither the base model nor an adapter, a field batchrun cannot
+honour) becomes an error line in the output; the job goes on.
 
 An output line is `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion,
 text_completion, or an embeddings list>}, "error": null}`, or `"response": null, "error": {"code", "message"}` for a failed request.
@@ -149,20 +151,22 @@ def _embeddings_request(obj: dict, body: dict) -> dict:
 
 
 # ---- output --------------------------------------------------------------------------------------------------
-def request_id(fingerprint: str, index: int, input_hash: str | None) -> str:
-    """An output line's id: the job, the input line's content hash (how a rerun tells that the line changed)
-    and its index."""
-    return f"batch_req_{fingerprint[:12]}_{input_hash or 'x'}_{index}"
+def request_id(fingerprint: str, index: int, input_hash: str | None, weights: str | None = None) -> str:
+    """An output line's id: the job, the input line's content hash (how a rerun tells that the line changed), the
+    tag of the weights that answered it (weights.py: how a rerun tells that they changed) and its index."""
+    return f"batch_req_{fingerprint[:12]}_{input_hash or 'x'}_{weights or 'x'}_{index}"
 
 
-def parse_request_id(value: str) -> tuple[str | None, int | None]:
-    """(input hash, index) of an output line's id; the hash is None in lines written before it was kept."""
+def parse_request_id(value: str) -> tuple[str | None, str | None, int | None]:
+    """(input hash, weights tag, index) of an output line's id; a hash or tag is None in lines written before it
+    was kept."""
     parts = value.split("_") if isinstance(value, str) else []
     try:
         index = int(parts[-1])
     except (IndexError, ValueError):
-        return None, None
-    return (parts[3] if len(parts) == 5 and parts[3] != "x" else None), index
+        return None, None, None
+    known = [None if p == "x" else p for p in parts[3:-1]]  # [hash] before tags were kept, [hash, tag] since
+    return (known[0] if known else None), (known[1] if len(known) == 2 else None), index
 
 
 def error_line(req_id: str, custom_id: str | None, message: str) -> dict:
@@ -213,12 +217,13 @@ def completion_logprobs(entries: list[dict]) -> dict:
 
 
 def response_line(req_id: str, request: dict, samples: list, prompt_tokens: int, model: str) -> dict:
-    """The output line of a served request; `samples` are the row's OutputRows, sample 0 first."""
+    """The output line of a served request; `samples` are the row's OutputRows, sample 0 first; `model`: the
+    name of what answered (the base model's or the adapter's)."""
     if request["endpoint"] == "embeddings":
         body = {
             "object": "list",
             "data": [{"object": "embedding", "index": 0, "embedding": samples[0].embedding}],
-            "model": request.get("model") or model,
+            "model": model,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
         return _served(req_id, request, body)
@@ -241,7 +246,7 @@ def response_line(req_id: str, request: dict, samples: list, prompt_tokens: int,
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{req_id}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": request.get("model") or model,
+        "model": model,
         "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,

@@ -32,7 +32,7 @@ from .job import Job, check_job
 from .lock import lock_wait_limit_s
 from .report import load_summary
 from .rows import Shard
-from .sinks import check_writable, remove_parts
+from .sinks import check_writable
 from .storage import is_url
 
 MAX_RESTARTS = 8  # actors that may die in one job before the driver gives up
@@ -54,12 +54,16 @@ class ShardRunner:
         self.job: Job | None = None
         self.stopping = False
 
-    def run(self, index: int, count: int, limit: int | None, lock: bool, wait: bool) -> dict | None:
-        """Shard I/N of the job, resumed from its written parts. `wait`: for the shard's lock (a dead actor's
-        lease goes stale), else BadInput when another run holds it."""
+    def run(
+        self, index: int, count: int, limit: int | None, lock: bool, wait: bool, overwrite: bool = False
+    ) -> dict | None:
+        """Shard I/N of the job, resumed from its written parts (`overwrite`: its earlier parts removed once its
+        engine has loaded). `wait`: for the shard's lock (a dead actor's lease goes stale), else BadInput when
+        another run holds it."""
         job = Job(
             self.spec,
             Shard(index, count),
+            overwrite=overwrite,
             limit=limit,
             progress=False,
             wait=wait,
@@ -149,8 +153,9 @@ class RayRun:
             None if total is None else (min(total, self.limit) if self.limit is not None else total)
         )
         check_writable(self.spec.output_dir, "output.path", self.spec.source_file)
-        if overwrite:
-            remove_parts(self.spec.output_dir)  # once, here: each shard's run resumes from nothing
+        self.overwrite = (
+            overwrite  # each shard's first actor removes its shard's parts once its engine loaded
+        )
         self.stopping = False
         self.stopped_at = 0.0  # time.monotonic() of the stop
         self.actors: dict[int, object] = {}
@@ -191,7 +196,7 @@ class RayRun:
         refs = {}
         for i in range(count):
             self.actors[i] = start()
-            refs[self.actors[i].run.remote(i, count, self.limit, self.lock, False)] = i
+            refs[self.actors[i].run.remote(i, count, self.limit, self.lock, False, self.overwrite)] = i
         print(
             f"batchrun: {count} Ray actors ({resources}), shard i of {count} each",
             file=sys.stderr,

@@ -234,7 +234,7 @@ class ReplicaRun:
             return
         if kind == "ready":
             self.ready.add(r)
-            if len(self.ready) == self.count:
+            if len(self.ready) == self.count and not self.failure:  # a replica refused: nothing is touched
                 self.job.loaded()
                 self.stats_file.start()  # every model loaded: this run counts from here
         elif kind == "rows":

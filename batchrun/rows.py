@@ -8,11 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from .errors import BadInput
+
+if TYPE_CHECKING:
+    from .config import JobSpec
 
 # the Parquet metadata key of the job's fingerprint (sinks.fingerprint) in part files and statistics files
 FINGERPRINT_KEY = b"batchrun.fingerprint"
@@ -30,6 +33,17 @@ class InputRow:
     input_hash: str | None = None  # what its output is made from (content_hash); its output records it
     pair: Any = None  # task score: the pair's second text (input.pair_column), not yet checked
     adapter: Any = None  # its LoRA adapter's name (input.adapter_column), not yet checked; None: the job's
+
+
+def row_adapter(row: InputRow, job: JobSpec) -> str | None:
+    """The LoRA adapter a row runs with (None: the base model), from the name it asks by: an OpenAI request's
+    body `model`, else its adapter column's cell (config.ModelSpec.adapter_named). ValueError naming the request's
+    line or the column for a name that is neither an adapter nor the base model."""
+    if row.request is not None:
+        name, where = row.request.get("model"), f"{row.request.get('line', 'request')}: body.model"
+    else:
+        name, where = row.adapter, f"column {job.input.adapter_column!r}"
+    return job.model.adapter_named(name, where)
 
 
 @dataclass(frozen=True)

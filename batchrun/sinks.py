@@ -7,6 +7,7 @@ nothing else (statistics live in `.batchrun/`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,10 +24,14 @@ import pyarrow.parquet as pq
 from . import openai_batch, storage
 from .config import JobSpec, to_dict
 from .errors import BadInput
-from .rows import FINGERPRINT_KEY, OUTPUT_COLUMNS, OutputRow, Shard
+from .rows import FINGERPRINT_KEY, OUTPUT_COLUMNS, InputRow, OutputRow, Shard, row_adapter
+
+if TYPE_CHECKING:
+    from .weights import JobWeights
 
 JOB_KEY = b"batchrun.job"
 INPUT_HASHES_KEY = b"batchrun.input_hashes"  # a Parquet part's rows' input hashes, in row order (JSON list)
+WEIGHTS_KEY = b"batchrun.weights"  # its rows' weights tags (weights.py), in row order (JSON list)
 
 # keys added after the first release: left out of the fingerprint while they hold their default, so jobs
 # started before them keep resuming
@@ -36,7 +41,6 @@ _LATER_KEYS = {
     ("input", "image_column"): None,
     ("input", "pair_column"): None,
     ("input", "adapter_column"): None,
-    ("model", "adapters"): {},
     ("model", "adapter"): None,
     ("sampling", "logprobs"): None,
     ("sampling", "prompt_logprobs"): False,
@@ -47,14 +51,18 @@ _LATER_KEYS = {
 }
 
 
-def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None) -> str:
+def fingerprint(spec: JobSpec, shard: Shard, dtype: str | None = None, adapters: bool = False) -> str:
     """Hash of what changes the outputs: model (with `dtype`, what model.dtype resolves to here:
     model_loader.fingerprint_dtype), input (but its limit), sampling, the output's format and columns — and the
     shard count (a row's shard depends on it). Engine settings (pages, batch sizes) and the shard index do not
-    change any row."""
+    change any row. Nor do `model.adapters`: each row records the weights it ran with (weights.py), so adding an
+    adapter no finished row used keeps the job; `adapters=True` gives the fingerprint of the versions that
+    hashed them (their parts still resume)."""
     d = to_dict(spec)
     if dtype is not None:
         d["model"]["dtype"] = dtype
+    for key in ("name", "on_change") + (() if adapters and spec.model.adapters else ("adapters",)):
+        d["model"].pop(key)  # the base model's name in replies, and what a rerun does with changed weights
     d["input"].pop("limit", None)  # a larger limit continues the same job
     d["input"].pop("on_change", None)  # what a rerun does with changed rows, not what a row's output is
     output = {k: d["output"][k] for k in ("format", "token_ids", "embedding_dtype")}
@@ -114,6 +122,7 @@ class Done:
     pairs: set = field(default_factory=set)
     rows: set = field(default_factory=set)
     hashes: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)  # id -> the tag of the weights its output was made with
     rows_per_shard: dict[str, int] = field(default_factory=dict)  # "I/N" (from the part's name) -> input rows
     error_ids: dict[str, set] = field(default_factory=dict)  # "I/N" -> ids of its input rows that are errors
 
@@ -132,14 +141,19 @@ class Done:
         """Input rows of the shard whose output is an error (every sample of such a row carries it)."""
         return len(self.error_ids.get(shard, ()))
 
-    def forget(self, ids: set, shard: str, input_rows: int) -> None:
-        """These rows' outputs were removed from the shard's parts (`input_rows` of them)."""
+    def forget(self, ids: set, shard: str) -> None:
+        """These rows of the shard are pending again (their input or weights changed): their outputs no longer
+        count as done. The parts still hold them until OutputSink.begin removes them (`removed`)."""
         self.pairs = {p for p in self.pairs if p[0] not in ids}
         self.rows -= ids
         for row_id in ids:
             self.hashes.pop(row_id, None)
-        self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) - input_rows
+            self.weights.pop(row_id, None)
         self.error_ids.get(shard, set()).difference_update(ids)
+
+    def removed(self, shard: str, input_rows: int) -> None:
+        """`input_rows` of the shard's rows were removed from its parts."""
+        self.rows_per_shard[shard] = self.rows_per_shard.get(shard, 0) - input_rows
 
 
 def rows_in_part(part: Path) -> int:
@@ -161,8 +175,10 @@ def part_shard(part: Path) -> str:
 class ParquetParts:
     suffix = ".parquet"
 
-    def __init__(self, schema: pa.Schema, fp: str, job_name: str):
+    def __init__(self, schema: pa.Schema, fp: str, job_name: str, weights: Callable[[InputRow], str | None]):
+        """`weights`: a row's weights tag (weights.JobWeights.tag)."""
         self.schema = schema.with_metadata({FINGERPRINT_KEY: fp.encode(), JOB_KEY: job_name.encode()})
+        self.weights = weights
         self.columns = [c for c in OUTPUT_COLUMNS if c in schema.names]
         self.passthrough = [n for n in schema.names if n not in OUTPUT_COLUMNS]
 
@@ -174,21 +190,27 @@ class ParquetParts:
         for name in self.passthrough:
             cols[name] = [r.row.passthrough[name] for r in rows]
         hashes = json.dumps([r.row.input_hash for r in rows]).encode()
-        schema = self.schema.with_metadata({**self.schema.metadata, INPUT_HASHES_KEY: hashes})
+        tags = json.dumps([self.weights(r.row) for r in rows]).encode()
+        schema = self.schema.with_metadata(
+            {**self.schema.metadata, INPUT_HASHES_KEY: hashes, WEIGHTS_KEY: tags}
+        )
         pq.write_table(pa.table(cols, schema=schema), f)
 
     @staticmethod
-    def read_done(part: Path, fp: str, done: Done) -> str | None:
-        """Adds the part's rows to `done`; returns the part's fingerprint."""
+    def read_done(part: Path, fps: tuple[str, ...], done: Done) -> str | None:
+        """Adds the part's rows to `done` where it is this job's (its fingerprint one of `fps`); returns the
+        part's fingerprint."""
         parquet = storage.parquet_file(part)
         meta = parquet.schema_arrow.metadata or {}
         theirs = meta.get(FINGERPRINT_KEY, b"").decode()
-        if theirs == fp:
+        if theirs in fps:
             table = parquet.read(columns=["id", "sample", "error"])
             ids, samples = table.column("id").to_pylist(), table.column("sample").to_pylist()
             hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null")) or [None] * len(ids)
+            tags = json.loads(meta.get(WEIGHTS_KEY, b"null")) or [None] * len(ids)
             done.pairs.update(zip(ids, samples))
             done.hashes.update(zip(ids, hashes))
+            done.weights.update(zip(ids, tags))
             errors = [i for i, e in zip(ids, table.column("error").to_pylist()) if e is not None]
             done.count(
                 part, sum(1 for s in samples if s == 0), errors
@@ -211,9 +233,10 @@ class ParquetParts:
         if not keep:
             part.unlink()
             return dropped
-        hashes = json.loads(meta.get(INPUT_HASHES_KEY, b"null"))
-        if hashes is not None:
-            meta = {**meta, INPUT_HASHES_KEY: json.dumps([hashes[i] for i in keep]).encode()}
+        for key in (INPUT_HASHES_KEY, WEIGHTS_KEY):
+            values = json.loads(meta.get(key, b"null"))
+            if values is not None:
+                meta = {**meta, key: json.dumps([values[i] for i in keep]).encode()}
         storage.write_whole(part, lambda f: pq.write_table(table.take(keep).replace_schema_metadata(meta), f))
         return dropped
 
@@ -223,9 +246,11 @@ class JsonlParts:
 
     suffix = ".jsonl"
 
-    def __init__(self, fp: str, model_name: str):
+    def __init__(self, fp: str, job: JobSpec, weights: Callable[[InputRow], str | None]):
+        """`job`: what names the model that answered (config.ModelSpec.name_of); `weights`: a row's weights tag."""
         self.fp = fp
-        self.model_name = model_name
+        self.job = job
+        self.weights = weights
 
     def name_tag(self) -> str:
         return f"-fp{self.fp[:16]}"
@@ -237,27 +262,32 @@ class JsonlParts:
     def line(self, samples: list[OutputRow]) -> dict:
         first = samples[0]
         row = first.row
-        req_id = openai_batch.request_id(self.fp, row.index, row.input_hash)
+        req_id = openai_batch.request_id(self.fp, row.index, row.input_hash, self.weights(row))
         request = row.request or {
             "custom_id": str(row.id),
             "endpoint": "chat" if isinstance(row.prompt, list) else "completion",
         }
         if first.finish_reason == "error" or first.error is not None:  # a pooling row's error has no finish
             return openai_batch.error_line(req_id, request.get("custom_id"), first.error)
-        return openai_batch.response_line(req_id, request, samples, first.prompt_tokens, self.model_name)
+        ran = self.job.model.name_of(
+            row_adapter(row, self.job)
+        )  # what answered: a served row's name is known
+        return openai_batch.response_line(req_id, request, samples, first.prompt_tokens, ran)
 
     @staticmethod
-    def read_done(part: Path, fp: str, done: Done) -> str | None:
+    def read_done(part: Path, fps: tuple[str, ...], done: Done) -> str | None:
         tag = part.stem.split("-fp", 1)[1][:16] if "-fp" in part.stem else ""
-        if tag != fp[:16]:
+        fp = next((fp for fp in fps if fp[:16] == tag), None)
+        if fp is None:
             return tag
         lines, errors = 0, []
         with part.open("r", encoding="utf-8") as f:
             for text in f:
                 line = json.loads(text)
-                key, input_hash = JsonlParts._key(line)
+                key, input_hash, weights = JsonlParts._key(line)
                 done.rows.add(key)
                 done.hashes[key] = input_hash
+                done.weights[key] = weights
                 lines += 1
                 if line.get("error") is not None:
                     errors.append(key)
@@ -265,11 +295,12 @@ class JsonlParts:
         return fp
 
     @staticmethod
-    def _key(line: dict) -> tuple[Any, str | None]:
-        """(row id, input hash) of an output line: its custom_id, or the input line's key when it had none."""
-        input_hash, index = openai_batch.parse_request_id(line["id"])
+    def _key(line: dict) -> tuple[Any, str | None, str | None]:
+        """(row id, input hash, weights tag) of an output line: its custom_id, or the input line's key when it had
+        none."""
+        input_hash, weights, index = openai_batch.parse_request_id(line["id"])
         key = line.get("custom_id")
-        return (openai_batch.line_key(index) if key is None else key), input_hash
+        return (openai_batch.line_key(index) if key is None else key), input_hash, weights
 
     @staticmethod
     def drop(part: Path, ids: set) -> int:
@@ -302,19 +333,20 @@ def existing_parts(out_dir: Path) -> list[Path]:
     return sorted(p for fmt in FORMATS.values() for p in out_dir.glob(f"part-*{fmt.suffix}"))
 
 
-def read_done(out_dir: Path, fp: str, source: str) -> Done:
-    """What this job wrote already; BadInput if the directory holds another job's parts."""
-    done = Done()
+def read_done(out_dir: Path, fps: tuple[str, ...], source: str) -> Done:
+    """What this job wrote already (parts whose fingerprint is one of `fps`, the job's first); BadInput if the
+    directory holds another job's parts."""
+    done, fp = Done(), fps[0]
     for part in existing_parts(out_dir):
         reader = ParquetParts if part.suffix == ".parquet" else JsonlParts
         try:
-            theirs = reader.read_done(part, fp, done)
+            theirs = reader.read_done(part, fps, done)
         except Exception as e:
             raise BadInput(
                 f"{source}: output.path {out_dir}: {part.name} is not a readable part file ({e}); "
                 f"remove it or use --overwrite."
             ) from None
-        if theirs != fp:
+        if theirs not in fps:
             raise BadInput(
                 f"{source}: output.path {out_dir} holds parts of a different job ({part.name}: "
                 f"fingerprint {theirs or 'none'}, this job {fp}); the model, input, sampling, output format "
@@ -356,11 +388,6 @@ def check_writable(out_dir: Path, key: str, source: str) -> None:
             f"{source}: key `{key}`: cannot write into {out_dir} ({type(e).__name__}: {e}); check the store's "
             f"credentials and endpoint (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) and that the bucket exists."
         ) from None
-
-
-def remove_parts(out_dir: Path) -> None:
-    for part in existing_parts(out_dir):
-        part.unlink()
 
 
 class PartWriter:
@@ -415,8 +442,10 @@ class PartWriter:
 class OutputSink:
     """The completions directory of one shard of a job: which rows are done already, and the part writer for
     the rows that finish. Opening it checks what a run needs of the directory's parts (none of another job,
-    --no-resume without --overwrite on a used directory) before any model loads; the job has checked that the
-    directory is writable (check_writable) before it took its lock there."""
+    --no-resume without --overwrite on a used directory) before any model loads, and changes nothing there: what
+    a run removes (--overwrite's earlier parts, the outputs of rows whose input or weights changed) goes in
+    `begin`, once every check that can refuse the job has passed. The job has checked that the directory is
+    writable (check_writable) before it took its lock there."""
 
     def __init__(
         self,
@@ -424,35 +453,41 @@ class OutputSink:
         shard: Shard,
         id_type: pa.DataType,
         passthrough: list[pa.Field],
+        weights: JobWeights,
         resume: bool = True,
         overwrite: bool = False,
         dtype: str | None = None,
         guard: Callable[[], None] = lambda: None,
         task_types: dict[str, pa.DataType] | None = None,
     ):
-        """`guard`: called before each part is written; raises when this run may no longer write (lock.py).
-        `task_types`: the Arrow types of a pooling task's columns (output_schema)."""
+        """`weights`: what the job's weights are, whose tag each row's output records. `guard`: called before each
+        part is written; raises when this run may no longer write (lock.py). `task_types`: the Arrow types of a
+        pooling task's columns (output_schema)."""
         src = spec.source_file
         self.dir = spec.output_dir
         self.shard = shard
+        self.weights = weights
         self.fingerprint = fingerprint(spec, shard, dtype)
         self.optional = optional_columns(spec)
-        if overwrite:
-            remove_parts(self.dir)
         if not resume and not overwrite and existing_parts(self.dir):
             raise BadInput(
                 f"{src}: output.path {self.dir} already holds part files and --no-resume was given; use "
                 f"--overwrite to start over, or --resume to finish the job."
             )
-        self.done = read_done(self.dir, self.fingerprint, src) if resume else Done()
+        self.overwrite = overwrite  # this shard's earlier parts go in begin(), not now
+        self.stale: set = set()  # ids whose outputs begin() removes (their input or weights changed)
+        self._begun = False
+        fps = (self.fingerprint, fingerprint(spec, shard, dtype, adapters=True))
+        self.done = read_done(self.dir, fps, src) if resume and not overwrite else Done()
         self.error_rows = 0  # input rows of this run whose output is an error
         if spec.output_format == "jsonl":
-            self.format = JsonlParts(self.fingerprint, spec.model.path or "batchrun-default-model")
+            self.format = JsonlParts(self.fingerprint, spec, weights.tag)
         else:
             self.format = ParquetParts(
                 output_schema(id_type, passthrough, self.optional, spec.task, task_types),
                 self.fingerprint,
                 spec.name,
+                weights.tag,
             )
         self.writer = PartWriter(
             self.dir,
@@ -466,20 +501,42 @@ class OutputSink:
     def is_done(self, row_id: Any, num_samples: int) -> bool:
         return self.done.has(row_id, num_samples)
 
-    def forget(self, ids: set) -> int:
-        """Remove these input rows' outputs from this shard's parts (their input changed: they are pending
-        again), each part rewritten whole; returns the input rows removed."""
+    def forget(self, ids: set) -> None:
+        """These input rows are pending again (their input or weights changed); begin() removes their outputs."""
+        self.stale |= ids
+        self.done.forget(ids, str(self.shard))
+
+    def begin(self) -> int:
+        """Every check that can refuse the job has passed (its engines loaded, or it has no rows to load one for):
+        now --overwrite removes this shard's earlier parts and those of another shard count (no shard of this job
+        reads them; the job's other shards keep theirs), and the outputs of the rows forgotten go, each part
+        rewritten whole (a crash leaves a row done or pending, never twice). Once per run; returns the input rows
+        whose outputs were removed that way."""
+        if self._begun:
+            return 0
+        self._begun = True
+        mine = str(self.shard)
+        if self.overwrite:
+            for part in existing_parts(self.dir):
+                theirs = part_shard(part)
+                if theirs == mine or theirs.split("/")[1] != str(self.shard.count):
+                    with contextlib.suppress(FileNotFoundError):  # another shard's run removed it first
+                        part.unlink()
+            return 0
+        if not self.stale:
+            return 0
         removed = sum(
-            type(self.format).drop(part, ids)
+            type(self.format).drop(part, self.stale)
             for part in existing_parts(self.dir)
-            if part_shard(part) == str(self.shard) and part.suffix == self.format.suffix
+            if part_shard(part) == mine and part.suffix == self.format.suffix
         )
-        self.done.forget(ids, str(self.shard), removed)
+        self.done.removed(mine, removed)
         return removed
 
     def write_empty(self) -> None:
         """For an input with no rows: an empty part (Parquet: the output schema, no rows), unless the directory
         holds parts already, so the directory reads as a table with the job's columns."""
+        self.begin()
         if not existing_parts(self.dir) and isinstance(self.format, ParquetParts):
             self.writer.flush(empty_ok=True)
 

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import openai_batch, storage
-from .config import InputSpec
+from .config import InputSpec, JobSpec, ModelSpec
 from .errors import BadInput
 from .rows import InputRow, Shard, clashing_columns, content_hash, is_token_ids
 
@@ -160,10 +160,13 @@ class OpenAIBatchSource:
 
     id_type = pa.string()
 
-    def __init__(self, spec: InputSpec, source: str = "<job>", task: str = "generate"):
+    def __init__(
+        self, spec: InputSpec, source: str = "<job>", task: str = "generate", model: ModelSpec | None = None
+    ):
         self.spec = spec
         self.source = source
         self.task = task  # which urls its lines may ask for (openai_batch.SERVED_URLS)
+        self.model = model or ModelSpec()  # the base model and adapters a line's body.model may name
         self.files = _matching_files(spec.openai_batch, "input.openai_batch", "JSONL", source, "*.jsonl")
 
     def passthrough_fields(self) -> list[pa.Field]:
@@ -194,7 +197,7 @@ class OpenAIBatchSource:
                 continue
             row_id, request = openai_batch.parse_line(text, index, self.task)
             request["line"] = f"{f.name} line {number}"  # where the request is, for its errors
-            error = request.get("error")
+            error = request.get("error") or self._model_error(request)
             yield InputRow(
                 index=index,
                 id=row_id,
@@ -204,6 +207,15 @@ class OpenAIBatchSource:
                 error=f"{request['line']}: {error}" if error else None,
                 input_hash=content_hash(text.strip()),
             )
+
+    def _model_error(self, request: dict) -> str | None:
+        """Why a request's body.model cannot be served: it names neither the base model nor an adapter (vLLM's
+        server answers such a request 404); never answered by the base model under another name."""
+        try:
+            self.model.adapter_named(request.get("model"), "body.model")
+        except ValueError as e:
+            return str(e)
+        return None
 
     def ids(self, limit: int | None = None) -> Iterator[Any]:
         for row in self.rows(Shard(), limit):
@@ -301,13 +313,11 @@ def first_duplicate(ids: Iterator[Any]) -> tuple[int, Any] | None:
     return None
 
 
-def open_source(
-    spec: InputSpec, source: str = "<job>", task: str = "generate"
-) -> InputSource | OpenAIBatchSource:
-    """The job's input, opened and checked; `task`: the job's (what an OpenAI batch line may ask for)."""
-    if spec.openai_batch is not None:
-        return OpenAIBatchSource(spec, source, task)
-    return InputSource(spec, source)
+def open_source(job: JobSpec) -> InputSource | OpenAIBatchSource:
+    """The job's input, opened and checked (an OpenAI batch line is served as the job's task and model are)."""
+    if job.input.openai_batch is not None:
+        return OpenAIBatchSource(job.input, job.source_file, job.task, job.model)
+    return InputSource(job.input, job.source_file)
 
 
 def _matching_files(pattern: str, key: str, kind: str, source: str, suffix_glob: str) -> list[Path]:

@@ -17,7 +17,15 @@ from .errors import BadInput
 from .host import Placement
 from .llm import LLM, Prompt
 from .progress import rows_in_flight_done
-from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_samples, row_seed
+from .rows import (
+    InputRow,
+    OutputRow,
+    check_conversation,
+    is_token_ids,
+    row_adapter,
+    row_samples,
+    row_seed,
+)
 from .stats import StatsCollector
 
 
@@ -135,21 +143,11 @@ class RowWorker:
             raise ValueError(f"this row's sampling: {e}") from None
 
     def _adapter(self, row: InputRow) -> str | None:
-        """The row's LoRA adapter: its adapter column's cell (input.adapter_column), or for an OpenAI request its
-        body's `model` where that names one of model.adapters (as vLLM's server picks an adapter); else the job's
-        model.adapter (None: the base model). ValueError naming the column for a cell that names no adapter."""
-        m = self.spec.model
-        if row.request is not None:
-            model = row.request.get("model")
-            return model if isinstance(model, str) and model in m.adapters else m.adapter
-        if row.adapter is None:
-            return m.adapter
-        if not isinstance(row.adapter, str) or row.adapter not in m.adapters:
-            column = self.spec.input.adapter_column
-            raise ValueError(
-                f"column {column!r}: {row.adapter!r} is not one of model.adapters ({', '.join(m.adapters)})"
-            )
-        return row.adapter
+        """The row's LoRA adapter (None: the base model), from its adapter column's cell (input.adapter_column)
+        or an OpenAI request's `model` (as vLLM's server picks an adapter): config.ModelSpec.adapter_named.
+        ValueError naming the column, or the request's line, for a name that is neither an adapter nor the
+        base model."""
+        return row_adapter(row, self.spec)
 
     def _tokenize(self, row: InputRow) -> Prompt:
         """The row's prompt as token ids (and images); ValueError with the reason for a row that cannot be served.

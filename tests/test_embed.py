@@ -263,7 +263,7 @@ def test_an_openai_batch_of_embeddings_requests_is_answered_in_openais_shape(bas
     job = {
         "name": "emb",
         "task": "embed",
-        "model": {"path": str(folder), "dtype": "float32"},
+        "model": {"path": str(folder), "dtype": "float32", "name": "m"},
         "input": {"openai_batch": str(tmp_path / "batch.jsonl")},
         "engine": {"device": "cpu"},
         "output": {"path": str(out)},

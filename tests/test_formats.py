@@ -239,6 +239,7 @@ def openai_job(d, out):
 name: oai
 model:
   dtype: float32
+  name: smol  # what the requests' body.model names the base model
 input:
   openai_batch: {d / "batch.jsonl"}
 engine:

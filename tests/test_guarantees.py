@@ -164,29 +164,6 @@ def test_a_wait_for_a_shards_lock_can_be_stopped_and_ends(tmp_path):
     ShardLock(tmp_path, 0, 1).acquire(True, tmp_path, "job.yaml", stop=stopping.is_set)  # free: taken at once
 
 
-def test_the_bars_clock_starts_when_the_model_has_loaded():
-    """The progress bar's rate and ETA are of the rows: its clock starts again once the model is loaded (a
-    minute-long load made the first ETAs many times too long), keeping rows a fast replica already did."""
-    import io
-    import time
-    from types import SimpleNamespace
-
-    from tqdm import tqdm
-
-    from batchrun.job import Job
-    from batchrun.progress import RemainingTime
-
-    bar = tqdm(total=10, file=io.StringIO())
-    bar.start_t -= 60  # a minute of loading
-    bar.update(2)
-    remaining = RemainingTime(bar, clock=time.monotonic)
-    remaining.start -= 60
-    job = SimpleNamespace(heartbeat=SimpleNamespace(running=lambda: None), bar=bar, remaining=remaining)
-    Job.loaded(job)
-    assert time.time() - bar.start_t < 5 and bar.n == 2 and bar.total == 10
-    assert time.monotonic() - remaining.start < 5  # the remaining time's clock starts again too
-
-
 def test_status_counts_rows_in_written_parts(tmp_path):
     """A finished row waits in the part writer's buffer until its part is written; `batchrun status` counted it
     done already, though a run killed then would do it again. The writer counts input rows in written parts."""
@@ -195,7 +172,7 @@ def test_status_counts_rows_in_written_parts(tmp_path):
     from batchrun.rows import InputRow, OutputRow, Shard
     from batchrun.sinks import ParquetParts, PartWriter, output_schema
 
-    fmt = ParquetParts(output_schema(pa.string(), []), "fp", "t")
+    fmt = ParquetParts(output_schema(pa.string(), []), "fp", "t", lambda row: None)
     writer = PartWriter(tmp_path, fmt, Shard(), rows_per_part=4, max_wait_s=3600)
     row = lambda i, s: OutputRow(f"r{i}", s, "x", "length", None, 1, 1, 0, row=InputRow(i, f"r{i}", "p"))  # noqa: E731
     for i in range(3):  # three input rows of two samples: 6 output rows, one part of 4+ written at the second

@@ -394,7 +394,7 @@ def test_an_openai_batch_file_with_image_parts(llava_dir, reference, tmp_path):
 
     def line(cid, url):
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}]
-        body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": NEW_TOKENS}
+        body = {"model": "base", "messages": [{"role": "user", "content": content}], "max_tokens": NEW_TOKENS}
         return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
 
     (tmp_path / "batch.jsonl").write_text(

@@ -141,7 +141,10 @@ def test_stop_strings_are_cut_from_the_completion(tmp_path):
     text = free[("r0", 0)]["completion"]
     assert len(text) > 20, text
     stop = text[12:15]  # whatever the model writes, stop at a piece of it
-    stopped = read_outputs_after(job_file, tmp_path / "stopped", [f"sampling.stop=[{stop!r}]"])[("r0", 0)]
+    # as JSON, a YAML double-quoted string: a newline in the piece stays one (Python's repr would be single-quoted,
+    # where YAML reads "\n" as a backslash and an n)
+    quoted = json.dumps(stop)
+    stopped = read_outputs_after(job_file, tmp_path / "stopped", [f"sampling.stop=[{quoted}]"])[("r0", 0)]
     assert stopped["finish_reason"] == "stop"
     assert stopped["completion"] == text[: text.find(stop)]
 

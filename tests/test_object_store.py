@@ -103,7 +103,7 @@ def test_openai_batch_in_and_out(s3, tmp_path):
     env, fs = s3
     lines = [
         {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6}}
+         "body": {"model": "base", "messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 6}}
         for i in range(4)
     ]  # fmt: skip
     text = "\n".join(json.dumps(x) for x in lines) + "\n{not json\n"

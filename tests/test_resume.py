@@ -291,7 +291,7 @@ def test_a_row_whose_input_changed_is_recomputed_or_refused_never_kept(tmp_path)
 
 def test_a_changed_openai_batch_line_is_recomputed(tmp_path):
     def line(custom_id, text):
-        body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 3}
+        body = {"model": "base", "messages": [{"role": "user", "content": text}], "max_tokens": 3}
         return json.dumps(
             {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
         )
