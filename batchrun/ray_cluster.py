@@ -240,7 +240,10 @@ class RayRun:
                             flush=True,
                         )
                         self.actors[i] = start()
-                        refs[self.actors[i].run.remote(i, count, self.limit, self.lock, True)] = i
+                        # --overwrite again: the dead one may have died before it removed the shard's parts
+                        # (at worst the new one redoes the rows the dead one wrote)
+                        run = self.actors[i].run
+                        refs[run.remote(i, count, self.limit, self.lock, True, self.overwrite)] = i
                     except ray.exceptions.RayTaskError as e:
                         cause = e.cause if isinstance(e.cause, BaseException) else e
                         if isinstance(cause, JobStopped):
