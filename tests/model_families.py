@@ -130,6 +130,10 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
             topk_group=1,
         ),
     ),
+    "phimoe": (
+        "mixture of experts, sliding window in the mask alone (its attention call passes none)",
+        dict(MOE, sliding_window=WINDOW),
+    ),
     "granite": ("scaled residuals and logits", {}),
     "phi": ("partial rotary, parallel blocks", {}),
     "phi3": ("fused projections", dict(sliding_window=None)),
@@ -369,6 +373,7 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "llama4_text": (),
     "deepseek_v3": ("DeepseekV3RMSNorm", "DeepseekV3MLP"),  # the dense layer's MLP and the shared expert
     "deepseek_v2": ("DeepseekV2RMSNorm", "DeepseekV2MLP"),
+    "phimoe": (),  # LayerNorms, fused-expert tensors
     "granite": ("GraniteRMSNorm", "GraniteMLP"),
     "phi": (),
     "phi3": ("Phi3RMSNorm",),
@@ -433,7 +438,7 @@ LLAMA_FORM.update(
 ROTARY_FORM = frozenset(
     {
         *("llama", "llama:dynamic_ntk", "exaone", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3_text"),
-        *("granite", "hunyuan_v1_moe", "lfm2", "minimax", "mistral", "mixtral", "phi"),
+        *("granite", "hunyuan_v1_moe", "lfm2", "minimax", "mistral", "mixtral", "phi", "phimoe"),
         *("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "starcoder2", "zamba2"),
         *("olmo2", "olmo3", "olmo_hybrid", "lfm3"),  # OLMo's casts
         *("bamba", "gpt_neox", "phi3", "phi3:longrope", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
