@@ -332,6 +332,18 @@ HYBRID: dict[str, tuple[str, dict]] = {
             _drop=["intermediate_size"],
         ),
     ),
+    "zaya": (
+        "hybrid: q/k convolved and half of v from the previous token (states through the cache interface, the "
+        "module returning q, k and v), sliding window on 1 of 2 layers",
+        dict(
+            layer_types=["hybrid", "hybrid_sliding"],
+            sliding_window=WINDOW,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=32,
+        ),
+    ),
     "recurrent_gemma": (
         "hybrid: RG-LRU recurrent blocks (states in module attributes) : sliding attention, whole prompts",
         dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),
@@ -400,6 +412,7 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "zamba2": ("Zamba2RMSNorm",),
     "jamba": ("JambaRMSNorm", "JambaMLP"),
     "inkling2_text": (),
+    "zaya": ("ZayaRMSNorm",),  # beside fused-expert tensors and a GELU router MLP
     "recurrent_gemma": (),
 }
 # the vision-language families of tests/test_image_families.py (their vision towers and projectors included)
@@ -434,7 +447,8 @@ LLAMA_FORM.update(
 # (interleaved halves in fp32), GLM's and DeepSeek's interleaved pairs (DeepSeek-V3's config interleaves by
 # default), Gemma 4's one-tensor function, GPT-OSS's own halves, Llama 4's complex products, the families with
 # a rotary function of another name (DeepSeek-V2, Kimi, Bailing, LongCat, Inkling) and those without rotary
-# (GPT-2, Jamba, Nemotron-H, and Granite's hybrid, whose config asks for none by default).
+# (GPT-2, Jamba, Nemotron-H, and Granite's hybrid, whose config asks for none by default). Zaya's is the partial
+# form, but the kernel declines its calls (fused_rotary: a call it does not compute exactly runs HF's function).
 ROTARY_FORM = frozenset(
     {
         *("llama", "llama:dynamic_ntk", "exaone", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3_text"),
