@@ -134,6 +134,15 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
         "mixture of experts, sliding window in the mask alone (its attention call passes none)",
         dict(MOE, sliding_window=WINDOW),
     ),
+    "modernbert-decoder": (
+        "sliding window on 1 of 2 layers, an LM head named `decoder` (transformers' `get_decoder` finds it)",
+        dict(
+            local_attention=2 * WINDOW,
+            cls_token_id=1,
+            sep_token_id=2,
+            _drop=["num_key_value_heads", "head_dim"],
+        ),
+    ),
     "granite": ("scaled residuals and logits", {}),
     "phi": ("partial rotary, parallel blocks", {}),
     "phi3": ("fused projections", dict(sliding_window=None)),
@@ -386,6 +395,7 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "deepseek_v3": ("DeepseekV3RMSNorm", "DeepseekV3MLP"),  # the dense layer's MLP and the shared expert
     "deepseek_v2": ("DeepseekV2RMSNorm", "DeepseekV2MLP"),
     "phimoe": (),  # LayerNorms, fused-expert tensors
+    "modernbert-decoder": (),  # LayerNorms, a GeGLU MLP
     "granite": ("GraniteRMSNorm", "GraniteMLP"),
     "phi": (),
     "phi3": ("Phi3RMSNorm",),
@@ -448,7 +458,8 @@ LLAMA_FORM.update(
 # default), Gemma 4's one-tensor function, GPT-OSS's own halves, Llama 4's complex products, the families with
 # a rotary function of another name (DeepSeek-V2, Kimi, Bailing, LongCat, Inkling) and those without rotary
 # (GPT-2, Jamba, Nemotron-H, and Granite's hybrid, whose config asks for none by default). Zaya's is the partial
-# form, but the kernel declines its calls (fused_rotary: a call it does not compute exactly runs HF's function).
+# form, but the kernel declines its calls (fused_rotary: a call it does not compute exactly runs HF's function);
+# ModernBERT-decoder's computes in fp32.
 ROTARY_FORM = frozenset(
     {
         *("llama", "llama:dynamic_ntk", "exaone", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3_text"),

@@ -147,7 +147,7 @@ def test_family_equals_hf_generate(family, attention):
 
 @pytest.mark.parametrize(
     "family",
-    ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text", "phimoe", "zaya"],
+    ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text", "phimoe", "zaya", "modernbert-decoder"],
 )
 def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
     """The matrix can fail: attention that drops the layer's window, chunk, soft-capping and sinks (plain causal
@@ -167,10 +167,11 @@ def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
     assert got != expected
 
 
-@pytest.mark.parametrize("family", ["phimoe", "zaya"])
+@pytest.mark.parametrize("family", ["modernbert-decoder", "phimoe", "zaya"])
 def test_a_long_prompt_alone_runs_in_chunks_that_sample_nothing(family):
     """The longest prompt alone overfills the step's 64 tokens: its first step samples nothing and runs the decoder
-    alone (decoder_stack.HFForward.decoder), and its tokens equal HF `generate`'s."""
+    alone (decoder_stack.HFForward.decoder; transformers' `get_decoder` finds ModernBERT-decoder's LM head, named
+    `decoder`), and its tokens equal HF `generate`'s."""
     model, expected = model_and_reference(family)
     long = prompts(model.config.vocab_size)[-1]
     engine = family_engine(model, "torch")

@@ -53,7 +53,7 @@ from .attention import (
 from .attention.reference import attend
 from .cache_kinds import KINDS
 from .families import QueryScaleFix
-from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
+from .kv_cache import KVCacheSpec, KVGroups, KVShape, decoder_of, text_config
 from .per_sequence_rope import PerSequenceRope
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
@@ -248,7 +248,7 @@ def _module_names(module_name: str, builder: str) -> bool:
 
 def layer_indices_per_decoder_layer(model) -> list[set[int]]:
     """For each decoder layer, the `layer_idx` of the modules inside it (its own index where none has one)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = decoder_of(model)
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
         return [{i} for i in range(text_config(model.config).num_hidden_layers)]
