@@ -130,6 +130,19 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
             topk_group=1,
         ),
     ),
+    "phimoe": (
+        "mixture of experts, sliding window in the mask alone (its attention call passes none)",
+        dict(MOE, sliding_window=WINDOW),
+    ),
+    "modernbert-decoder": (
+        "sliding window on 1 of 2 layers, an LM head named `decoder` (transformers' `get_decoder` finds it)",
+        dict(
+            local_attention=2 * WINDOW,
+            cls_token_id=1,
+            sep_token_id=2,
+            _drop=["num_key_value_heads", "head_dim"],
+        ),
+    ),
     "granite": ("scaled residuals and logits", {}),
     "phi": ("partial rotary, parallel blocks", {}),
     "phi3": ("fused projections", dict(sliding_window=None)),
@@ -328,6 +341,18 @@ HYBRID: dict[str, tuple[str, dict]] = {
             _drop=["intermediate_size"],
         ),
     ),
+    "zaya": (
+        "hybrid: q/k convolved and half of v from the previous token (states through the cache interface, the "
+        "module returning q, k and v), sliding window on 1 of 2 layers",
+        dict(
+            layer_types=["hybrid", "hybrid_sliding"],
+            sliding_window=WINDOW,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=32,
+        ),
+    ),
     "recurrent_gemma": (
         "hybrid: RG-LRU recurrent blocks (states in module attributes) : sliding attention, whole prompts",
         dict(num_hidden_layers=3, block_types=["recurrent", "recurrent", "attention"], lru_width=64),
@@ -369,6 +394,8 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "llama4_text": (),
     "deepseek_v3": ("DeepseekV3RMSNorm", "DeepseekV3MLP"),  # the dense layer's MLP and the shared expert
     "deepseek_v2": ("DeepseekV2RMSNorm", "DeepseekV2MLP"),
+    "phimoe": (),  # LayerNorms, fused-expert tensors
+    "modernbert-decoder": (),  # LayerNorms, a GeGLU MLP
     "granite": ("GraniteRMSNorm", "GraniteMLP"),
     "phi": (),
     "phi3": ("Phi3RMSNorm",),
@@ -395,6 +422,7 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "zamba2": ("Zamba2RMSNorm",),
     "jamba": ("JambaRMSNorm", "JambaMLP"),
     "inkling2_text": (),
+    "zaya": ("ZayaRMSNorm",),  # beside fused-expert tensors and a GELU router MLP
     "recurrent_gemma": (),
 }
 # the vision-language families of tests/test_image_families.py (their vision towers and projectors included)
@@ -429,11 +457,13 @@ LLAMA_FORM.update(
 # (interleaved halves in fp32), GLM's and DeepSeek's interleaved pairs (DeepSeek-V3's config interleaves by
 # default), Gemma 4's one-tensor function, GPT-OSS's own halves, Llama 4's complex products, the families with
 # a rotary function of another name (DeepSeek-V2, Kimi, Bailing, LongCat, Inkling) and those without rotary
-# (GPT-2, Jamba, Nemotron-H, and Granite's hybrid, whose config asks for none by default).
+# (GPT-2, Jamba, Nemotron-H, and Granite's hybrid, whose config asks for none by default). Zaya's is the partial
+# form, but the kernel declines its calls (fused_rotary: a call it does not compute exactly runs HF's function);
+# ModernBERT-decoder's computes in fp32.
 ROTARY_FORM = frozenset(
     {
         *("llama", "llama:dynamic_ntk", "exaone", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3_text"),
-        *("granite", "hunyuan_v1_moe", "lfm2", "minimax", "mistral", "mixtral", "phi"),
+        *("granite", "hunyuan_v1_moe", "lfm2", "minimax", "mistral", "mixtral", "phi", "phimoe"),
         *("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "starcoder2", "zamba2"),
         *("olmo2", "olmo3", "olmo_hybrid", "lfm3"),  # OLMo's casts
         *("bamba", "gpt_neox", "phi3", "phi3:longrope", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),

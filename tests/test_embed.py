@@ -436,10 +436,20 @@ def test_truncate_prompt_tokens_cuts_as_max_seq_length_and_is_counted(bases, tmp
     assert summary["truncated_rows"] == sum(n > 6 for n in lengths) > 0
 
 
-def test_a_decoder_with_chunked_attention_is_refused_as_a_pooling_model(bases, tmp_path):
-    """Llama 4 marks its chunked layers only in the config's `layer_types` (the generation probe reads them,
-    architecture.ModelLayers); the packed attention has no chunk, so it would attend over the whole text: refused
-    at load, naming the layer and the chunk, never computed as full attention."""
+@pytest.mark.parametrize(
+    "family, asks",
+    [
+        ("llama4_text", r"chunked attention \(32 tokens\)"),
+        ("phimoe", "a window of 32 tokens in its mask alone"),
+    ],
+)
+def test_a_decoder_with_a_chunk_or_window_its_calls_do_not_pass_is_refused_as_a_pooling_model(
+    bases, tmp_path, family, asks
+):
+    """Llama 4 marks its chunked layers only in the config's `layer_types`, Phi-MoE its window only in its mask
+    (the generation probe reads both, architecture.ModelLayers); the packed attention reads neither, so it would
+    attend over the whole text: refused at load, naming the layer and the chunk or window, never computed as full
+    attention."""
     from model_families import SUPPORTED, TINY
     from transformers import AutoConfig, AutoTokenizer
 
@@ -447,10 +457,10 @@ def test_a_decoder_with_chunked_attention_is_refused_as_a_pooling_model(bases, t
     from batchrun.engine.attention import UnsupportedModel
 
     tok = AutoTokenizer.from_pretrained(bases["qwen3"])
-    overrides = {**TINY, **SUPPORTED["llama4_text"][1], "vocab_size": len(tok)}
-    config = AutoConfig.for_model("llama4_text", **overrides)
-    folder = save_base_model(config, tok, tmp_path / "llama4")
-    with pytest.raises(UnsupportedModel, match=r"layer 0 asks for chunked attention \(32 tokens\)"):
+    overrides = {**TINY, **SUPPORTED[family][1], "vocab_size": len(tok)}
+    config = AutoConfig.for_model(family, **overrides)
+    folder = save_base_model(config, tok, tmp_path / family)
+    with pytest.raises(UnsupportedModel, match=rf"layer 0 asks for {asks}"):
         LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler={"pooling": "mean"})
 
 

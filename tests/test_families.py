@@ -145,7 +145,10 @@ def test_family_equals_hf_generate(family, attention):
         assert g == e, f"{family} on {attention}: prompt {i} differs"
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text"])
+@pytest.mark.parametrize(
+    "family",
+    ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text", "phimoe", "zaya", "modernbert-decoder"],
+)
 def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
     """The matrix can fail: attention that drops the layer's window, chunk, soft-capping and sinks (plain causal
     attention, what batchrun computed before) differs from the reference on these families."""
@@ -162,6 +165,50 @@ def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
     )
     got, _, _ = run(model, family, "gather")
     assert got != expected
+
+
+@pytest.mark.parametrize("family", ["modernbert-decoder", "phimoe", "zaya"])
+def test_a_long_prompt_alone_runs_in_chunks_that_sample_nothing(family):
+    """The longest prompt alone overfills the step's 64 tokens: its first step samples nothing and runs the decoder
+    alone (decoder_stack.HFForward.decoder; transformers' `get_decoder` finds ModernBERT-decoder's LM head, named
+    `decoder`), and its tokens equal HF `generate`'s."""
+    model, expected = model_and_reference(family)
+    long = prompts(model.config.vocab_size)[-1]
+    engine = family_engine(model, "torch")
+    assert len(long) > engine.config.max_num_batched_tokens
+    seqs, _ = run_engine(engine, [long], SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert seqs[0][0].output_token_ids == expected[-1]
+
+
+def test_a_window_the_mask_applies_is_taken_from_there():
+    """HF's eager and SDPA attention apply a window through the mask alone: Phi-MoE's mask has its config's window,
+    its attention call passes none, and every layer's frozen call has the mask's window (equal to HF `generate`:
+    the matrix). A config's `sliding_window` that the model's code never builds a mask from (Llama's) is not."""
+    from batchrun.engine.architecture import inspect_model
+
+    model, _ = models("phimoe")
+    calls = inspect_model(model).calls
+    assert all("sliding_window" not in c.signature.keywords for c in calls)
+    assert {c.kind.window for c in calls} == {WINDOW}
+    llama = build("llama", {"sliding_window": WINDOW}, "paged")
+    assert llama.config.sliding_window == WINDOW
+    assert {c.kind for c in inspect_model(llama).calls} == {FULL}
+
+
+def test_a_call_whose_window_is_not_its_masks_is_refused_at_load():
+    """Gemma 3's layers pass their window to the attention call, and its mask applies the config's: a layer whose
+    call passes another window than its mask's (which of the two HF applies depends on its attention
+    implementation: the mask's in eager and SDPA) is refused at load, naming the model and the argument."""
+    from batchrun.engine.architecture import inspect_model
+
+    model = build("gemma3_text", SUPPORTED["gemma3_text"][1], "paged")
+    model.model.layers[0].self_attn.sliding_window = WINDOW // 2
+    with pytest.raises(UnsupportedModel) as err:
+        inspect_model(model)
+    message = str(err.value)
+    assert "gemma3_text" in message and "`sliding_window` 16" in message and "window of 32" in message, (
+        message
+    )
 
 
 def test_llama4_query_temperature_needs_true_positions(monkeypatch):

@@ -33,6 +33,8 @@ RoPE scalings whose factors depend on the sequence's length (LongRoPE, dynamic N
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +53,7 @@ from .attention import (
 from .attention.reference import attend
 from .cache_kinds import KINDS
 from .families import QueryScaleFix
-from .kv_cache import KVCacheSpec, KVGroups, KVShape, text_config
+from .kv_cache import KVCacheSpec, KVGroups, KVShape, decoder_of, text_config
 from .per_sequence_rope import PerSequenceRope
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
@@ -60,10 +62,12 @@ FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 @dataclass(frozen=True)
 class ModelLayers:
-    """Per layer, what the calls do not say: the chunk of chunked-attention layers (Llama 4 marks them only in
-    the config's `layer_types`), a query-scale fix, and the layers of shared attention modules."""
+    """Per layer, what the calls do not say: the window or chunk the model's own mask applies (`model_masks`),
+    a query-scale fix, and the layers of shared attention modules."""
 
     chunks: tuple[int | None, ...] = ()
+    # the window of each layer's mask as the model builds it (Phi-MoE passes none to its attention call)
+    windows: tuple[int | None, ...] = ()
     scale_fixes: tuple[QueryScaleFix | None, ...] = ()
     # an attention module without a layer index of its own is shared by several layers (Zamba 2's shared
     # transformer block, called by each of its layers with the layer as an argument the attention never sees):
@@ -76,6 +80,9 @@ class ModelLayers:
 
     def chunk(self, layer: int) -> int | None:
         return self.chunks[layer] if layer < len(self.chunks) else None
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
 
     def query_scale_fix(self, layer: int) -> QueryScaleFix | None:
         return self.scale_fixes[layer] if layer < len(self.scale_fixes) else None
@@ -186,21 +193,62 @@ def check_config(model) -> ModelLayers:
     if reason is not None:
         raise refusal(arch, reason)
     layer_types = list(getattr(cfg, "layer_types", None) or [])
-    chunk_size = getattr(cfg, "attention_chunk_size", None)
-    chunks = tuple(chunk_size if t == "chunked_attention" else None for t in layer_types)
-    if any(t == "chunked_attention" for t in layer_types) and not chunk_size:
+    if "chunked_attention" in layer_types and not getattr(cfg, "attention_chunk_size", None):
         raise refusal(arch, "chunked-attention layers without `attention_chunk_size` in the config")
     fixes = families.query_scale_fixes(model)
     num_layers = max([len(layer_types), *[i + 1 for i in fixes]])
     scale_fixes = tuple(fixes.get(i) for i in range(num_layers)) if fixes else ()
     indices = [m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)]
     first_shared = max([cfg.num_hidden_layers - 1, *indices]) + 1
-    return ModelLayers(chunks, scale_fixes, first_shared)
+    chunks = model_masks(model, cfg, "chunked_attention", first_shared)
+    windows = model_masks(model, cfg, "sliding_attention", first_shared)
+    return ModelLayers(chunks, windows, scale_fixes, first_shared)
+
+
+# layer type -> the transformers mask builder (masking_utils) of its local mask, and the config key it reads
+MASK_BUILDERS = {
+    "chunked_attention": ("create_chunked_causal_mask", "attention_chunk_size"),
+    "sliding_attention": ("create_sliding_window_causal_mask", "sliding_window"),
+}
+
+
+def model_masks(model, cfg, layer_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer, the chunk or window (by `layer_type`: MASK_BUILDERS) of the mask the model builds for it. HF's
+    eager and SDPA attention apply a window or chunk through the mask alone, never from the attention call's
+    keyword, which some families do not pass (Phi-MoE). transformers builds the mask from the config where the
+    modeling code calls the builder: for each layer of that type in `layer_types`, or for every layer of a
+    config without `layer_types` (as masking_utils.create_masks_for_generate, which mirrors the modeling files,
+    reads them). A model whose code never calls it (Llama, whatever stray `sliding_window` its config holds):
+    none."""
+    builder, key = MASK_BUILDERS[layer_type]
+    size = getattr(cfg, key, None)
+    if not size or not calls_mask_builder(model, builder):
+        return ()
+    layer_types = list(getattr(cfg, "layer_types", None) or [layer_type] * num_layers)
+    return tuple(size if t == layer_type else None for t in layer_types)
+
+
+def calls_mask_builder(model, builder: str) -> bool:
+    """Whether the modeling code of any of the model's classes names transformers' mask builder `builder` (Mistral
+    picks it by name: `mask_function = create_causal_mask if ... else create_sliding_window_causal_mask`)."""
+    return any(_module_names(name, builder) for name in {type(m).__module__ for m in model.modules()})
+
+
+@functools.cache
+def _module_names(module_name: str, builder: str) -> bool:
+    """Once per modeling file and builder: reading a file's source parses it whole."""
+    import inspect
+    import sys
+
+    try:
+        return re.search(rf"\b{builder}\b", inspect.getsource(sys.modules[module_name])) is not None
+    except (KeyError, OSError, TypeError):
+        return False
 
 
 def layer_indices_per_decoder_layer(model) -> list[set[int]]:
     """For each decoder layer, the `layer_idx` of the modules inside it (its own index where none has one)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = decoder_of(model)
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
         return [{i} for i in range(text_config(model.config).num_hidden_layers)]

@@ -38,6 +38,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from .attention import ATTENTION_NAME
 from .cpu_linear import hooked
 from .fused_elementwise import forward_source, statements
+from .kv_cache import decoder_of
 
 # the causal LM's forward: the model's last hidden states, the kept positions, the LM head (Llama's; also
 # Qwen2's, Mistral's, Phi-3's and some thirty others')
@@ -216,7 +217,7 @@ def refusal(model: torch.nn.Module) -> str | None:
         return f"{type(model).__name__}.forward is not a form decoder_stack.py knows"
     if not _form(type(inner), KNOWN_MODEL):
         return f"{type(inner).__name__}.forward is not a form decoder_stack.py knows"
-    if model.get_decoder() is not inner:
+    if decoder_of(model) is not inner:
         return "its decoder (get_decoder) is not its `model`"
     config = inner.config
     if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
@@ -252,7 +253,7 @@ class HFForward:
 
     def decoder(self, input_ids, position_ids, **kwargs) -> None:
         """The decoder alone, for the K/V it writes (a step where nothing samples)."""
-        self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        decoder_of(self.model)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
 
 
 class DecoderStack(HFForward):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput
+from .kv_cache import decoder_of
 from .lora_config import WEIGHT_FILES, AdapterConfig
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
@@ -77,8 +78,7 @@ def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     patches: LoRA there is refused), and whose weight the model's own code does not read."""
     from .cpu_linear import plain_float_linear, read_directly
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    inside = {id(m) for m in decoder.modules()}
+    inside = {id(m) for m in decoder_of(model).modules()}
     read = read_directly(model)
     return {
         name: module

@@ -285,13 +285,27 @@ class PoolingRunner:
                 "which a packed row of texts does not give each text"
             )
         # what the probe knows of a layer beyond its call (architecture.ModelLayers) and the packed attention
-        # does not compute: a chunk (Llama 4's, only in `layer_types`) or a query scale by true position
-        for i in range(attention.num_layers):
-            chunk, fix = attention.layers.chunk(i), attention.layers.query_scale_fix(i)
-            if chunk or fix:
-                what = f"chunked attention ({chunk} tokens)" if chunk else "a query scale by position"
+        # does not compute: a chunk (Llama 4's, only in `layer_types`), a window of the mask alone (Phi-MoE's) or a
+        # query scale by true position
+        layers = attention.layers
+        for i, call in enumerate(attention.calls):
+            # a window in the mask alone: a packed call takes the window its call passes
+            mask_only = call is not None and "sliding_window" not in call.signature.keywords
+            asks = [
+                what
+                for what, found in (
+                    (f"chunked attention ({layers.chunk(i)} tokens)", layers.chunk(i)),
+                    (
+                        f"a window of {layers.window(i)} tokens in its mask alone",
+                        mask_only and layers.window(i),
+                    ),
+                    ("a query scale by position", layers.query_scale_fix(i)),
+                )
+                if found
+            ]
+            if asks:
                 raise UnsupportedModel(
-                    f"{name} cannot run on batchrun as a pooling model: layer {i} asks for {what}"
+                    f"{name} cannot run on batchrun as a pooling model: layer {i} asks for {asks[0]}"
                 )
         vocab = self.model.config.vocab_size
         text, other = [i % vocab for i in range(5, 11)], [i % vocab for i in range(20, 29)]

@@ -210,12 +210,12 @@ class StepStates:
         self.decode_slots = torch.tensor([slots[i] for i, _ in decodes], dtype=torch.long, device=device)
         self.prompts = prompts  # (index in the step, first packed row)
 
-    def run(self, module, call: StatefulCall, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """The module's own forward over the step's packed rows hidden [1, T, H] -> [1, T, H']."""
+    def run(self, module, call: StatefulCall, hidden: torch.Tensor, kwargs: dict):
+        """The module's own forward over the step's packed rows hidden [1, T, H], in the form the module returns
+        it (`packed_output`)."""
         layer_idx = module.layer_idx
         conv, recurrent = self.cache.conv[layer_idx], self.cache.recurrent[layer_idx]
-        pieces: list[tuple[Any, torch.Tensor]] = []  # (rows, output [rows, H'])
-        extra = None
+        pieces: list[tuple[Any, torch.Tensor, Any]] = []  # (rows, input [B, n, H], output)
         if len(self.decode_rows):
             slots = self.decode_slots
             given = (
@@ -226,10 +226,9 @@ class StepStates:
             x = hidden[0].index_select(0, self.decode_rows)[:, None]  # [B, 1, H]: a batch of one-token rows
             mine = _token_rows(kwargs, self.num_tokens, self.decode_rows)
             out = call.forward(x, **{call.cache_keyword: layer_cache(layer_idx, layer)}, **mine)
-            out, extra = split_output(out)
             pools = (conv, recurrent)
             _write_back(layer, given, lambda kind, i, new, _: pools[kind][i].index_copy_(0, slots, new))
-            pieces.append((self.decode_rows, out[:, 0]))
+            pieces.append((self.decode_rows, x, out))
         for i, row in self.prompts:
             slot, n = self.slots[i], self.query_lens[i]
             given = (
@@ -239,25 +238,38 @@ class StepStates:
             layer = linear_layer(*given, has_previous=self.starts[i] > 0)
             cache = layer_cache(layer_idx, layer)
             mine = _token_slices(kwargs, self.num_tokens, row, row + n)
-            out, extra = split_output(
-                call.forward(hidden[:, row : row + n], **{call.cache_keyword: cache}, **mine)
-            )
+            x = hidden[:, row : row + n]
+            out = call.forward(x, **{call.cache_keyword: cache}, **mine)
             # the layer updates the slot's views in place; a state it replaced instead is copied in
             _write_back(layer, given, lambda kind, j, new, view: None if new is view else view.copy_(new))
-            pieces.append((slice(row, row + n), out[0]))
-        result = hidden.new_empty(self.num_tokens, pieces[0][1].shape[-1])
-        for rows, out in pieces:
-            result[rows] = out
-        return result[None] if extra is None else (result[None], *[None] * extra)
+            pieces.append((slice(row, row + n), x, out))
+        return packed_output(pieces, self.num_tokens)
 
 
-def split_output(out) -> tuple[torch.Tensor, int | None]:
-    """A stateful module's output, and how many more items its tuple has (None: it returned a tensor alone).
-    MiniMax's lightning attention also returns its state, which its decoder layer drops: the packed step's
-    output is handed back in the same form, with None for them."""
-    if isinstance(out, tuple):
-        return out[0], len(out) - 1
-    return out, None
+def packed_output(pieces: list[tuple], num_tokens: int):
+    """The pieces' outputs (each a tensor, or a tuple) packed into the step's rows, in the module's own form: each
+    item that is per token in every piece ([B, n, ...] for an input [B, n, H]: the output, or Zaya's projection's
+    q, k and v [B, n, heads, head_dim]) as [1, T, ...]; any other (MiniMax's state, which its decoder layer
+    drops) None."""
+    outs = [out if isinstance(out, tuple) else (out,) for _, _, out in pieces]
+    packed = []
+    for j in range(len(outs[0])):
+        items = [out[j] for out in outs]
+        if not all(
+            isinstance(t, torch.Tensor) and t.shape[:2] == x.shape[:2] for t, (_, x, _) in zip(items, pieces)
+        ):
+            packed.append(None)
+            continue
+        result = items[0].new_empty(num_tokens, *items[0].shape[2:])
+        for t, (rows, _, _) in zip(items, pieces):
+            result[rows] = t.flatten(0, 1)
+        packed.append(result[None])
+    return tuple(packed) if isinstance(pieces[0][2], tuple) else packed[0]
+
+
+def first_output(out) -> torch.Tensor:
+    """A stateful module's output, the first item of a tuple (MiniMax's attention returns its state too)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _write_back(layer, given: tuple[list, list], put) -> None:
@@ -306,9 +318,9 @@ class StateProbe(KindProbe):
             layer, _ = self._call(layer_idx, call, hidden[:, :cut], head)
             _, continued = self._call(layer_idx, call, hidden[:, cut:], tail, layer)
             _, afresh = self._call(layer_idx, call, hidden[:, cut:], tail)
-            expected = split_output(whole)[0][:, cut:].float()
+            expected = first_output(whole)[:, cut:].float()
             off_continued, off_afresh = (
-                (split_output(out)[0].float() - expected).abs().max().item() for out in (continued, afresh)
+                (first_output(out).float() - expected).abs().max().item() for out in (continued, afresh)
             )
             # a layer wrongly judged not to continue (noise in a low precision) loses chunks and sharing only
             if off_continued > 1e-3 * off_afresh:

@@ -20,6 +20,7 @@ import torch
 
 from . import families
 from .attention import AttentionMetadata, UnsupportedModel, refusal
+from .kv_cache import decoder_of
 from .state_cache import StateCache, StatefulCall
 
 # how a module keeps a state through transformers' cache interface: the calls of it in its source (a family's
@@ -76,7 +77,7 @@ def stateful_modules(model) -> list[torch.nn.Module]:
 
 def _decoder_layer_of(model, module: torch.nn.Module) -> int:
     """The index of the decoder layer that holds `module`."""
-    for i, layer in enumerate(model.get_decoder().layers):
+    for i, layer in enumerate(decoder_of(model).layers):
         if any(m is module for m in layer.modules()):
             return i
     raise refusal(

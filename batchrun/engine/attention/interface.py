@@ -56,9 +56,10 @@ def read_call(
     module: torch.nn.Module, layer: int, attention_mask, dropout: float, kwargs: dict, layers, query_shape
 ) -> LayerCall:
     """The layer's call checked and read: every argument is honoured or known not to matter, else
-    UnsupportedModel naming it. `layers`: architecture.ModelLayers (each layer's chunk; None: a pooling step's
-    call); `query_shape`: [1, Hq, T, D]. Causal or not as transformers' own SDPA reads it: the call's
-    `is_causal`, else the module's, else causal."""
+    UnsupportedModel naming it. `layers`: architecture.ModelLayers (each layer's chunk, and the window of its
+    mask, which HF applies whether the call passes it or not; None: a pooling step's call); `query_shape`:
+    [1, Hq, T, D]. Causal or not as transformers' own SDPA reads it: the call's `is_causal`, else the module's,
+    else causal."""
     where = f"{type(module).__name__} (layer {layer})"
     if attention_mask is not None:
         raise UnsupportedModel(
@@ -83,6 +84,14 @@ def read_call(
         )
     window = kwargs.get("sliding_window")
     chunk = layers.chunk(layer) if layers is not None else None
+    masked = layers.window(layer) if layers is not None else None  # the window of the model's own mask
+    if window is None:
+        window = masked  # HF's attention applies a window through the mask alone (Phi-MoE passes none)
+    elif masked is not None and masked != window:
+        raise UnsupportedModel(
+            f"{where} passes the attention argument `sliding_window` {window}, but the model's mask applies a "
+            f"window of {masked} (the config's `sliding_window`)"
+        )
     if window is not None and chunk is not None:
         raise UnsupportedModel(f"{where} asks for both a sliding window and chunked attention")
     signature = CallSignature(
