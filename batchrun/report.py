@@ -38,12 +38,12 @@ def load_summary(path: Path) -> dict:
             raise BadInput(f"{f}: not a batchrun stats file ({e}).") from None
     if len(summaries) == 1:
         return summaries[0]
+    # each file's shard ("I/N"; a file written before shards were named: its name)
+    labels = [s.get("shard", f.stem) for f, s in zip(files, summaries)]
     out = combine(summaries)
+    out["shard"] = labels  # the shards combined, not the first one's label
     out["shards"] = len(summaries)
-    # which shards' rows failed ("I/N" -> error rows); a file written before shards were named: its name
-    out["error_rows_by_shard"] = {
-        s.get("shard", f.stem): s.get("error_rows", 0) for f, s in zip(files, summaries)
-    }
+    out["error_rows_by_shard"] = {label: s.get("error_rows", 0) for label, s in zip(labels, summaries)}
     return out
 
 

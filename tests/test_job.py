@@ -399,6 +399,27 @@ def test_the_heartbeat_beats_while_the_model_loads():
         assert done["state"] == "finished" and read_heartbeats(Path(d))[0]["updated"] == done["updated"]
 
 
+def test_status_gives_a_stopped_shard_its_rows_over_its_running_time(tmp_path):
+    import time
+
+    from batchrun.config import STATE_DIR
+    from batchrun.heartbeat import Heartbeat
+    from batchrun.status import format_status, job_status
+
+    beat = Heartbeat(tmp_path / STATE_DIR, Shard(), interval_s=60)
+    beat.start(100, 100, 0, 1)
+    beat.running()
+    t0 = time.monotonic()
+    time.sleep(0.2)
+    beat.finish("stopped", 6)
+    ran = time.monotonic() - t0
+    st = job_status(tmp_path)
+    shard = st["shards"][0]
+    assert shard["state"] == "stopped" and 6 / (ran + 0.1) < shard["rows_per_s"] <= 6 / 0.2, st  # it said 0.0
+    assert st["rows_per_s"] == shard["rows_per_s"] and st["eta_s"] is None  # stopped: no time left to guess
+    assert f"{shard['rows_per_s']:.1f} rows/s" in format_status(st)
+
+
 def test_status_counts_the_rows_of_the_limit_and_a_finished_rate_and_the_summary_the_load(tmp_path):
     from batchrun.report import format_summary
     from batchrun.status import format_status, job_status
@@ -420,3 +441,17 @@ def test_status_counts_the_rows_of_the_limit_and_a_finished_rate_and_the_summary
     st = job_status(tmp_path / "out")
     assert st["rows_done"] == st["rows_total"] == 2, format_status(st)
     assert "2 of 2 rows done (100.0%)" in format_status(st)
+
+
+@pytest.mark.parametrize("task", ["embed", "score", "classify", "reward"])
+def test_a_sampling_key_set_on_a_pooling_job_is_exit_2_naming_the_key(tmp_path, task):
+    pair = "pair_column: passage, " if task == "score" else ""
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: p\ntask: {task}\ninput: {{{pair}parquet: {tmp_path / 'in.parquet'}}}\n",
+    )
+    load_job(job)  # without it, the job is fine
+    with pytest.raises(
+        BadInput, match=rf"key `sampling.temperature` applies to task generate, and task is {task}"
+    ):
+        load_job(job, ["sampling.temperature=0.5"])
