@@ -47,6 +47,11 @@ def load_summary(path: Path) -> dict:
     return out
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless one: "1 LoRA adapter", "2 rows"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -181,14 +186,14 @@ def format_summary(s: dict) -> str:
             s.get(k) or {} for k in ("adapter_rows", "adapter_prompt_tokens", "adapter_generated_tokens")
         )
         per = "; ".join(
-            f"{name} {rows[name]} rows, {prompt.get(name, 0)} + {generated.get(name, 0)} tokens"
+            f"{name} {counted(rows[name], 'row')}, {prompt.get(name, 0)} + {generated.get(name, 0)} tokens"
             for name in sorted(rows)
         )
         lines.append(
             (
                 "LoRA adapters",
-                f"{per or 'no rows'}; {s.get('adapter_loads', 0)} loads, {s.get('adapter_evictions', 0)} "
-                f"evictions; weights {_bytes(s['adapter_bytes'])}",
+                f"{per or 'no rows'}; {counted(s.get('adapter_loads', 0), 'load')}, "
+                f"{counted(s.get('adapter_evictions', 0), 'eviction')}; weights {_bytes(s['adapter_bytes'])}",
             )
         )
     if s.get("structured_rows"):

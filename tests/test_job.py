@@ -1,6 +1,7 @@
 """Whole jobs: inputs (Parquet, save_to_disk), outputs, bad rows, validation errors, memory flatness."""
 
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -455,3 +456,34 @@ def test_a_sampling_key_set_on_a_pooling_job_is_exit_2_naming_the_key(tmp_path, 
         BadInput, match=rf"key `sampling.temperature` applies to task generate, and task is {task}"
     ):
         load_job(job, ["sampling.temperature=0.5"])
+
+
+def test_max_model_len_above_the_models_positions_is_exit_2_at_validate_and_before_the_load(
+    tmp_path, model_dir, monkeypatch
+):
+    """It was silently lowered to the model's limit (rows then said "max_model_len is 8192"); vLLM refuses it."""
+    from transformers import AutoConfig
+
+    import batchrun.engine.loading
+
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
+    job = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    at = ["--set", f"model.path={model_dir}", "--set"]
+    assert run_cli("validate", str(job), *at, f"model.max_model_len={limit}").returncode == 0
+    r = run_cli("validate", str(job), *at, f"model.max_model_len={limit + 1}")
+    said = (
+        f"key `model.max_model_len` is {limit + 1}, above the model's {limit} positions (its config's "
+        "max_position_embeddings)"
+    )
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(batchrun.engine.loading, "load_model", no_load)
+    spec = load_job(job, [f"model.path={model_dir}", f"model.max_model_len={limit + 1}"])
+    with pytest.raises(BadInput, match=re.escape(said)):
+        Job(spec, progress=False).run()

@@ -265,3 +265,14 @@ def test_stats_over_two_shards_names_both_and_a_pooling_job_counts_no_adapter_ro
     assert combined["shard"] == ["0/2", "1/2"] and combined["shards"] == 2 and combined["rows"] == 6
     assert combined["adapter_rows"] == {}
     assert "(2 shards)" in run_cli("stats", str(tmp_path)).stdout
+
+
+def test_the_printed_summary_counts_one_adapter_row_load_and_eviction_in_the_singular():
+    from batchrun.report import format_summary
+    from batchrun.stats import SUMMARY_KEYS
+
+    s = dict.fromkeys(SUMMARY_KEYS, 0)
+    s.update(page_size=16, wall_s=1.0, adapter_bytes=1024, adapter_loads=1, adapter_evictions=1)
+    s.update(adapter_rows={"a": 1, "b": 2}, adapter_prompt_tokens={"a": 5}, adapter_generated_tokens={"a": 3})
+    text = format_summary(s)
+    assert "a 1 row, 5 + 3 tokens; b 2 rows" in text and "; 1 load, 1 eviction;" in text, text

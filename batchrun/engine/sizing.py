@@ -71,8 +71,13 @@ def kv_page_bytes(model_config, page_size: int, dtype: torch.dtype) -> int:
 
 
 def model_max_len(model_config) -> int:
-    """The model's own limit on prompt + completion. Dynamic NTK scaling is made to run past
-    `max_position_embeddings` (its original context): up to `factor` times it."""
+    """The model's own limit on prompt + completion (model_limit)."""
+    return model_limit(model_config)[0]
+
+
+def model_limit(model_config) -> tuple[int, str]:
+    """The model's own limit on prompt + completion, and where its config says it. Dynamic NTK scaling is made to
+    run past `max_position_embeddings` (its original context): up to `factor` times it."""
     cfg = text_config(model_config)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(cfg, key, None)
@@ -83,9 +88,22 @@ def model_max_len(model_config) -> int:
                 and isinstance(rope, dict)
                 and rope.get("rope_type") == "dynamic"
             ):
-                value = int(value * rope.get("factor", 1.0))
-            return value
-    return 8192
+                factor = rope.get("factor", 1.0)
+                limit = int(value * factor)
+                return limit, f"its config's {key} {value} times its dynamic rope factor {factor}"
+            return value, f"its config's {key}"
+    return 8192, "no position limit in its config: batchrun's default"
+
+
+def check_max_model_len(max_model_len: int | None, model_config) -> None:
+    """`model.max_model_len` above the model's own limit: BadInput naming both (as vLLM refuses it at start),
+    rather than a limit silently lowered to the model's."""
+    limit, where = model_limit(model_config)
+    if max_model_len is not None and max_model_len > limit:
+        raise BadInput(
+            f"key `model.max_model_len` is {max_model_len}, above the model's {limit} positions ({where}); set "
+            f"it to at most {limit}, or leave it out."
+        )
 
 
 @dataclass(frozen=True)
