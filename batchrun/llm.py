@@ -25,7 +25,7 @@ from .engine.pooler import PoolerConfig
 from .engine.quantization import Weights, checkpoint_format
 from .engine.sizing import check_max_model_len, check_memory_budget
 from .errors import BadInput
-from .host import Placement, place
+from .host import Placement, place, warn_slow_dtype
 from .loop import drive
 from .progress import BAR_FORMAT, RemainingTime, rows_in_flight_done
 from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_seed
@@ -179,6 +179,7 @@ class LLM:
 
         placement = placement or place(engine.device, model.dtype)
         self.device, self.dtype = placement.device, placement.dtype
+        self.slow_dtype = warn_slow_dtype(placement)  # said now, and in a job's summary
         folder = model_loader.open_model(model.path, source)  # read once: the budget check, then the load
         self.model_dir, config = folder.path, folder.config
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)

@@ -19,7 +19,7 @@ from .engine.config import EngineConfig
 from .engine.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
 from .engine.sentence_config import SentenceConfigError, read_cross_encoder_config, read_sentence_config
 from .errors import BadInput
-from .host import Placement, available_ram, place
+from .host import Placement, available_ram, place, warn_slow_dtype
 from .model_loader import ModelFolder, load_config, open_model
 from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
@@ -163,6 +163,7 @@ def load_runner(
     from .engine.pooling import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
+    warn_slow_dtype(placement)
     if checkpoint is None:
         checkpoint = read_checkpoint(open_model(model.path, source), pooler, source, task)
     runner = PoolingRunner if checkpoint.task == "embed" else ClassifierRunner

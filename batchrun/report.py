@@ -99,6 +99,8 @@ def format_summary(s: dict) -> str:
             f"{s.get('prompt_tokens_computed', 0)} computed",
         ),
     ]
+    if s.get("slow_dtype"):
+        lines.append(("dtype", f"{s['dtype']}: {s['slow_dtype']}"))
     if s.get("task", "generate") != "generate":  # a pooling job: no generation, no pages
         rate = s["rows"] / s["wall_s"] if s["wall_s"] else 0.0
         computed = s.get("prompt_tokens_computed", 0)
@@ -134,6 +136,17 @@ def format_summary(s: dict) -> str:
         (
             "KV pages",
             f"{s['pages_total']} of {s['page_size']} tokens, peak in use {s.get('peak_pages_used', 0)}",
+        ),
+        *(
+            [
+                (
+                    "swap space",
+                    f"{_bytes(s['swap_space_bytes'])}"
+                    + (f" (engine.swap_space unset: {s['swap_space_auto']})" if s["swap_space_auto"] else ""),
+                )
+            ]
+            if "swap_space_bytes" in s  # absent in statistics written before it was recorded
+            else []
         ),
         (
             "KV utilization (paged)",

@@ -487,3 +487,58 @@ def test_max_model_len_above_the_models_positions_is_exit_2_at_validate_and_befo
     spec = load_job(job, [f"model.path={model_dir}", f"model.max_model_len={limit + 1}"])
     with pytest.raises(BadInput, match=re.escape(said)):
         Job(spec, progress=False).run()
+
+
+def test_an_unset_swap_space_fits_the_ram_at_start_and_a_set_one_too_large_is_exit_2(tmp_path, monkeypatch):
+    """The old default (4 GiB) refused whole jobs where less RAM was available; unset now, it is sized to fit
+    and the summary says what it became. Set beyond the RAM, it is still refused, in plain words."""
+    import torch
+
+    from batchrun.engine import EngineConfig, sizing
+    from batchrun.report import format_summary
+
+    monkeypatch.setattr(sizing, "available_ram", lambda: int(2.6 * 2**30))
+    cpu = torch.device("cpu")
+    sizing.check_memory_budget(EngineConfig(num_pages=8), None, torch.float32, cpu)  # it refused this
+    assert sizing.swap_bytes(EngineConfig()) == int(2.6 * 2**30) // 4
+    monkeypatch.setattr(sizing, "available_ram", lambda: 64 << 30)
+    assert (
+        sizing.swap_bytes(EngineConfig()) == 4 << 30
+        and sizing.swap_bytes(EngineConfig(swap_space="1GiB")) == 1 << 30
+    )
+    monkeypatch.setattr(sizing, "available_ram", lambda: int(2.6 * 2**30))
+    with pytest.raises(
+        BadInput,
+        match=r"key `engine.swap_space`: asks for 4.0 GiB, and only 2.6 GiB of RAM is available; "
+        "lower it or leave it unset",
+    ):
+        sizing.check_memory_budget(EngineConfig(num_pages=8, swap_space="4GiB"), None, torch.float32, cpu)
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
+    job = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    summary = Job(load_job(job), progress=False).run()  # unset, with 2.6 GiB available: a quarter of it
+    assert summary["swap_space_bytes"] == int(2.6 * 2**30) // 4
+    printed = format_summary(summary)
+    rule = "the smaller of 4 GiB and 25% of the RAM available at start"
+    assert re.search(rf"swap space +665\.6 MiB \(engine.swap_space unset: {rule}\)", printed), printed
+
+
+def test_an_explicit_bfloat16_on_a_cpu_without_bf16_hardware_is_said_at_load_and_in_the_summary(
+    tmp_path, monkeypatch, capsys
+):
+    import torch
+
+    import batchrun.host
+    from batchrun.report import format_summary
+
+    monkeypatch.setattr(batchrun.host, "cpu_has_fast_bf16", lambda: False)
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
+    job = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    summary = Job(load_job(job, ["model.dtype=bfloat16", "sampling.max_new_tokens=2"]), progress=False).run()
+    said = "model.dtype bfloat16 on a CPU without bf16 hardware (AMX or AVX512-BF16)"
+    assert f"batchrun: warning: {said}" in capsys.readouterr().err
+    assert said in format_summary(summary)
+    assert batchrun.host.pick_dtype("auto", torch.device("cpu")) == torch.float32  # auto: no warning to give

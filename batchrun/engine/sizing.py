@@ -24,6 +24,12 @@ from .kv_cache import text_config
 from .loading import meta_paged_model
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
+# engine.swap_space unset: this share of the RAM available at start, and no more than AUTO_SWAP_MAX
+AUTO_SWAP_SHARE = 0.25
+AUTO_SWAP_MAX = 4 << 30
+AUTO_SWAP_RULE = (
+    f"the smaller of {AUTO_SWAP_MAX >> 30} GiB and {AUTO_SWAP_SHARE:.0%} of the RAM available at start"
+)
 
 
 def _gib(n: int) -> str:
@@ -38,20 +44,22 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
     ram = available_ram()
     if device.type == "cuda":
         accelerator, _ = torch.cuda.mem_get_info(device)
-        where = f"free on {device}"
+        where = f"is free on {device}"
     else:
-        accelerator, where = ram, "of available RAM"
+        accelerator, where = ram, "of RAM is available"
     wanted = []
     if config.num_pages is not None:
         if bytes_per_page:
             wanted.append(("engine.num_pages", config.num_pages * bytes_per_page, accelerator, where))
     elif not isinstance(config.kv_cache_memory, float | int):
         wanted.append(("engine.kv_cache_memory", parse_size(config.kv_cache_memory), accelerator, where))
-    wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of available RAM"))
+    if config.swap_space is not None:  # unset, it is sized to fit (swap_bytes)
+        wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of RAM is available"))
     for key, need, have, what in wanted:
         if need > have:
             raise BadInput(
-                f"key `{key}`: asks for {_gib(need)} but only {_gib(have)} is {what}; lower it"
+                f"key `{key}`: asks for {_gib(need)}, and only {_gib(have)} {what}; lower it"
+                + (" or leave it unset (what fits at start)" if key == "engine.swap_space" else "")
                 + (f" ({bytes_per_page} bytes per KV page)." if bytes_per_page else ".")
             )
     if device.type == "cpu" and len(wanted) == 2 and wanted[0][1] + wanted[1][1] > ram:
@@ -106,6 +114,15 @@ def check_max_model_len(max_model_len: int | None, model_config) -> None:
         )
 
 
+def swap_bytes(config: EngineConfig) -> int:
+    """The CPU memory for swapped-out pages: `engine.swap_space` as set (check_memory_budget refused it beyond the
+    available RAM), or unset AUTO_SWAP_RULE: a default that fits the machine it starts on rather than refusing the
+    job there."""
+    if config.swap_space is not None:
+        return parse_size(config.swap_space)
+    return min(AUTO_SWAP_MAX, int(available_ram() * AUTO_SWAP_SHARE))
+
+
 @dataclass(frozen=True)
 class PoolSizes:
     """The engine's pools: KV pages on the device and on the CPU, and each other kind's pool (its own sizes, in
@@ -114,6 +131,7 @@ class PoolSizes:
     num_pages: int
     num_cpu_pages: int
     kind_pools: tuple = ()
+    swap_bytes: int = 0  # the swap space the pools came from (swap_bytes: unset, what fit at start)
 
 
 def pool_sizes(
@@ -130,10 +148,10 @@ def pool_sizes(
 
     `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
     waiting for prefill (multimodal.EncoderCache)."""
-    swap = parse_size(config.swap_space)
+    swap = total_swap = swap_bytes(config)
     if not cache_kinds:
         return PoolSizes(
-            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page
+            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page, (), swap
         )
     # the budget in bytes ("pages" of one byte); None: engine.num_pages fixes the pages
     budget = None if config.num_pages is not None else num_pages_for(config, 1, device, reserved_bytes)
@@ -144,7 +162,7 @@ def pool_sizes(
         swap -= pool.cpu_bytes
         budget = None if budget is None else budget - pool.device_bytes
     pages = config.num_pages if budget is None else budget // bytes_per_page
-    return PoolSizes(pages, swap // bytes_per_page, tuple(pools))
+    return PoolSizes(pages, swap // bytes_per_page, tuple(pools), total_swap)
 
 
 def num_pages_for(
