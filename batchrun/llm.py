@@ -467,7 +467,7 @@ class LLM:
                 f"LLM.{task}: this LLM {made}; {task} needs LLM(model, runner='pooling') on such a model"
             )
         if task != "embed":
-            check_head(self.pooling.model_dir, self.pooling.classifier.config, task, f"LLM.{task}")
+            check_head(self.pooling.model_dir, self.pooling.classifier.config, task, f"LLM.{task}", api=True)
         if task in ("classify", "reward") and self.prompt_name is not None:
             raise BadInput(
                 f"LLM.{task}: pooler.prompt_name is a cross-encoder's prompt, put before a pair's first text "
