@@ -4,7 +4,8 @@ and its weights), given as a local path, an fsspec URL (s3://, gs://, hf://, ...
 
 A URL's two files are copied once into the cache folder (`$BATCHRUN_CACHE/adapters/`), keyed by the URL; each
 adapter's config is read and checked here (engine/lora_config.py) when the job is validated, before any model
-is loaded, so a DoRA adapter or one over engine.max_lora_rank is exit 2 at once.
+is loaded, so a DoRA adapter or one over engine.max_lora_rank is exit 2 at once; and its weights' names and shapes
+against the model's config (`check_adapters`), so an adapter of another base model is too.
 """
 
 from __future__ import annotations
@@ -72,3 +73,23 @@ def read_adapters(
             )
         out[name] = (folder, config)
     return out
+
+
+def check_adapters(adapters: dict[str, tuple[Path, AdapterConfig]], model_config) -> None:
+    """Each adapter ({name: (folder, config)}, read_adapters') against the model made on the meta device from its
+    config, before any weight loads: the layers it targets exist, are ones batchrun adapts (not the token
+    embeddings or the LM head) and fit its weights' shapes. BadInput naming the adapter and the module. A model
+    that cannot be made there is the load's to report (the load checks the adapters again, on the model itself)."""
+    if not adapters:
+        return
+    from .engine.loading import meta_paged_model
+    from .engine.lora_weights import check_adapter
+
+    try:
+        model = meta_paged_model(model_config)
+    except BadInput:
+        raise
+    except Exception:  # noqa: BLE001 - code that cannot run on the meta device: the load's to report
+        return
+    for name, (folder, config) in adapters.items():
+        check_adapter(folder, config, model, f"model.adapters.{name}")

@@ -181,22 +181,16 @@ def validate(job_file: Path, overrides) -> None:
 
     Checks everything about JOB_FILE that needs no model weights: the job file, the input (columns and their
     types, unique ids, its rows), the model path, a job-wide response format (it compiles and is enforced), the
-    outputs (writable; an object store's conditional writes) and the KV budget against this machine's memory."""
+    outputs (writable; an object store's conditional writes), the KV budget and swap space against this
+    machine's memory, and from the model's config (a local folder's) model.max_model_len against its positions
+    and the LoRA adapters against its layers."""
     from .config import load_job
 
     spec = load_job(job_file, overrides)  # before the imports below (torch, transformers: seconds)
-    from .job import check_job, check_outputs
-    from .model_loader import check_model_path
+    from .job import check_job, check_model, check_outputs
 
     source = check_job(spec, spec.input.limit).source
-    model = check_model_path(spec.model.path, spec.source_file)
-    if (
-        spec.model.adapters
-    ):  # each adapter's folder and config (its weights are checked against the model at load)
-        from .adapters import read_adapters
-
-        read_adapters(spec.model.adapters, spec.engine.max_lora_rank, spec.source_file)
-        model += f" with {len(spec.model.adapters)} LoRA adapters"
+    model = check_model(spec)
     check_outputs(spec)
     rows = source.num_rows()
     if rows is not None and spec.input.limit is not None:

@@ -389,6 +389,11 @@ def parse_job(raw: Any, source: str = "<job>") -> JobSpec:
             f"a data-file builder name (parquet, json, csv) with data_dir, or a cached dataset id."
         )
     _check_task(spec, source)
+    if spec.task != "generate" and raw.get("sampling"):  # given, not compared with the defaults: any key set
+        raise BadInput(
+            f"{source}: key `sampling.{next(iter(raw['sampling']))}` applies to task generate, and task is "
+            f"{spec.task} (a pooling task samples no tokens)."
+        )
     urls = {"input.parquet": inp.parquet, "input.openai_batch": inp.openai_batch}
     urls |= {"output.path": spec.output.path, "output.stats": spec.output.stats}
     for key, value in urls.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,6 +87,28 @@ def cpu_packs_bf16() -> bool:
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16)."""
     return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", cpu_description()))
+
+
+def slow_dtype(placement: Placement) -> str | None:
+    """Why `placement`'s dtype runs slowly on this machine, or None: bfloat16 asked for on a CPU without bf16
+    hardware, where every product is emulated (model.dtype auto picks float32 there; bench/RESULTS.md)."""
+    import torch
+
+    if placement.device.type == "cpu" and placement.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        return (
+            "model.dtype bfloat16 on a CPU without bf16 hardware (AMX or AVX512-BF16): its products are emulated, "
+            "several times slower than float32 here (model.dtype auto picks float32 on this CPU)"
+        )
+    return None
+
+
+def warn_slow_dtype(placement: Placement) -> str | None:
+    """slow_dtype's reason, said on stderr as the model loads (a warning: the job runs, slowly) and returned for
+    the run's summary."""
+    note = slow_dtype(placement)
+    if note:
+        print(f"batchrun: warning: {note}.", file=sys.stderr, flush=True)
+    return note
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:

@@ -400,25 +400,39 @@ def check_job(spec: JobSpec, limit: int | None) -> CheckedJob:
 def check_outputs(spec: JobSpec) -> None:
     """What `submit` checks of the outputs before any model loads, for `batchrun validate`: output.path and the
     statistics' folder can be written, and on an object store the shard lease's conditional writes work there
-    (else submit needs --no-lock); the KV budget and swap space fit this machine's memory."""
+    (else submit needs --no-lock)."""
     src = spec.source_file
     check_writable(spec.output_dir, "output.path", src)
     check_writable(spec.stats_path().parent, "output.stats", src)
     if storage.is_remote(spec.state_dir):
         LeaseLock(spec.state_dir, 0, 1).probe(spec.output_dir, src)
-    placement = place(spec.engine.device, spec.model.dtype)
-    try:  # the page count needs the model's shape: only where its config is at hand, unconverted
-        model_config = (
-            load_config(Path(spec.model.path)) if spec.model.path and Path(spec.model.path).is_dir() else None
-        )
-    except Exception:  # noqa: BLE001 - an unreadable config is the load's to report
-        model_config = None
-    from .engine.sizing import check_memory_budget
 
+
+def check_model(spec: JobSpec) -> str:
+    """What `submit` checks of the model before its weights load, for `batchrun validate`: its path, each
+    adapter's folder and config, and what the model's config decides (llm.check_before_load: the KV budget and
+    swap space against this machine's memory, model.max_model_len against its positions, the adapters against
+    its layers) where that config is at hand unconverted (a local folder; else the byte sizes alone, and the
+    load checks the rest). Returns the model in words."""
+    from .adapters import read_adapters
+    from .llm import check_before_load
+    from .model_loader import check_model_path
+    from .report import counted
+
+    src = spec.source_file
+    model = check_model_path(spec.model.path, src)
+    adapters = read_adapters(spec.model.adapters, spec.engine.max_lora_rank, src)
+    if adapters:
+        model += f" with {counted(len(adapters), 'LoRA adapter')}"
+    path = Path(spec.model.path) if spec.model.path else None
     try:
-        check_memory_budget(spec.engine, model_config, placement.dtype, placement.device)
-    except BadInput as e:
-        raise BadInput(f"{src}: {e}") from None
+        config = load_config(path) if path is not None and path.is_dir() else None
+    except Exception:  # noqa: BLE001 - an unreadable config is the load's to report
+        config = None
+    check_before_load(
+        spec.model, spec.engine, config, adapters, place(spec.engine.device, spec.model.dtype), src
+    )
+    return model
 
 
 def run_job(job, overrides=None, **options: Any) -> dict | None:

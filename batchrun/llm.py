@@ -23,9 +23,9 @@ from .config import ModelSpec
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .engine.pooler import PoolerConfig
 from .engine.quantization import Weights, checkpoint_format
-from .engine.sizing import check_memory_budget
+from .engine.sizing import check_max_model_len, check_memory_budget
 from .errors import BadInput
-from .host import Placement, place
+from .host import Placement, place, warn_slow_dtype
 from .loop import drive
 from .progress import BAR_FORMAT, RemainingTime, rows_in_flight_done
 from .rows import InputRow, OutputRow, check_conversation, is_token_ids, row_seed
@@ -99,6 +99,25 @@ class PoolingRequestOutput:
     error: str | None = None
 
 
+def check_before_load(
+    model: ModelSpec, engine: EngineConfig, config, adapters: dict, placement: Placement, source: str
+) -> None:
+    """What a model's config decides, checked before its weights load (by the load, and by `batchrun validate`
+    without one): the KV budget and swap space against this machine's memory, model.max_model_len against the
+    model's positions, and each adapter ({name: (folder, config)}: read_adapters') against the model's layers.
+    `config` None (not at hand before the load): the budget's byte sizes alone. BadInput naming `source`: a bad
+    job, not a crash or a silent difference minutes later."""
+    from .adapters import check_adapters
+
+    try:
+        check_memory_budget(engine, config, placement.dtype, placement.device)
+        if config is not None:
+            check_max_model_len(model.max_model_len, config)
+            check_adapters(adapters, config)
+    except BadInput as e:
+        raise BadInput(f"{source}: {e}") from None
+
+
 class LLM:
     """A model and its paged engine. Keyword arguments beyond model, dtype, device and max_model_len are the
     job file's `engine:` keys (num_pages, kv_cache_memory, max_num_seqs, prefix_sharing, preemption, ...)."""
@@ -160,15 +179,18 @@ class LLM:
 
         placement = placement or place(engine.device, model.dtype)
         self.device, self.dtype = placement.device, placement.dtype
+        self.slow_dtype = warn_slow_dtype(placement)  # said now, and in a job's summary
         folder = model_loader.open_model(model.path, source)  # read once: the budget check, then the load
         self.model_dir, config = folder.path, folder.config
         self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
         self.fused_products = 0  # q/k/v, gate/up made one packed product each (engine/fused_linear.py)
         self.fused_elementwise = 0  # RMSNorms and gated MLPs fused (engine/fused_elementwise.py)
-        try:  # before loading: a KV budget the machine cannot hold is a bad job, not a crash minutes later
-            check_memory_budget(engine, config, self.dtype, self.device)
-        except BadInput as e:
-            raise BadInput(f"{source}: {e}") from None
+        adapters = {}
+        if model.adapters:  # each adapter's folder and config, then against the model before it loads
+            from .adapters import read_adapters
+
+            adapters = read_adapters(model.adapters, engine.max_lora_rank, source)
+        check_before_load(model, engine, config, adapters, placement, source)
         # a vision-language model's processor (image tokens, pixel values, its tokenizer); None for a text model,
         # and for one whose processor cannot be built here: its text prompts run, its image rows are errors
         self.images_unavailable: str | None = None
@@ -182,12 +204,10 @@ class LLM:
         )
         # the weights' format and bytes in memory, for the summary (counted before any packing for oneDNN)
         self.weights = Weights.of(hf_model, checkpoint_format(config))
-        if model.adapters:  # each adapter's layers wrapped before packing, which then packs their base layers
-            from .adapters import read_adapters
+        if adapters:  # each adapter's layers wrapped before packing, which then packs their base layers
             from .engine import lora
 
-            folders = read_adapters(model.adapters, engine.max_lora_rank, source)
-            lora.attach(hf_model, folders, engine.max_loras, self.device)
+            lora.attach(hf_model, adapters, engine.max_loras, self.device)
         if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
             from .engine import cpu_linear, fused_elementwise, fused_linear
 
@@ -447,7 +467,7 @@ class LLM:
                 f"LLM.{task}: this LLM {made}; {task} needs LLM(model, runner='pooling') on such a model"
             )
         if task != "embed":
-            check_head(self.pooling.model_dir, self.pooling.classifier.config, task, f"LLM.{task}")
+            check_head(self.pooling.model_dir, self.pooling.classifier.config, task, f"LLM.{task}", api=True)
         if task in ("classify", "reward") and self.prompt_name is not None:
             raise BadInput(
                 f"LLM.{task}: pooler.prompt_name is a cross-encoder's prompt, put before a pair's first text "

@@ -19,7 +19,7 @@ from .engine.config import EngineConfig
 from .engine.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
 from .engine.sentence_config import SentenceConfigError, read_cross_encoder_config, read_sentence_config
 from .errors import BadInput
-from .host import Placement, available_ram, place
+from .host import Placement, available_ram, place, warn_slow_dtype
 from .model_loader import ModelFolder, load_config, open_model
 from .rows import InputRow, OutputRow, check_conversation
 from .stats import PoolingStats
@@ -46,11 +46,11 @@ def task_of(config) -> str:
     return "classify" if any(a.endswith("ForSequenceClassification") for a in architectures) else "embed"
 
 
-def check_head(model_dir: Path, config, task: str, where: str) -> None:
+def check_head(model_dir: Path, config, task: str, where: str, api: bool = False) -> None:
     """What a sequence-classification checkpoint (its transformers folder `model_dir`) can do: score and reward
     read one logit (BadInput naming `task` for a head of several labels: classify gives their probabilities, of
     pairs too), and score's activation, read as sentence-transformers' CrossEncoder reads it, must be one batchrun
-    applies."""
+    applies. `api`: the Python API asks (`where` is its method), and the refusal speaks its words."""
     from .engine.attention import UnsupportedModel
     from .engine.classifier import score_activation
     from .engine.sentence_config import cross_encoder_activation
@@ -59,13 +59,19 @@ def check_head(model_dir: Path, config, task: str, where: str) -> None:
         labels = (
             f"this checkpoint's has {config.num_labels} ({', '.join(map(str, config.id2label.values()))})"
         )
+        what = "a cross-encoder's" if task == "score" else "a reward model's"
+        if api:
+            raise BadInput(
+                f"{where} reads a head of one label ({what}), and {labels}; LLM.classify gives its labels' "
+                "probabilities per text (per pair: a job's task classify with input.pair_column)"
+            )
         if task == "score":
             raise BadInput(
-                f"{where}: key `task`: score reads a head of one label (a cross-encoder's), and {labels}; for its "
+                f"{where}: key `task`: score reads a head of one label ({what}), and {labels}; for its "
                 "label and probabilities per pair, use task classify with input.pair_column"
             )
         raise BadInput(
-            f"{where}: key `task`: reward reads a head of one label (a reward model's), and {labels}; task "
+            f"{where}: key `task`: reward reads a head of one label ({what}), and {labels}; task "
             "classify gives its probabilities"
         )
     if task == "score":
@@ -163,6 +169,7 @@ def load_runner(
     from .engine.pooling import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
+    warn_slow_dtype(placement)
     if checkpoint is None:
         checkpoint = read_checkpoint(open_model(model.path, source), pooler, source, task)
     runner = PoolingRunner if checkpoint.task == "embed" else ClassifierRunner

@@ -38,13 +38,18 @@ def load_summary(path: Path) -> dict:
             raise BadInput(f"{f}: not a batchrun stats file ({e}).") from None
     if len(summaries) == 1:
         return summaries[0]
+    # each file's shard ("I/N"; a file written before shards were named: its name)
+    labels = [s.get("shard", f.stem) for f, s in zip(files, summaries)]
     out = combine(summaries)
+    out["shard"] = labels  # the shards combined, not the first one's label
     out["shards"] = len(summaries)
-    # which shards' rows failed ("I/N" -> error rows); a file written before shards were named: its name
-    out["error_rows_by_shard"] = {
-        s.get("shard", f.stem): s.get("error_rows", 0) for f, s in zip(files, summaries)
-    }
+    out["error_rows_by_shard"] = {label: s.get("error_rows", 0) for label, s in zip(labels, summaries)}
     return out
+
+
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless one: "1 LoRA adapter", "2 rows"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _bytes(n: float) -> str:
@@ -94,6 +99,8 @@ def format_summary(s: dict) -> str:
             f"{s.get('prompt_tokens_computed', 0)} computed",
         ),
     ]
+    if s.get("slow_dtype"):
+        lines.append(("dtype", f"{s['dtype']}: {s['slow_dtype']}"))
     if s.get("task", "generate") != "generate":  # a pooling job: no generation, no pages
         rate = s["rows"] / s["wall_s"] if s["wall_s"] else 0.0
         computed = s.get("prompt_tokens_computed", 0)
@@ -129,6 +136,17 @@ def format_summary(s: dict) -> str:
         (
             "KV pages",
             f"{s['pages_total']} of {s['page_size']} tokens, peak in use {s.get('peak_pages_used', 0)}",
+        ),
+        *(
+            [
+                (
+                    "swap space",
+                    f"{_bytes(s['swap_space_bytes'])}"
+                    + (f" (engine.swap_space unset: {s['swap_space_auto']})" if s["swap_space_auto"] else ""),
+                )
+            ]
+            if "swap_space_bytes" in s  # absent in statistics written before it was recorded
+            else []
         ),
         (
             "KV utilization (paged)",
@@ -181,14 +199,14 @@ def format_summary(s: dict) -> str:
             s.get(k) or {} for k in ("adapter_rows", "adapter_prompt_tokens", "adapter_generated_tokens")
         )
         per = "; ".join(
-            f"{name} {rows[name]} rows, {prompt.get(name, 0)} + {generated.get(name, 0)} tokens"
+            f"{name} {counted(rows[name], 'row')}, {prompt.get(name, 0)} + {generated.get(name, 0)} tokens"
             for name in sorted(rows)
         )
         lines.append(
             (
                 "LoRA adapters",
-                f"{per or 'no rows'}; {s.get('adapter_loads', 0)} loads, {s.get('adapter_evictions', 0)} "
-                f"evictions; weights {_bytes(s['adapter_bytes'])}",
+                f"{per or 'no rows'}; {counted(s.get('adapter_loads', 0), 'load')}, "
+                f"{counted(s.get('adapter_evictions', 0), 'eviction')}; weights {_bytes(s['adapter_bytes'])}",
             )
         )
     if s.get("structured_rows"):

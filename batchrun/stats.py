@@ -535,7 +535,8 @@ class PoolingStats:
     def summary(self) -> dict:
         """As StatsCollector.summary: `rows` and `error_rows` are the job's to count."""
         wall = time.perf_counter() - self.start
-        s = dict.fromkeys(SUMMARY_KEYS, 0)
+        # nothing counted: 0, and {} for the per-name counts (no adapter's rows), as a generation job says it
+        s = {key: {} if rules[0] == "counts" else 0 for key, rules in SUMMARY_KEYS.items()}
         s.update(
             wall_s=wall,
             load_s=self.load_s,

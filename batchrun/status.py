@@ -65,8 +65,9 @@ def job_status(out_dir: Path) -> dict:
                 "state": state,
                 "rows_done": rows_done,
                 "rows_total": total,
-                # a finished run's rate is its average (rows over the time after its model loaded)
-                "rows_per_s": b.get("rows_per_s", 0.0) if state in ("running", "finished") else 0.0,
+                # an ended run's rate is its average (rows over the time after its model loaded), whether it
+                # finished, stopped or failed
+                "rows_per_s": b.get("rows_per_s", 0.0),
                 "replicas": b.get("replicas"),
                 "host": b.get("host"),
                 "pid": b.get("pid"),

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from .config import JobSpec, coerce_field
 from .engine import SamplingParams
+from .engine.sizing import AUTO_SWAP_RULE
 from .errors import BadInput
-from .host import Placement
+from .host import Placement, slow_dtype
 from .llm import LLM, Prompt
 from .progress import rows_in_flight_done
 from .rows import (
@@ -237,6 +238,10 @@ def load_worker(
         "fused_products": llm.fused_products,
         "weights_format": llm.weights.format,
         "weights_bytes": llm.weights.bytes,
+        "slow_dtype": llm.slow_dtype,
+        "swap_space_bytes": llm.engine.swap_bytes,
+        # unset engine.swap_space: the rule its size came from (engine/sizing.swap_bytes)
+        "swap_space_auto": AUTO_SWAP_RULE if spec.engine.swap_space is None else None,
     }
     return RowWorker(llm, spec, StatsCollector(llm.engine, extra=facts, replica=replica, load_s=load_s))
 
@@ -260,6 +265,7 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "model": spec.model.path,
         "packed_weights": runner.packed_weights,
         "fused_products": runner.fused_products,
+        "slow_dtype": slow_dtype(Placement(runner.device, runner.dtype)),
     }
     load_s = time.perf_counter() - t0
     stats = PoolingStats(

@@ -1,6 +1,7 @@
 """Whole jobs: inputs (Parquet, save_to_disk), outputs, bad rows, validation errors, memory flatness."""
 
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -402,6 +403,27 @@ def test_the_heartbeat_beats_while_the_model_loads():
         assert done["state"] == "finished" and read_heartbeats(Path(d))[0]["updated"] == done["updated"]
 
 
+def test_status_gives_a_stopped_shard_its_rows_over_its_running_time(tmp_path):
+    import time
+
+    from batchrun.config import STATE_DIR
+    from batchrun.heartbeat import Heartbeat
+    from batchrun.status import format_status, job_status
+
+    beat = Heartbeat(tmp_path / STATE_DIR, Shard(), interval_s=60)
+    beat.start(100, 100, 0, 1)
+    beat.running()
+    t0 = time.monotonic()
+    time.sleep(0.2)
+    beat.finish("stopped", 6)
+    ran = time.monotonic() - t0
+    st = job_status(tmp_path)
+    shard = st["shards"][0]
+    assert shard["state"] == "stopped" and 6 / (ran + 0.1) < shard["rows_per_s"] <= 6 / 0.2, st  # it said 0.0
+    assert st["rows_per_s"] == shard["rows_per_s"] and st["eta_s"] is None  # stopped: no time left to guess
+    assert f"{shard['rows_per_s']:.1f} rows/s" in format_status(st)
+
+
 def test_status_counts_the_rows_of_the_limit_and_a_finished_rate_and_the_summary_the_load(tmp_path):
     from batchrun.report import format_summary
     from batchrun.status import format_status, job_status
@@ -423,3 +445,103 @@ def test_status_counts_the_rows_of_the_limit_and_a_finished_rate_and_the_summary
     st = job_status(tmp_path / "out")
     assert st["rows_done"] == st["rows_total"] == 2, format_status(st)
     assert "2 of 2 rows done (100.0%)" in format_status(st)
+
+
+@pytest.mark.parametrize("task", ["embed", "score", "classify", "reward"])
+def test_a_sampling_key_set_on_a_pooling_job_is_exit_2_naming_the_key(tmp_path, task):
+    pair = "pair_column: passage, " if task == "score" else ""
+    job = write_job(
+        tmp_path / "job.yaml",
+        f"name: p\ntask: {task}\ninput: {{{pair}parquet: {tmp_path / 'in.parquet'}}}\n",
+    )
+    load_job(job)  # without it, the job is fine
+    with pytest.raises(
+        BadInput, match=rf"key `sampling.temperature` applies to task generate, and task is {task}"
+    ):
+        load_job(job, ["sampling.temperature=0.5"])
+
+
+def test_max_model_len_above_the_models_positions_is_exit_2_at_validate_and_before_the_load(
+    tmp_path, model_dir, monkeypatch
+):
+    """It was silently lowered to the model's limit (rows then said "max_model_len is 8192"); vLLM refuses it."""
+    from transformers import AutoConfig
+
+    import batchrun.engine.loading
+
+    limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
+    job = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    at = ["--set", f"model.path={model_dir}", "--set"]
+    assert run_cli("validate", str(job), *at, f"model.max_model_len={limit}").returncode == 0
+    r = run_cli("validate", str(job), *at, f"model.max_model_len={limit + 1}")
+    said = (
+        f"key `model.max_model_len` is {limit + 1}, above the model's {limit} positions (its config's "
+        "max_position_embeddings)"
+    )
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(batchrun.engine.loading, "load_model", no_load)
+    spec = load_job(job, [f"model.path={model_dir}", f"model.max_model_len={limit + 1}"])
+    with pytest.raises(BadInput, match=re.escape(said)):
+        Job(spec, progress=False).run()
+
+
+def test_an_unset_swap_space_fits_the_ram_at_start_and_a_set_one_too_large_is_exit_2(tmp_path, monkeypatch):
+    """The old default (4 GiB) refused whole jobs where less RAM was available; unset now, it is sized to fit
+    and the summary says what it became. Set beyond the RAM, it is still refused, in plain words."""
+    import torch
+
+    from batchrun.engine import EngineConfig, sizing
+    from batchrun.report import format_summary
+
+    monkeypatch.setattr(sizing, "available_ram", lambda: int(2.6 * 2**30))
+    cpu = torch.device("cpu")
+    sizing.check_memory_budget(EngineConfig(num_pages=8), None, torch.float32, cpu)  # it refused this
+    assert sizing.swap_bytes(EngineConfig()) == int(2.6 * 2**30) // 4
+    monkeypatch.setattr(sizing, "available_ram", lambda: 64 << 30)
+    assert (
+        sizing.swap_bytes(EngineConfig()) == 4 << 30
+        and sizing.swap_bytes(EngineConfig(swap_space="1GiB")) == 1 << 30
+    )
+    monkeypatch.setattr(sizing, "available_ram", lambda: int(2.6 * 2**30))
+    with pytest.raises(
+        BadInput,
+        match=r"key `engine.swap_space`: asks for 4.0 GiB, and only 2.6 GiB of RAM is available; "
+        "lower it or leave it unset",
+    ):
+        sizing.check_memory_budget(EngineConfig(num_pages=8, swap_space="4GiB"), None, torch.float32, cpu)
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
+    job = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    summary = Job(load_job(job), progress=False).run()  # unset, with 2.6 GiB available: a quarter of it
+    assert summary["swap_space_bytes"] == int(2.6 * 2**30) // 4
+    printed = format_summary(summary)
+    rule = "the smaller of 4 GiB and 25% of the RAM available at start"
+    assert re.search(rf"swap space +665\.6 MiB \(engine.swap_space unset: {rule}\)", printed), printed
+
+
+def test_an_explicit_bfloat16_on_a_cpu_without_bf16_hardware_is_said_at_load_and_in_the_summary(
+    tmp_path, monkeypatch, capsys
+):
+    import torch
+
+    import batchrun.host
+    from batchrun.report import format_summary
+
+    monkeypatch.setattr(batchrun.host, "cpu_has_fast_bf16", lambda: False)
+    write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
+    job = write_job(
+        tmp_path / "job.yaml", JOB.format(input=f"parquet: {tmp_path / 'in.parquet'}", out=tmp_path / "out")
+    )
+    summary = Job(load_job(job, ["model.dtype=bfloat16", "sampling.max_new_tokens=2"]), progress=False).run()
+    said = "model.dtype bfloat16 on a CPU without bf16 hardware (AMX or AVX512-BF16)"
+    assert f"batchrun: warning: {said}" in capsys.readouterr().err
+    assert said in format_summary(summary)
+    assert batchrun.host.pick_dtype("auto", torch.device("cpu")) == torch.float32  # auto: no warning to give

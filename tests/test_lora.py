@@ -358,7 +358,11 @@ def test_an_adapter_batchrun_does_not_apply_exactly_is_exit_2_at_validation(
     assert "Traceback" not in r.stderr
 
 
-def test_an_adapter_of_another_base_model_is_exit_2_at_load_naming_the_module(tmp_path, job_model, model_dir):
+def test_an_adapter_of_another_base_model_is_exit_2_at_validation_and_before_the_load_naming_the_module(
+    tmp_path, job_model, model_dir
+):
+    """Decided by the model's config and the adapter file's names and shapes: `validate` says it (it said ok),
+    and `submit` before the weights load, in the words the load's own check uses."""
     from helpers import run_cli
     from test_families import saved_model
     from transformers import AutoModelForCausalLM
@@ -370,13 +374,55 @@ def test_an_adapter_of_another_base_model_is_exit_2_at_load_naming_the_module(tm
     )
     other.save_pretrained(tmp_path / "other")
     job = adapter_job(tmp_path, (path, {"a": folders["a"], "b": tmp_path / "other"}), ["a", "b"])
-    r = run_cli("submit", str(job), "--quiet")
-    assert r.returncode == 2, r.stderr
-    assert (
-        "model.adapters.b: module 'model.layers.0.self_attn.q_proj'" in r.stderr
-        and "another base" in r.stderr
+    for command in ("validate", "submit"):
+        r = run_cli(command, str(job))
+        assert r.returncode == 2, (command, r.stderr)
+        assert (
+            "model.adapters.b: module 'model.layers.0.self_attn.q_proj': lora_A (4, 96) and lora_B (96, 4) do "
+            "not fit its 64 -> 64 layer (an adapter for another base model?)" in r.stderr
+        ), r.stderr
+        assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "targets, module, kind",
+    [
+        (["embed_tokens", "q_proj"], "model.embed_tokens", "an Embedding"),
+        (["lm_head"], "lm_head", "a Linear"),
+    ],
+)
+def test_lora_on_the_embeddings_or_the_lm_head_is_exit_2_at_validation_and_at_load(
+    tmp_path, job_model, targets, module, kind
+):
+    from helpers import run_cli
+    from transformers import AutoModelForCausalLM
+
+    from batchrun.engine.lora_config import read_adapter_config
+
+    path, folders = job_model
+    made = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(r=4, target_modules=targets)
     )
-    assert "Traceback" not in r.stderr
+    made.save_pretrained(tmp_path / "other")
+    job = adapter_job(tmp_path, (path, {"b": tmp_path / "other"}), ["b"])
+    r = run_cli("validate", str(job))
+    refusal = f"model.adapters.b: module '{module}' is {kind} batchrun does not adapt"
+    assert r.returncode == 2 and refusal in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # the load's check on the loaded model, the same function, says the same
+    model = copy.deepcopy(base("llama")[0])
+    config = read_adapter_config(tmp_path / "other", "test")
+    with pytest.raises(BadInput, match=refusal):
+        attach(model, {"b": (tmp_path / "other", config)}, 4, "cpu")
+
+
+def test_validate_counts_one_adapter_in_the_singular_and_checks_its_shapes_as_the_load_does(
+    tmp_path, job_model
+):
+    from helpers import run_cli
+
+    path, folders = job_model
+    r = run_cli("validate", str(adapter_job(tmp_path, (path, {"a": folders["a"]}), ["a"])))
+    assert r.returncode == 0 and "with 1 LoRA adapter, output" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize(

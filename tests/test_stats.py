@@ -246,3 +246,33 @@ def test_the_printed_summary_names_window_pages_and_structured_rows_when_there_a
     s.update(window_freed_peak=40, window_freed_mean=12.5, structured_rows=3, structured_complete=2)
     text = format_summary(s)
     assert "given back: peak 40, mean 12.5" in text and "2 of 3 rows completed their grammar" in text
+
+
+def test_stats_over_two_shards_names_both_and_a_pooling_job_counts_no_adapter_rows_as_generation_does(
+    tmp_path,
+):
+    """`stats --json` over shards 0/2 and 1/2 says which shards it combined (not the first one's label), as the
+    text says "(2 shards)"; a pooling job's adapter counts are {} (no adapter's rows), as a generation job's."""
+    from batchrun.stats import SUMMARY_KEYS, PoolingStats, write_stats
+
+    pooling = PoolingStats().summary()
+    assert all(pooling[k] == {} for k, rules in SUMMARY_KEYS.items() if rules[0] == "counts")  # it said 0
+    for i in range(2):
+        write_stats(tmp_path / f"stats-{i:05d}of00002.parquet", [], pooling | {"shard": f"{i}/2", "rows": 3})
+    r = run_cli("stats", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    combined = json.loads(r.stdout)
+    assert combined["shard"] == ["0/2", "1/2"] and combined["shards"] == 2 and combined["rows"] == 6
+    assert combined["adapter_rows"] == {}
+    assert "(2 shards)" in run_cli("stats", str(tmp_path)).stdout
+
+
+def test_the_printed_summary_counts_one_adapter_row_load_and_eviction_in_the_singular():
+    from batchrun.report import format_summary
+    from batchrun.stats import SUMMARY_KEYS
+
+    s = dict.fromkeys(SUMMARY_KEYS, 0)
+    s.update(page_size=16, wall_s=1.0, adapter_bytes=1024, adapter_loads=1, adapter_evictions=1)
+    s.update(adapter_rows={"a": 1, "b": 2}, adapter_prompt_tokens={"a": 5}, adapter_generated_tokens={"a": 3})
+    text = format_summary(s)
+    assert "a 1 row, 5 + 3 tokens; b 2 rows" in text and "; 1 load, 1 eviction;" in text, text

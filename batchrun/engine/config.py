@@ -72,7 +72,8 @@ class EngineConfig:
     # or a size such as "2GiB"
     kv_cache_memory: Union[float, str] = field(default=0.9, metadata={"check": size_or_fraction})  # noqa: UP007
     num_pages: int | None = field(default=None, metadata={"check": at_least(1)})  # overrides kv_cache_memory
-    swap_space: Union[str, int] = field(default="4GiB", metadata={"check": size})  # noqa: UP007
+    # CPU memory for swapped-out pages; None (unset): what fits this machine at start (sizing.swap_bytes)
+    swap_space: Union[str, int, None] = field(default=None, metadata={"check": size})  # noqa: UP007
     max_num_seqs: int = field(default=256, metadata={"check": at_least(1)})
     max_num_batched_tokens: int = field(default=8192, metadata={"check": at_least(1)})
     prefix_sharing: bool = True

@@ -128,6 +128,7 @@ class Engine:
             reserved_bytes=self.encoder_budget_bytes + (plan.lora.slot_bytes if plan.lora else 0),
         )
         self.num_pages = sizes.num_pages
+        self.swap_bytes = sizes.swap_bytes  # unset engine.swap_space: what fit this machine at start
         block_manager = BlockManager(
             self.num_pages,
             config.page_size,

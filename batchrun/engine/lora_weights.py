@@ -2,7 +2,9 @@
 
 Every module the adapter names must be a plain float linear layer of the decoder whose input is the step's packed
 tokens (`adaptable_linears`), with the shapes the adapter's weights have; anything else is a BadInput naming the
-module (an adapter made for another base model, LoRA on an LM head or an image encoder). The weights stay in CPU
+module (an adapter made for another base model, LoRA on the token embeddings, an LM head or an image encoder);
+the same check (`adapter_layers`) runs before any weight loads on the model made on the meta device from its config
+and the adapter file's tensor names and shapes (`check_adapter`), and at the load. The weights stay in CPU
 memory (lora.py's `LoRAManager` loads them into slots), in the model's dtype, or fp32 for a half-precision model
 as PEFT keeps them; a scaling that is a power of two rides on B.
 """
@@ -20,7 +22,12 @@ from ..errors import BadInput
 from .kv_cache import decoder_of
 from .lora_config import WEIGHT_FILES, AdapterConfig
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+# a tensor's key: its module, and which of the adapter's tensors it is -- lora_A or lora_B of a linear layer, an
+# embedding's lora_embedding_A or _B, or a base layer saved whole beside them (PEFT's save_embedding_layers)
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\."
+    r"(?:lora_(?P<which>[AB])(?:\.[^.]+)?\.weight|lora_embedding_(?P<embedding>[AB])(?:\.[^.]+)?|base_layer\.weight)$"
+)
 
 
 @dataclass
@@ -41,19 +48,26 @@ class LoRAAdapter:
         return max(a.shape[0] for a, _, _ in self.weights.values())
 
 
-def read_weights(folder: Path, where: str) -> dict[str, dict[str, torch.Tensor]]:
-    """{module: {"A": lora_A, "B": lora_B}} of an adapter folder's weights file; BadInput naming the key of any
-    tensor that is not a LoRA A or B matrix (an embedding's, a DoRA magnitude, a bias)."""
+def read_weights(folder: Path, where: str, shapes_only: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """{module: {"A": lora_A, "B": lora_B}} of an adapter folder's weights file (an embedding's pair as
+    "embedding A"/"embedding B", a base layer saved whole as "base"); BadInput naming the key of any other tensor
+    (a DoRA magnitude, a bias). `shapes_only`: tensors on the meta device, their names and shapes read from the
+    file's header, no values (the check before the model loads)."""
     path = next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
     if path is None:
         raise BadInput(f"{where}: {folder} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
     try:
-        if path.suffix == ".safetensors":
+        if path.suffix != ".safetensors":
+            tensors = torch.load(path, map_location="meta" if shapes_only else "cpu", weights_only=True)
+        elif shapes_only:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+        else:
             from safetensors.torch import load_file
 
             tensors = load_file(str(path))
-        else:
-            tensors = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise BadInput(f"{where}: cannot read {path}: {e}") from None
     modules: dict[str, dict[str, torch.Tensor]] = {}
@@ -63,10 +77,8 @@ def read_weights(folder: Path, where: str) -> dict[str, dict[str, torch.Tensor]]
             raise BadInput(
                 f"{where}: {path}: tensor {key!r} is not a LoRA A or B matrix; batchrun applies plain LoRA"
             )
-        modules.setdefault(m["module"], {})[m["which"]] = tensor
-    for module, pair in modules.items():
-        if set(pair) != {"A", "B"}:
-            raise BadInput(f"{where}: {path}: module {module!r} has lora_{next(iter(pair))} without its pair")
+        which = m["which"] or (f"embedding {m['embedding']}" if m["embedding"] else "base")
+        modules.setdefault(m["module"], {})[which] = tensor
     if not modules:
         raise BadInput(f"{where}: {path} holds no LoRA weights")
     return modules
@@ -90,28 +102,33 @@ def adaptable_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     }
 
 
-def load_adapter(
-    name: str, index: int, folder: Path, config: AdapterConfig, model: torch.nn.Module, where: str
-) -> LoRAAdapter:
-    """Adapter `name` read from `folder` and checked against `model` (BadInput naming the module otherwise). Its
-    weights are kept in the model's dtype, but in float32 for a half-precision model, as PEFT keeps them
-    (`autocast_adapter_dtype`)."""
+def adapter_layers(
+    model: torch.nn.Module, modules: dict[str, dict[str, torch.Tensor]], config: AdapterConfig, where: str
+) -> dict[str, torch.nn.Linear]:
+    """The layer of `model` each module of an adapter's weights (read_weights) adapts; BadInput naming the module
+    for one `model` lacks, one batchrun does not adapt (the token embeddings, the LM head) or whose shape the
+    weights do not fit. The one check of an adapter against a model: on the loaded model at its load, and before
+    (`batchrun validate`, `submit`) on the model made on the meta device from its config (check_adapter)."""
     targets = adaptable_linears(model)
-    base_dtype = next(model.parameters()).dtype
-    dtype = torch.float32 if base_dtype in (torch.float16, torch.bfloat16) else base_dtype
-    weights = {}
-    for module, pair in read_weights(folder, where).items():
+    layers = {}
+    for module, pair in modules.items():
         layer = targets.get(module)
         if layer is None:
             found = model.get_submodule(module) if _has_module(model, module) else None
+            kind = type(found).__name__
             why = (
                 "is not in this model (an adapter for another base model?"
                 + (f" it was made for {config.base_model})" if config.base_model else ")")
                 if found is None
-                else f"is a {type(found).__name__} batchrun does not adapt (LoRA applies to the decoder's "
-                "linear layers whose input is the step's tokens)"
+                else f"is {'an' if kind[0] in 'AEIOU' else 'a'} {kind} batchrun does not adapt (LoRA applies to "
+                "the decoder's linear layers whose input is the step's tokens)"
             )
             raise BadInput(f"{where}: module {module!r} {why}")
+        if set(pair) != {"A", "B"}:
+            raise BadInput(
+                f"{where}: module {module!r} has {' and '.join(sorted(pair))} weights; batchrun applies a pair of "
+                "lora_A and lora_B"
+            )
         a, b = pair["A"], pair["B"]
         rank = a.shape[0]
         if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
@@ -119,7 +136,28 @@ def load_adapter(
                 f"{where}: module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its "
                 f"{layer.in_features} -> {layer.out_features} layer (an adapter for another base model?)"
             )
-        b, scaling = b.to(dtype).contiguous(), config.scaling(module, rank)
+        layers[module] = layer
+    return layers
+
+
+def check_adapter(folder: Path, config: AdapterConfig, model: torch.nn.Module, where: str) -> None:
+    """Adapter `folder` against `model` (the model made on the meta device from its config) before any weight
+    loads: its tensors' names and shapes alone (adapter_layers)."""
+    adapter_layers(model, read_weights(folder, where, shapes_only=True), config, where)
+
+
+def load_adapter(
+    name: str, index: int, folder: Path, config: AdapterConfig, model: torch.nn.Module, where: str
+) -> LoRAAdapter:
+    """Adapter `name` read from `folder` and checked against `model` (adapter_layers). Its weights are kept in
+    the model's dtype, but in float32 for a half-precision model, as PEFT keeps them (`autocast_adapter_dtype`)."""
+    base_dtype = next(model.parameters()).dtype
+    dtype = torch.float32 if base_dtype in (torch.float16, torch.bfloat16) else base_dtype
+    modules = read_weights(folder, where)
+    weights = {}
+    for module in adapter_layers(model, modules, config, where):
+        a, b = modules[module]["A"], modules[module]["B"]
+        b, scaling = b.to(dtype).contiguous(), config.scaling(module, a.shape[0])
         if _power_of_two(scaling):  # folded into B: the same products bit for bit, one multiplication fewer
             b, scaling = b * scaling, 1.0
         weights[module] = (a.to(dtype).contiguous(), b, scaling)

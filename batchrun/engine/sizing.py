@@ -24,6 +24,12 @@ from .kv_cache import text_config
 from .loading import meta_paged_model
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
+# engine.swap_space unset: this share of the RAM available at start, and no more than AUTO_SWAP_MAX
+AUTO_SWAP_SHARE = 0.25
+AUTO_SWAP_MAX = 4 << 30
+AUTO_SWAP_RULE = (
+    f"the smaller of {AUTO_SWAP_MAX >> 30} GiB and {AUTO_SWAP_SHARE:.0%} of the RAM available at start"
+)
 
 
 def _gib(n: int) -> str:
@@ -38,20 +44,22 @@ def check_memory_budget(config: EngineConfig, model_config, dtype: torch.dtype, 
     ram = available_ram()
     if device.type == "cuda":
         accelerator, _ = torch.cuda.mem_get_info(device)
-        where = f"free on {device}"
+        where = f"is free on {device}"
     else:
-        accelerator, where = ram, "of available RAM"
+        accelerator, where = ram, "of RAM is available"
     wanted = []
     if config.num_pages is not None:
         if bytes_per_page:
             wanted.append(("engine.num_pages", config.num_pages * bytes_per_page, accelerator, where))
     elif not isinstance(config.kv_cache_memory, float | int):
         wanted.append(("engine.kv_cache_memory", parse_size(config.kv_cache_memory), accelerator, where))
-    wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of available RAM"))
+    if config.swap_space is not None:  # unset, it is sized to fit (swap_bytes)
+        wanted.append(("engine.swap_space", parse_size(config.swap_space), ram, "of RAM is available"))
     for key, need, have, what in wanted:
         if need > have:
             raise BadInput(
-                f"key `{key}`: asks for {_gib(need)} but only {_gib(have)} is {what}; lower it"
+                f"key `{key}`: asks for {_gib(need)}, and only {_gib(have)} {what}; lower it"
+                + (" or leave it unset (what fits at start)" if key == "engine.swap_space" else "")
                 + (f" ({bytes_per_page} bytes per KV page)." if bytes_per_page else ".")
             )
     if device.type == "cpu" and len(wanted) == 2 and wanted[0][1] + wanted[1][1] > ram:
@@ -71,8 +79,13 @@ def kv_page_bytes(model_config, page_size: int, dtype: torch.dtype) -> int:
 
 
 def model_max_len(model_config) -> int:
-    """The model's own limit on prompt + completion. Dynamic NTK scaling is made to run past
-    `max_position_embeddings` (its original context): up to `factor` times it."""
+    """The model's own limit on prompt + completion (model_limit)."""
+    return model_limit(model_config)[0]
+
+
+def model_limit(model_config) -> tuple[int, str]:
+    """The model's own limit on prompt + completion, and where its config says it. Dynamic NTK scaling is made to
+    run past `max_position_embeddings` (its original context): up to `factor` times it."""
     cfg = text_config(model_config)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(cfg, key, None)
@@ -83,9 +96,31 @@ def model_max_len(model_config) -> int:
                 and isinstance(rope, dict)
                 and rope.get("rope_type") == "dynamic"
             ):
-                value = int(value * rope.get("factor", 1.0))
-            return value
-    return 8192
+                factor = rope.get("factor", 1.0)
+                limit = int(value * factor)
+                return limit, f"its config's {key} {value} times its dynamic rope factor {factor}"
+            return value, f"its config's {key}"
+    return 8192, "no position limit in its config: batchrun's default"
+
+
+def check_max_model_len(max_model_len: int | None, model_config) -> None:
+    """`model.max_model_len` above the model's own limit: BadInput naming both (as vLLM refuses it at start),
+    rather than a limit silently lowered to the model's."""
+    limit, where = model_limit(model_config)
+    if max_model_len is not None and max_model_len > limit:
+        raise BadInput(
+            f"key `model.max_model_len` is {max_model_len}, above the model's {limit} positions ({where}); set "
+            f"it to at most {limit}, or leave it out."
+        )
+
+
+def swap_bytes(config: EngineConfig) -> int:
+    """The CPU memory for swapped-out pages: `engine.swap_space` as set (check_memory_budget refused it beyond the
+    available RAM), or unset AUTO_SWAP_RULE: a default that fits the machine it starts on rather than refusing the
+    job there."""
+    if config.swap_space is not None:
+        return parse_size(config.swap_space)
+    return min(AUTO_SWAP_MAX, int(available_ram() * AUTO_SWAP_SHARE))
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,7 @@ class PoolSizes:
     num_pages: int
     num_cpu_pages: int
     kind_pools: tuple = ()
+    swap_bytes: int = 0  # the swap space the pools came from (swap_bytes: unset, what fit at start)
 
 
 def pool_sizes(
@@ -112,10 +148,10 @@ def pool_sizes(
 
     `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
     waiting for prefill (multimodal.EncoderCache)."""
-    swap = parse_size(config.swap_space)
+    swap = total_swap = swap_bytes(config)
     if not cache_kinds:
         return PoolSizes(
-            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page
+            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page, (), swap
         )
     # the budget in bytes ("pages" of one byte); None: engine.num_pages fixes the pages
     budget = None if config.num_pages is not None else num_pages_for(config, 1, device, reserved_bytes)
@@ -126,7 +162,7 @@ def pool_sizes(
         swap -= pool.cpu_bytes
         budget = None if budget is None else budget - pool.device_bytes
     pages = config.num_pages if budget is None else budget // bytes_per_page
-    return PoolSizes(pages, swap // bytes_per_page, tuple(pools))
+    return PoolSizes(pages, swap // bytes_per_page, tuple(pools), total_swap)
 
 
 def num_pages_for(
