@@ -229,6 +229,10 @@ class Job:
         from .replicas import replica_count, run_replicas
 
         count = replica_count(self.replicas, self.spec.engine.device)
+        if (
+            count > 1
+        ):  # each replica checks before its load too, where a refusal is a failed replica: exit 2 here
+            check_model(self.spec)
         total = self.rows.shard_rows()
         self.heartbeat.start(self.rows.input_rows(), total, self.rows.before, count)
         stats_file = StatsFile(self.stats_path, self.sink.fingerprint, fresh=self.overwrite)
