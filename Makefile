@@ -59,7 +59,8 @@ test-quant: install-quant
 # AVX2 (BATCHRUN_CPU_ISA, a build folder of its own), torch held to AVX2, and the kernel tests run there, but the
 # engine's comparisons with HF `generate` (minutes each; `make test` runs them)
 AVX2 := BATCHRUN_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-AVX2_TESTS := tests/test_cpu_kernels.py tests/test_fused_elementwise.py tests/test_fused_residual.py tests/test_fused_rotary.py
+AVX2_TESTS := tests/test_cpu_kernels.py tests/test_fused_elementwise.py tests/test_fused_elementwise_families.py \
+  tests/test_fused_residual.py tests/test_fused_rotary.py tests/test_fused_rotary_families.py
 test-avx2: install
 	$(AVX2) $(BIN)/pytest -q $(AVX2_TESTS) -k "not equals_hf_generate"
 
