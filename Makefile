@@ -14,7 +14,7 @@ QUANT_VENV := .venv-quant
 QUANT_STAMP := $(QUANT_VENV)/.batchrun-installed
 GPTQ_PACKAGES := gptqmodel==7.7.0 optimum defuser device-smi logbar pypcre tokenicer
 
-.PHONY: install install-quant demo test test-quant kernels-check test-slurm lint bench gpu-check clean
+.PHONY: install install-quant demo test test-quant test-avx2 kernels-check test-slurm lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -47,13 +47,22 @@ demo: install
 
 # two workers (this kind of machine has two cores); a test file stays on one worker, with its module fixtures;
 # the 30 slowest tests are listed at the end (CI's time is near its limit: this says where it goes)
-test: install kernels-check test-quant
+test: install kernels-check test-quant test-avx2
 	$(BIN)/pytest -q tests -n 2 --dist loadfile --ignore tests/test_quantized.py --durations=30
 
 # every quantized format, with its package: tests/test_quantized.py in .venv-quant (a format whose package is
 # missing there fails rather than skips: BATCHRUN_REQUIRE_FORMATS)
 test-quant: install-quant
 	BATCHRUN_REQUIRE_FORMATS=1 $(QUANT_VENV)/bin/python -m pytest -q tests/test_quantized.py
+
+# the C++ kernels' paths of a CPU without AVX-512 (most rented CPUs), on any x86-64 CPU: the kernels built for
+# AVX2 (BATCHRUN_CPU_ISA, a build folder of its own), torch held to AVX2, and the kernel tests run there, but the
+# engine's comparisons with HF `generate` (minutes each; `make test` runs them)
+AVX2 := BATCHRUN_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+AVX2_TESTS := tests/test_cpu_kernels.py tests/test_fused_elementwise.py tests/test_fused_elementwise_families.py \
+  tests/test_fused_residual.py tests/test_fused_rotary.py tests/test_fused_rotary_families.py
+test-avx2: install
+	$(AVX2) $(BIN)/pytest -q $(AVX2_TESTS) -k "not equals_hf_generate"
 
 # every Triton kernel specialization the engine can launch, compiled ahead of time for sm_80 and sm_90 (no GPU)
 kernels-check: install

@@ -5,7 +5,6 @@ errors.py: it imports nothing else of batchrun's (README, "How the code is laid 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,10 +70,24 @@ def cpu_name() -> str:
     return f"{model} ({', '.join(units) or 'no AVX-512'})"
 
 
+def cpu_isa() -> str:
+    """`BATCHRUN_CPU_ISA`: `native` (the default), or `avx2`: this CPU taken for one without AVX-512 (an AMD EPYC
+    with AVX2, as most rented CPUs): the C++ kernels built for AVX2 (engine/cpu_kernels.py) and `cpu_flags`
+    without the flags past AVX2, so that a CPU with AVX-512 runs the paths such a CPU runs (`make test-avx2`, where
+    `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` hold torch to AVX2 too)."""
+    isa = os.environ.get("BATCHRUN_CPU_ISA", "native")
+    if isa not in ("native", "avx2"):
+        raise BadInput(f"BATCHRUN_CPU_ISA is {isa!r}: native (the default) or avx2")
+    return isa
+
+
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo says none)."""
-    flags_line = cpu_description().partition("\n")[2]
-    return set(flags_line.partition(":")[2].split())
+    """This CPU's feature flags (empty where /proc/cpuinfo says none); under `BATCHRUN_CPU_ISA=avx2` an AVX2
+    CPU's: none of AVX-512, AVX10, AMX or the later AVX extensions (AVX-VNNI, AVX-NE-CONVERT)."""
+    flags = set(cpu_description().partition("\n")[2].partition(":")[2].split())
+    if cpu_isa() == "avx2":
+        return {flag for flag in flags if not flag.startswith(("avx512", "avx10", "avx_", "amx"))}
+    return flags
 
 
 def cpu_packs_bf16() -> bool:
@@ -86,7 +99,7 @@ def cpu_packs_bf16() -> bool:
 
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16)."""
-    return bool(re.search(r"\b(amx_bf16|avx512_bf16)\b", cpu_description()))
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def slow_dtype(placement: Placement) -> str | None:

@@ -184,6 +184,28 @@ def test_the_build_folder_is_keyed_by_source_checkout_torch_and_cpu(tmp_path, mo
     )
 
 
+def test_batchrun_cpu_isa_avx2_builds_for_an_avx2_cpu_and_reads_its_flags(monkeypatch):
+    """Issue 65, item 10: the kernels' non-AVX-512 paths, which most rented CPUs run, can run on a CPU with AVX-512
+    (`make test-avx2`): built for x86-64-v3 in a folder of their own, and the CPU's flags read as an AVX2 CPU's
+    (no bf16 packing, which oneDNN held to AVX2 refuses; `auto` not bf16). Another value is a clear error."""
+    from batchrun import host
+    from batchrun.engine import cpu_kernels
+    from batchrun.errors import BadInput
+
+    flags = "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_fp16 amx_bf16 avx_vnni"
+    monkeypatch.setattr(host, "cpu_description", lambda: f"model name\t: test CPU\nflags\t\t: {flags}")
+    monkeypatch.delenv("BATCHRUN_CPU_ISA", raising=False)  # make test-avx2 sets it
+    native = build_dir()
+    assert host.cpu_packs_bf16() and host.cpu_has_fast_bf16()
+    monkeypatch.setenv("BATCHRUN_CPU_ISA", "avx2")
+    assert cpu_kernels.target_flags() == ["-march=x86-64-v3"] and build_dir() != native
+    assert host.cpu_flags() == {"avx2", "fma", "f16c"}
+    assert not host.cpu_packs_bf16() and not host.cpu_has_fast_bf16()
+    monkeypatch.setenv("BATCHRUN_CPU_ISA", "avx512")
+    with pytest.raises(BadInput, match="BATCHRUN_CPU_ISA is 'avx512'"):
+        build_dir()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "extras",

@@ -38,7 +38,9 @@ def rows(n: int, width: int, dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("width", [64, 576, 24])  # AVX-512 (multiples of 16), the generic loops (24)
+# AVX-512 (multiples of 16), the generic loops (24), both (600: a long row, its sum of squares in one order on
+# every CPU; the generic loop's single running sum put a value two places from HF's, as on an AVX2 CPU at 576)
+@pytest.mark.parametrize("width", [64, 576, 24, 600])
 def test_rms_norm_equals_hf_modules_own_output(dtype, width):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -21,12 +21,15 @@ import torch
 
 from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.cpu_linear import pack_linear_layers
+from batchrun.engine.cpu_linear import available, pack_linear_layers
 from batchrun.engine.fused_elementwise import Scratch, SiluAndMulMLP
 
 KERNEL = load()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
 DTYPE = torch.bfloat16
+# the buffer is the packed gate/up product's: where oneDNN cannot reorder bf16 (an AVX2 CPU) nothing is packed
+pytestmark = pytest.mark.skipif(
+    KERNEL is None or not available(DTYPE), reason="no C++ compiler here, or no bf16 packing on this CPU"
+)
 TOL = 1e-2  # tests/test_fused_elementwise.py's bf16 bound (relative, in norm) against HF's module
 
 

@@ -4,8 +4,9 @@
 // 1. rms_norm: Llama-style RMSNorm, `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype)`, in one
 // pass over each row (two reads of it, one write), where HF's module makes six passes and four temporaries
 // (upcast, pow, mean, rsqrt and mul, downcast, mul). The two roundings to the model's dtype HF makes (after the
-// normalization, after the weight) are made here too; only the sum of squares is added in another order, so a
-// value can differ from HF's by one unit in the last place of bf16 where the variance's last bits decide it.
+// normalization, after the weight) are made here too; only the sum of squares is added in another order (one
+// order on every CPU: sum_of_squares), so a value can differ from HF's by one unit in the last place of bf16
+// where the variance's last bits decide it.
 //
 // 2. silu_and_mul: `silu(gate) * up` of a gated MLP (gate and up the halves of the fused gate/up product, any row
 // stride), one pass instead of three (silu, its rounding, the multiply), rounding silu(gate) to the dtype before
@@ -14,9 +15,10 @@
 //
 // Both take their tensors' [..., H] rows as they come where the leading dims are one run of rows one stride
 // apart (a layer's [1, T, H] hidden states, a column slice of the fused product), no reshape or view per call,
-// and return false for any other layout (the module then makes it contiguous). Both take an AVX-512 path for
-// rows whose width is a multiple of 16 and the generic (scalar) loops otherwise, or where the compiler has no
-// AVX-512. fp32 never comes here: the sums' order would show (fused_elementwise.py).
+// and return false for any other layout (the module then makes it contiguous). Both take an AVX-512 path (the
+// norm for each 16 values of a row, its tail by the generic loop; SiLU-and-mul for rows whose width is a multiple
+// of 16) and the generic loops otherwise, or where the compiler has no AVX-512 (an AVX2 CPU: `make test-avx2`
+// runs them on any). fp32 never comes here: the sums' order would show (fused_elementwise.py).
 //
 // 3. rotary_embedding: HF's `apply_rotary_pos_emb` (q * cos + rotate_half(q) * sin, and k's) in one call, for fp32
 // and bf16/fp16 alike (engine/fused_rotary.py): each value is HF's own, bit for bit. The two products are rounded
@@ -76,27 +78,40 @@ inline __m512 silu16(__m512 x) {  // as silu above
 }
 #endif
 
+// The sum of a row's squares in one order on every CPU: 16 running sums (sum l takes x[l], x[l + 16], ...; each
+// square added with one rounding, as an FMA makes it), then halved (sum l + sum l + 8, ..., as a vector's halves
+// are added). The AVX-512 path fills the 16 sums as one vector, the generic loop one by one; a single running sum
+// (the loop's old order) strays further from torch's and put a fp16 value two places from HF's on an AVX2 CPU.
 template <typename T>
-void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+float sum_of_squares(const T* x, int64_t n) {
+  alignas(64) float sums[16] = {};
   int64_t j = 0;
 #ifdef __AVX512F__
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (; j < n; j += 16) {
-      const __m512 v = load16(x + j);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
-    const __m512 scale = _mm512_set1_ps(r);
-    for (j = 0; j < n; j += 16)
-      store16(out + j, _mm512_mul_ps(load16(w + j), round16<T>(_mm512_mul_ps(load16(x + j), scale))));
-    return;
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = load16(x + j);
+    acc = _mm512_fmadd_ps(v, v, acc);
   }
+  _mm512_store_ps(sums, acc);
 #endif
-  float sum = 0.f;
-  for (j = 0; j < n; ++j) sum += widen(x[j]) * widen(x[j]);
-  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (j = 0; j < n; ++j) out[j] = narrow<T>(widen(w[j]) * widen(narrow<T>(widen(x[j]) * r)));
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) sums[l] = std::fma(widen(x[j + l]), widen(x[j + l]), sums[l]);
+  for (int l = 0; j < n; ++j, ++l) sums[l] = std::fma(widen(x[j]), widen(x[j]), sums[l]);
+  for (int half = 8; half > 0; half /= 2)
+    for (int l = 0; l < half; ++l) sums[l] += sums[l + half];
+  return sums[0];
+}
+
+template <typename T>
+void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  const float r = 1.f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512 scale = _mm512_set1_ps(r);
+  for (; j + 16 <= n; j += 16)
+    store16(out + j, _mm512_mul_ps(load16(w + j), round16<T>(_mm512_mul_ps(load16(x + j), scale))));
+#endif
+  for (; j < n; ++j) out[j] = narrow<T>(widen(w[j]) * widen(narrow<T>(widen(x[j]) * r)));
 }
 
 template <typename T>

@@ -10,6 +10,10 @@ Built with torch's C++ extension builder (a C++ compiler and `ninja` are needed)
 folder is keyed by the sources and their checkout, the torch install and version, Python's version and include
 folder, and the CPU (`build_dir`): two checkouts or installed versions never rebuild each other's build in turn,
 two environments over one torch share one, and a job waits on a build lock only while its very build is made.
+Built for this CPU (`-march=native`), or under `BATCHRUN_CPU_ISA=avx2` for an AVX2 CPU (x86-64-v3: AVX2, FMA and
+F16C; no AVX-512 of any kind, no AMX), in a folder of its own: most rented CPUs (an AMD EPYC with AVX2 only) run
+the kernels' non-AVX-512 paths, and this lets a CPU with AVX-512 run them too (`make test-avx2`, with torch held to
+AVX2 by `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2`; host.cpu_isa).
 Where it cannot be built, `load()` warns with the reason and returns None: `attention: torch` falls back to
 `gather`, and `argmax_rows` to torch's argmax.
 """
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ..host import cache_dir, cpu_description
+from ..host import cache_dir, cpu_description, cpu_isa
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
@@ -42,6 +46,7 @@ def load():
     if "module" in _loaded:
         return _loaded["module"]
     module = None
+    march = target_flags()  # a misspelt BATCHRUN_CPU_ISA is an error (BadInput), not a build for another CPU
     try:
         from torch.utils import cpp_extension
 
@@ -52,7 +57,7 @@ def load():
             # process killed mid-build leaves it behind. Our OS lock dies with its process: holding it, nobody
             # else is building, so such a file is stale.
             (build / "lock").unlink(missing_ok=True)
-            module = _build(cpp_extension, build)
+            module = _build(cpp_extension, build, march)
     except Exception as e:  # no compiler, no ninja: the gather path still works
         warnings.warn(
             f"batchrun: the CPU kernels could not be built ({e}); gathering pages for attention instead",
@@ -63,22 +68,27 @@ def load():
 
 
 def build_dir() -> Path:
-    """Where the extension is built: one folder per source, checkout, torch install, Python and kind of CPU
-    (-march=native; a cache folder may be shared between machines and versions). torch's build file names the
+    """Where the extension is built: one folder per source, checkout, torch install, Python, kind of CPU and
+    target (-march; a cache folder may be shared between machines and versions). torch's build file names the
     sources' paths and torch's and Python's include folders, so two checkouts, or two torch installs, sharing a
     folder would rebuild it each time the other ran; two environments over one torch install (`make test`'s
     .venv-quant over .venv) write the same build file and share one build."""
     return cache_dir() / "torch_extensions" / f"cpu_kernels-{_build_key()}"
 
 
-def _build(cpp_extension, build: Path):
-    """Compile (when the source changed) and load the extension from `build`."""
+def target_flags() -> list[str]:
+    """The compiler's target: this CPU, or an AVX2 CPU under `BATCHRUN_CPU_ISA=avx2` (host.cpu_isa)."""
+    return ["-march=x86-64-v3"] if cpu_isa() == "avx2" else ["-march=native"]
+
+
+def _build(cpp_extension, build: Path, march: list[str]):
+    """Compile (when the source changed) and load the extension from `build`, for the target `march`."""
     return cpp_extension.load(
         name="batchrun_cpu_kernels",
         sources=[str(f) for f in (SOURCE, ELEMENTWISE, PROMPTS, DECODE_BF16, KV_WRITE, RESIDUAL)],
         # -fopenmp: at::parallel_for spreads the tasks over torch's threads only when compiled with it;
         # no errno from math calls lets the softmax loop (floor) vectorize
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        extra_cflags=["-O3", *march, "-fopenmp", "-fno-math-errno"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
         verbose=os.environ.get("BATCHRUN_DEBUG") == "1",
@@ -115,7 +125,7 @@ def _build_key() -> str:
     torch_install = Path(torch.__file__).parent
     key.update(
         f"{torch.__version__}|{torch_install}|{sys.version_info[:2]}|{python_include}|{SOURCE.parent}|"
-        f"{platform.machine()}|{cpu_description()}".encode()
+        f"{platform.machine()}|{cpu_description()}|{target_flags()}".encode()
     )
     return key.hexdigest()[:16]
 
