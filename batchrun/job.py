@@ -229,16 +229,14 @@ class Job:
         from .replicas import replica_count, run_replicas
 
         count = replica_count(self.replicas, self.spec.engine.device)
-        if (
-            count > 1
-        ):  # each replica checks before its load too, where a refusal is a failed replica: exit 2 here
+        # each replica checks before its load too, where a refusal is a failed replica: exit 2 here
+        if count > 1:
             check_model(self.spec)
         total = self.rows.shard_rows()
         self.heartbeat.start(self.rows.input_rows(), total, self.rows.before, count)
         stats_file = StatsFile(self.stats_path, self.sink.fingerprint, fresh=self.overwrite)
-        if (
-            self.progress
-        ):  # the bar comes once the model is loaded (loaded()): a refusal at the load draws none
+        # the bar comes once the model is loaded (loaded()): a refusal at the load draws none
+        if self.progress:
             model = self.spec.model.path or "the embedded default model"
             print(f"batchrun: {self.spec.name}: loading {model}", file=sys.stderr, flush=True)
         handlers = self._install_signal_handlers()

@@ -269,9 +269,8 @@ class JsonlParts:
         }
         if first.finish_reason == "error" or first.error is not None:  # a pooling row's error has no finish
             return openai_batch.error_line(req_id, request.get("custom_id"), first.error)
-        ran = self.job.model.name_of(
-            row_adapter(row, self.job)
-        )  # what answered: a served row's name is known
+        # what answered: a served row's adapter is known (its source refused an unknown `model`)
+        ran = self.job.model.name_of(row_adapter(row, self.job))
         return openai_batch.response_line(req_id, request, samples, first.prompt_tokens, ran)
 
     @staticmethod
