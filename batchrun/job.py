@@ -229,6 +229,7 @@ class Job:
         from .replicas import replica_count, run_replicas
 
         count = replica_count(self.replicas, self.spec.engine.device)
+        self.tidy()  # before the statistics file is opened: an earlier layout's statistics are read from here
         # each replica checks before its load too, where a refusal is a failed replica: exit 2 here
         if count > 1:
             check_model(self.spec)
@@ -304,7 +305,6 @@ class Job:
         in the output removed (--overwrite's earlier parts, the outputs of rows to redo: OutputSink.begin). The
         heartbeat goes from loading to running, and the progress bar starts (its rate and ETA are of the rows,
         not of the model's load)."""
-        self.tidy()
         self.rows.changed = self.sink.begin()
         self.heartbeat.running()
         from tqdm.auto import tqdm
@@ -322,8 +322,9 @@ class Job:
         self.remaining = RemainingTime(self.bar)
 
     def tidy(self) -> None:
-        """Under the shard's lock, once nothing can refuse the run: output directories of earlier versions'
-        layout moved to this one's, and a dead run's half-written temporary files (kill -9 during a write) gone."""
+        """Under the shard's lock, once the run is going ahead: output directories of earlier versions' layout
+        moved to this one's (statistics, plots and Slurm files, never a part), and a dead run's half-written
+        temporary files (kill -9 during a write) gone."""
         move_legacy_state(self.spec)
         for folder in (self.spec.output_dir, self.spec.state_dir):
             storage.remove_dead_temporaries(folder)

@@ -165,11 +165,14 @@ def rows_in_part(part: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def part_shard(part: Path) -> str:
-    """'I/N' of a part file, from its name (part-IIIIIofNNNNN-...)."""
-    head = part.name.split("-")[1]
-    index, count = head.split("of")
-    return f"{int(index)}/{int(count)}"
+def part_shard(part: Path) -> str | None:
+    """'I/N' of a part file, from its name (part-IIIIIofNNNNN-...); None for a name batchrun does not write
+    (another tool's part-*.parquet)."""
+    try:
+        index, count = part.name.split("-")[1].split("of")
+        return f"{int(index)}/{int(count)}"
+    except (IndexError, ValueError):
+        return None
 
 
 class ParquetParts:
@@ -517,8 +520,8 @@ class OutputSink:
         mine = str(self.shard)
         if self.overwrite:
             for part in existing_parts(self.dir):
-                theirs = part_shard(part)
-                if theirs == mine or theirs.split("/")[1] != str(self.shard.count):
+                theirs = part_shard(part)  # None: not batchrun's, read by no shard
+                if theirs is None or theirs == mine or theirs.split("/")[1] != str(self.shard.count):
                     with contextlib.suppress(FileNotFoundError):  # another shard's run removed it first
                         part.unlink()
             return 0

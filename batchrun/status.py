@@ -21,7 +21,10 @@ def rows_done_per_shard(out_dir: Path) -> dict[tuple[int, int], int]:
     """(shard index, shard count) -> input rows its part files hold."""
     done: dict[tuple[int, int], int] = {}
     for part in existing_parts(out_dir):
-        i, n = (int(x) for x in part_shard(part).split("/"))
+        shard = part_shard(part)
+        if shard is None:  # not a part batchrun wrote
+            continue
+        i, n = (int(x) for x in shard.split("/"))
         done[(i, n)] = done.get((i, n), 0) + rows_in_part(part)
     return done
 

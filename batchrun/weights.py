@@ -30,6 +30,9 @@ from .rows import InputRow, row_adapter
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 TAG_CHARS = 12  # hex characters of each identity in a tag
+# a tag's adapter part for a row whose name names neither an adapter nor the base model (its error row): once the
+# name names one (model.name set, the adapter added), the row's weights changed and it is redone
+UNKNOWN_NAME = "-"
 
 
 def model_files(path: str | None) -> list[Path]:
@@ -92,14 +95,14 @@ class JobWeights:
         return cls(job, model_identity(job.model.path), adapters)
 
     def tag(self, row: InputRow) -> str | None:
-        """What made this row's output: the model's identity, and its adapter's after a dot. A row whose adapter
-        name is unknown (its error row) has the model's alone. None where the model's identity is unknown."""
+        """What made this row's output: the model's identity, and its adapter's after a dot (UNKNOWN_NAME for a
+        row whose name names nothing: its error row). None where the model's identity is unknown."""
         if self.model is None:
             return None
         try:
             adapter = row_adapter(row, self.job)
         except ValueError:
-            adapter = None
+            return f"{self.model}.{UNKNOWN_NAME}"
         return self.model if adapter is None else f"{self.model}.{self.adapters[adapter]}"
 
     def what_changed(self, old: str | None, row: InputRow) -> str | None:
@@ -109,9 +112,12 @@ class JobWeights:
         if old is None or new is None or old == new:
             return None
         old_model, _, old_adapter = old.partition(".")
+        _, _, new_adapter = new.partition(".")
         if old_model != self.model:
             return f"the model's weights (model.path {self.job.model.path or 'the embedded default'})"
-        adapter = row_adapter(row, self.job)
-        if adapter is None or not old_adapter:
-            return "the adapter it ran with"  # model.adapter changed between base and an adapter
+        if UNKNOWN_NAME in (old_adapter, new_adapter):
+            return "the model or adapter its row names (model.name, model.adapters)"
+        if not (old_adapter and new_adapter):
+            return "the adapter it runs with"  # model.adapter changed between the base model and an adapter
+        adapter = row_adapter(row, self.job)  # a tag with an adapter part: its name is known
         return f"adapter {adapter!r}'s weights (model.adapters.{adapter})"

@@ -361,6 +361,11 @@ def test_legacy_statistics_move_out_of_the_output_directory(tmp_path):
     (out / "memory.png").write_bytes(b"png")
     assert run_cli("submit", str(job), "--quiet", "--limit", "1").returncode == 0
     assert not (out / "memory.png").exists() and (out / ".batchrun" / "memory.png").read_bytes() == b"png"
+    # an earlier layout's statistics are the job's earlier runs, moved before this run's file is opened
+    (out / ".batchrun" / "stats.parquet").rename(out / "stats.parquet")
+    assert run_cli("submit", str(job), "--quiet", "--limit", "2").returncode == 0
+    summary = json.loads(run_cli("stats", str(out), "--json").stdout)
+    assert summary["runs"] == 2 and summary["rows"] == 2, summary
 
 
 def test_hub_id_offline_says_so(tmp_path):

@@ -216,3 +216,55 @@ def test_request_ids_carry_the_weights_and_read_as_before_without_them():
         7,
     )  # before the tags
     assert openai_batch.parse_request_id(openai_batch.request_id("f" * 32, 3, None)) == (None, None, 3)
+
+
+def _job_of(tmp_path, adapters: dict):
+    from batchrun.config import parse_job
+
+    return parse_job(
+        {
+            "name": "t",
+            "model": {"path": str(tmp_path), "adapters": adapters},
+            "input": {"parquet": "x.parquet", "adapter_column": "adapter"},
+            "output": {"path": str(tmp_path / "out")},
+        }
+    )
+
+
+def test_a_rows_name_that_comes_to_name_a_model_or_stops_naming_one_redoes_it(tmp_path):
+    """Review of issue 65: an error row (its adapter cell named nothing) was tagged as a base row, so naming that
+    adapter later kept the error; a row whose adapter left model.adapters made the rerun's check raise (exit 1)."""
+    from batchrun.rows import InputRow
+    from batchrun.weights import JobWeights
+
+    row = InputRow(0, 0, "p", adapter="a")
+    without_a = JobWeights(_job_of(tmp_path, {"b": "/b"}), "m" * 12, {"b": "b" * 12})
+    with_a = JobWeights(_job_of(tmp_path, {"a": "/a", "b": "/b"}), "m" * 12, {"a": "a" * 12, "b": "b" * 12})
+    error_tag, served_tag = without_a.tag(row), with_a.tag(row)
+    assert error_tag != served_tag != "m" * 12 and error_tag != "m" * 12  # an error row is no base row
+    assert "names" in with_a.what_changed(error_tag, row)  # the adapter was added: redone
+    assert "names" in without_a.what_changed(served_tag, row)  # the adapter left: redone (as an error row)
+    assert with_a.what_changed(served_tag, row) is None and without_a.what_changed(error_tag, row) is None
+    retrained = JobWeights(with_a.job, "m" * 12, {"a": "c" * 12, "b": "b" * 12})
+    assert retrained.what_changed(served_tag, row) == "adapter 'a''s weights (model.adapters.a)"
+
+
+def test_overwrite_removes_another_tools_part_files_as_it_did(tmp_path):
+    """Review of issue 65: a part-*.parquet whose name batchrun does not write (Spark's part-00000-<uuid>) made
+    --overwrite fail after the load; it is removed with the shard's own parts, and `batchrun status` skips it."""
+    import pyarrow as pa
+
+    from batchrun.rows import Shard
+    from batchrun.sinks import OutputSink, existing_parts
+    from batchrun.status import rows_done_per_shard
+    from batchrun.weights import JobWeights
+
+    job = _job_of(tmp_path, {"b": "/b"})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00000-1234abcd.snappy.parquet").write_bytes(b"not batchrun's")
+    assert rows_done_per_shard(out) == {}
+    sink = OutputSink(job, Shard(), pa.int64(), [], JobWeights(job, None), overwrite=True)
+    assert existing_parts(out), "opening the sink removes nothing"
+    sink.begin()
+    assert existing_parts(out) == []
