@@ -77,22 +77,23 @@ class ShardRows:
                 if what is not None:
                     reweighed.setdefault(what, []).append(row.id)
         if inputs:
-            self._redo(inputs, f"of {self.source.describe()} changed", "input.on_change")
+            changed = f"of {self.source.describe()} changed"
+            self._redo(inputs, changed, "input.on_change", self.spec.input.on_change, "")
         for what, ids in reweighed.items():
-            self._redo(ids, f"were made with other weights: {what} changed", "model.on_change")
+            why = f"were made with other weights: {what} changed"
+            self._redo(ids, why, "model.on_change", self.spec.model.on_change, ", or keep to keep them")
         return kept
 
-    def _redo(self, ids: list, why: str, key: str) -> None:
-        """Rows whose output is stale (`why`): refused, recomputed or kept as the job's `key` says."""
+    def _redo(self, ids: list, why: str, key: str, action: str, other: str) -> None:
+        """Rows whose output is stale (`why`): refused, recomputed or kept, as the job's `key` says (`action`;
+        `other`: the key's other answer, named in a refusal)."""
         spec = self.spec
-        action = spec.input.on_change if key == "input.on_change" else spec.model.on_change
         some = ", ".join(repr(i) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
         what = f"{len(ids)} row{'s' if len(ids) > 1 else ''} {why} since their output in {spec.output_dir} was written"
         if action == "refuse":
             raise BadInput(
                 f"{spec.source_file}: {what} (ids {some}), and key `{key}` is refuse; set it to recompute to "
-                f"redo them{', or keep to keep them' if key == 'model.on_change' else ''}, or use --overwrite "
-                "to start over."
+                f"redo them{other}, or use --overwrite to start over."
             )
         done = "recomputing them" if action == "recompute" else "keeping their outputs"
         print(f"batchrun: {what} (ids {some}): {done} ({key}: {action}).", file=sys.stderr, flush=True)
