@@ -1,5 +1,5 @@
 """The architecture matrix: tiny random-weight models made from each family's own `transformers` config (no
-download), with each family's distinctive features on. The README's table of supported families is generated
+download), with each family's distinctive features on. docs/models.md's table of supported families is generated
 from these lists (tests/test_families.py checks that it is).
 
 `SUPPORTED`: equal to HF `generate` token for token (tests/test_families.py). `REFUSED`: refused at load with a

@@ -1,4 +1,5 @@
-"""The README states the contract; these facts have one source in the code, and the README must agree."""
+"""The README and the pages of docs/ state the contract; these facts have one source in the code, and the page
+that holds each must agree. The README is the front door: short, and every page it points at is there."""
 
 import dataclasses
 import re
@@ -9,24 +10,53 @@ from helpers import BATCHRUN, ROOT
 from batchrun.rows import OUTPUT_COLUMNS
 from batchrun.stats import COLUMNS, SUMMARY_KEYS
 
-README = (ROOT / "README.md").read_text()
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 
-def _section(title: str) -> str:
-    start = README.index(f"\n## {title}")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end >= 0 else None]
+def _page(name: str) -> str:
+    return (DOCS / name).read_text()
 
 
-def test_readme_lists_exactly_the_summary_keys():
-    m = re.search(r"Summary keys: `([^`]*)`", README)
-    assert m, "the README's 'Summary keys:' list"
+def _section(text: str, title: str) -> str:
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def _links(path) -> list[str]:
+    """The relative targets of the markdown links in `path`, without their #anchors."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+    return [t.partition("#")[0] for t in targets if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def test_the_readme_is_a_front_door():
+    """Issue 66, item 7: at most 200 lines; the rest is in docs/, and every page it points at exists."""
+    assert len(README.read_text().splitlines()) <= 200
+    pages = [t for t in _links(README) if t.startswith("docs/")]
+    assert pages, "the README points at no docs/ page"
+    missing = [t for t in _links(README) if not (ROOT / t).exists()]
+    assert not missing, missing
+
+
+def test_every_relative_link_in_docs_resolves():
+    broken = [
+        (p.name, t) for p in sorted(DOCS.glob("*.md")) for t in _links(p) if not (p.parent / t).exists()
+    ]
+    assert not broken, broken
+
+
+def test_statistics_page_lists_exactly_the_summary_keys():
+    m = re.search(r"Summary keys: `([^`]*)`", _page("statistics.md"))
+    assert m, "docs/statistics.md's 'Summary keys:' list"
     listed = [k.strip() for k in m.group(1).replace("\n", " ").split(",") if k.strip()]
-    assert listed == list(SUMMARY_KEYS), "README summary keys differ from stats.SUMMARY_KEYS (order included)"
+    assert listed == list(SUMMARY_KEYS), (
+        "docs/statistics.md's keys differ from stats.SUMMARY_KEYS (order included)"
+    )
 
 
-def test_readme_output_table_has_exactly_the_output_columns():
-    lines = _section("Outputs").splitlines()
+def test_output_table_has_exactly_the_output_columns():
+    lines = _section(_page("inputs-outputs.md"), "Outputs").splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("| column"))
     table = []
     for line in lines[first:]:
@@ -41,10 +71,10 @@ def test_readme_output_table_has_exactly_the_output_columns():
     assert names == OUTPUT_COLUMNS
 
 
-def test_readme_names_every_statistics_column():
-    section = _section("Outputs")
+def test_statistics_page_names_every_statistics_column():
+    section = _section(_page("statistics.md"), "The statistics file")
     missing = [c for c in COLUMNS if not re.search(rf"[`, ]{c}[`,]", section)]
-    assert not missing, f"statistics columns the README does not name: {missing}"
+    assert not missing, f"statistics columns docs/statistics.md does not name: {missing}"
 
 
 def test_no_file_cites_a_document_outside_the_repository():
@@ -70,15 +100,15 @@ def test_commands_that_need_no_model_do_not_import_torch(tmp_path):
     assert out.strip() == "[]", out
 
 
-def test_the_readme_command_table_and_help_agree():
-    """Issue 24, item 15: every option of every command is in the README's row for it and the other way round,
+def test_the_command_table_and_help_agree():
+    """Issue 24, item 15: every option of every command is in docs/cli.md's row for it and the other way round,
     and the top-level --help cuts no description short."""
     import click
 
     from batchrun.cli import main
 
     rows = {}
-    for line in _section("Commands").splitlines():
+    for line in _section(_page("cli.md"), "Commands").splitlines():
         m = re.match(r"\| `batchrun (\w+)([^|]*(?:\\\|[^|]*)*)` \|", line)
         if m:
             rows[m.group(1)] = set(re.findall(r"--[a-z][a-z-]*", m.group(2)))

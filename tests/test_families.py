@@ -1,7 +1,7 @@
 """The architecture matrix (tests/model_families.py): every supported family equal to HF `generate` (eager
 attention, one prompt at a time) token for token in fp32 on prompts longer than its window, on each CPU backend
 and once under preemption (tests/test_families_preemption.py, a file of its own so that the test workers share
-the matrix); every refused family refused at load with its reason; the README's table generated
+the matrix); every refused family refused at load with its reason; docs/models.md's table generated
 from the same lists."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ INTERPRETED_SMALLER = {
     "gemma4_text": dict(num_hidden_layers=2, num_kv_shared_layers=0, global_head_dim=64),
     "inkling2_text": dict(swa_head_dim=32),
 }
-README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -275,7 +275,7 @@ def test_the_sequences_outgrow_the_window():
     assert max(lengths) > 3 * WINDOW and min(len(p) for p in prompts(256)) < WINDOW
 
 
-def readme_table() -> str:
+def families_table() -> str:
     lines = ["| family (`model_type`) | what the test model exercises | status |", "|---|---|---|"]
     for family, (what, _) in sorted(SUPPORTED.items()):
         lines.append(f"| `{family}` | {what} | exact |")
@@ -284,12 +284,12 @@ def readme_table() -> str:
     return "\n".join(lines)
 
 
-def test_readme_table_is_generated_from_the_matrix():
-    text = README.read_text()
+def test_families_table_is_generated_from_the_matrix():
+    text = MODELS_PAGE.read_text()
     found = re.search(r"<!-- families:begin -->\n(.*?)\n<!-- families:end -->", text, re.S)
-    assert found, "README lacks the families table markers"
-    assert found.group(1) == readme_table(), (
-        "README's table differs: paste tests/test_families.readme_table()"
+    assert found, "docs/models.md lacks the families table markers"
+    assert found.group(1) == families_table(), (
+        "docs/models.md's table differs: paste tests/test_families.families_table()"
     )
 
 

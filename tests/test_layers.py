@@ -1,5 +1,5 @@
 """Imports flow one way: every import of the package (those inside functions and under TYPE_CHECKING too) goes to
-the importer's own layer or one below it, as the README's "How the code is laid out" table has them, and no
+the importer's own layer or one below it, as docs/ARCHITECTURE.md's "How the code is laid out" table has them, and no
 module reaches itself through others (no circles)."""
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def imports(name: str, path) -> set[str]:
 
 
 def layers() -> dict[str, int]:
-    """Module -> its layer's height, from the README's table (`engine.*`: every module of engine/)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## How the code is laid out") :]
+    """Module -> its layer's height, from docs/ARCHITECTURE.md's table (`engine.*`: every module of engine/)."""
+    page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = page[page.index("## How the code is laid out") :]
     table = [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header row left out
     height = {}
     for level, line in enumerate(table):
@@ -65,7 +65,7 @@ def layers() -> dict[str, int]:
 def layer_of(name: str, height: dict[str, int]) -> int:
     if name in height:
         return height[name]
-    assert name.startswith("engine."), f"module {name} is not in the README's layer table"
+    assert name.startswith("engine."), f"module {name} is not in docs/ARCHITECTURE.md's layer table"
     return height["engine.*"]
 
 
