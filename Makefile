@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 #   make install TORCH_SPEC=            (installs nothing for torch; whatever torch the venv has stays)
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.batchrun-installed
-# The quantized formats' packages (README "Quantized checkpoints") in an environment of their own, layered over
+# The quantized formats' packages (docs/models.md, "Quantized checkpoints") in an environment of their own, layered over
 # .venv (a .pth adds .venv's site-packages): installed there, torchao would be imported by every model load of the
 # rest of the suite. gptqmodel 7.7 declares torch>=2.14.1 (a CUDA build would replace the CPU torch): --no-deps,
 # with its few pure-Python needs named.

@@ -1,4 +1,4 @@
-"""The `batchrun` command line (README, "Commands").
+"""The `batchrun` command line (docs/cli.md).
 
 Exit codes: 0 done; 1 the job failed at run time; 2 bad job file, input or arguments; 3 stopped by a signal
 after writing every finished row (rerun the same command to resume).

@@ -1,4 +1,4 @@
-"""The job file: typed dataclasses, parsing, `--set` overrides and validation (README, "The job file").
+"""The job file: typed dataclasses, parsing, `--set` overrides and validation (docs/job-file.md).
 
 Every mistake raises `BadInput` naming the file, the key and what was expected. Relative paths in a job file
 are resolved against the current working directory, like any command-line tool's arguments. The `engine:` and

@@ -1,6 +1,6 @@
 """Facts about this machine, found once and read by every layer: where the cache folder is, what the CPU can do,
 which device and dtype a job's `auto` means here, how much memory is free. The bottom of the package with
-errors.py: it imports nothing else of batchrun's (README, "How the code is laid out")."""
+errors.py: it imports nothing else of batchrun's (docs/ARCHITECTURE.md, "How the code is laid out")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Memory statistics: one snapshot per engine step, the job summary, and `stats.parquet`.
 
-Definitions are the README's ("Outputs", statistics). A snapshot is taken after the step's forward pass from
+Definitions are docs/statistics.md's. A snapshot is taken after the step's forward pass from
 the engine's `memory_snapshot()`; P is the page size; sums run over the sequences holding accelerator pages
 (`num_running`). `COLUMNS` and `SUMMARY_KEYS` are the one list of each: the writer, `batchrun stats` and the
-README's lists (checked by a test) follow them. What they hold of the kinds a sequence keeps beside its pages
+lists of docs/statistics.md (checked by a test) follow them. What they hold of the kinds a sequence keeps beside its pages
 (a hybrid's state slots) is derived from the registered kinds' `usage_columns` (engine/cache_kinds.py, read
 without torch): a new kind's columns and summary keys need no edit here.
 """
@@ -209,7 +209,7 @@ def combine(summaries: list[dict], sequential: bool = False) -> dict:
 
 
 def snapshot(engine: Engine, step: StepResult, step_index: int, time_s: float, recount: bool = False) -> dict:
-    """The statistics row for the state right after a step (README definitions). `recount`: also recount
+    """The statistics row for the state right after a step (docs/statistics.md's definitions). `recount`: also recount
     every statistic slot by slot and fail on a mismatch (BATCHRUN_DEBUG_STATS=1)."""
     m = engine.memory_snapshot()
     if recount:

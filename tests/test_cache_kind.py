@@ -196,7 +196,7 @@ def test_a_kind_declared_in_one_module_follows_every_sequence(tok_model, monkeyp
     ]
     params = SamplingParams(max_new_tokens=24, n=2, ignore_eos=True)
     monkeypatch.setattr(engine_module, "KINDS", (LedgerKind,))
-    # the statistics' columns are fixed at import from the registered kinds (the file's schema, the README's
+    # the statistics' columns are fixed at import from the registered kinds (the file's schema, docs/statistics.md's
     # list); the test kind's are derived the same way
     monkeypatch.setattr(stats, "KIND_USAGE", (LedgerKind.usage_columns,))
     monkeypatch.setattr(stats, "COLUMNS", stats.step_columns(stats.KIND_USAGE))

@@ -365,13 +365,13 @@ def vlm(request, tmp_path_factory, model_dir):
     elif request.param == "gemma4":
         make_gemma4(target, model_dir)
     elif request.param == "mistral3":
-        pytest.importorskip("torchvision", reason="Pixtral's processor imports torchvision (README, Images)")
+        pytest.importorskip("torchvision", reason="Pixtral's processor imports torchvision (docs/images.md)")
         make_mistral3(target, model_dir)
     elif request.param == "smolvlm":
         make_smolvlm(target, model_dir)
     elif request.param == "inkling2":
         pytest.importorskip(
-            "torchvision", reason="Inkling 2's image processor needs torchvision (README, Images)"
+            "torchvision", reason="Inkling 2's image processor needs torchvision (docs/images.md)"
         )
         make_inkling2(target, model_dir)
     else:

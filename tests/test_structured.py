@@ -72,7 +72,7 @@ def test_json_schema_equals_hf_generate_with_the_same_logits_processor(llm, mode
         assert c.token_ids == want
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), SCHEMA)
-        # compact, as the README says (issue 24, item 11): no space after a separator outside strings
+        # compact, as docs/structured-outputs.md says (issue 24, item 11): no space after a separator outside strings
         assert c.text == json.dumps(json.loads(c.text), separators=(",", ":"), ensure_ascii=False), c.text
 
 

@@ -86,7 +86,7 @@ def load_processor(model_dir: Path, config):
         first = " ".join(str(e).split()).split(". ")[0]  # transformers' first sentence
         raise ProcessorUnavailable(
             f"the model's processor cannot be built here: {first} (torchvision does not install beside the CPU "
-            "torch wheel; the README says how to install one)"
+            "torch wheel; docs/images.md says how to install one)"
         ) from None
 
 
