@@ -39,8 +39,8 @@ class Scheduler:
         encoder: EncoderCache | None = None,
     ):
         """`kv`: what sequences hold in the cache (pages, and a hybrid model's state slots), one call per action;
-        `rules`: the model plan's chunk rules (scheduler_output.ChunkRules); `encoder`: a vision-language model's image
-        features waiting for prefill, and their budget (None: text only)."""
+        `rules`: the model plan's chunk rules (scheduler_output.ChunkRules); `encoder`: a vision-language model's
+        image features waiting for prefill, and their budget (None: text only)."""
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.recompute_at = rules.recompute_at
         self.kv = kv
@@ -111,7 +111,7 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        # the kinds' copies (a hybrid's states): those the last plan left first (forks, kept prefixes)
+        # the cache managers' copies (a hybrid's states): those the last plan left first (forks, kept prefixes)
         out = SchedulerOutput(unit_copies=self.kv.new_step())
         if self.encoder is not None:
             self.encoder.new_step()
@@ -183,7 +183,7 @@ class Scheduler:
         num_groups = bm.num_groups
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
         scheduled, units_of = out.scheduled, kv.units_of
-        stateless = not kv.managers  # no kind's units: not asked sequence by sequence
+        stateless = not kv.managers  # no cache manager's units: not asked sequence by sequence
         decode = ScheduledSequence.decode
         decodes = 0
         for seq in list(running):  # a copy: preemption takes sequences off the end

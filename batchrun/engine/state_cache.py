@@ -180,7 +180,7 @@ class StepStates:
             mine = _token_rows(kwargs, self.num_tokens, self.decode_rows)
             out = call.forward(x, **{call.cache_keyword: layer_cache(layer_idx, layer)}, **mine)
             pools = (conv, recurrent)
-            _write_back(layer, given, lambda kind, i, new, _: pools[kind][i].index_copy_(0, slots, new))
+            _write_back(layer, given, lambda which, i, new, _: pools[which][i].index_copy_(0, slots, new))
             pieces.append((self.decode_rows, x, out))
         for i, row in self.prompts:
             slot, n = self.slots[i], self.query_lens[i]
@@ -194,7 +194,7 @@ class StepStates:
             x = hidden[:, row : row + n]
             out = call.forward(x, **{call.cache_keyword: cache}, **mine)
             # the layer updates the slot's views in place; a state it replaced instead is copied in
-            _write_back(layer, given, lambda kind, j, new, view: None if new is view else view.copy_(new))
+            _write_back(layer, given, lambda which, j, new, view: None if new is view else view.copy_(new))
             pieces.append((slice(row, row + n), x, out))
         return packed_output(pieces, self.num_tokens)
 
@@ -226,11 +226,11 @@ def first_output(out) -> torch.Tensor:
 
 
 def _write_back(layer, given: tuple[list, list], put) -> None:
-    """The states the layer object holds after the call, into the slots: `put(i, kind, new, given)` for each."""
-    for kind, held in enumerate((layer.conv_states, layer.recurrent_states)):
-        for i, t in enumerate(given[kind]):
+    """The states the layer object holds after the call, into the slots: `put(which, i, new, given)` for each."""
+    for which, held in enumerate((layer.conv_states, layer.recurrent_states)):
+        for i, t in enumerate(given[which]):
             if t is not None:
-                put(kind, i, held[i], t)
+                put(which, i, held[i], t)
 
 
 class StateProbe:
