@@ -3,9 +3,9 @@
 Definitions are docs/statistics.md's. A snapshot is taken after the step's forward pass from
 the engine's `memory_snapshot()`; P is the page size; sums run over the sequences holding accelerator pages
 (`num_running`). `COLUMNS` and `SUMMARY_KEYS` are the one list of each: the writer, `batchrun stats` and the
-lists of docs/statistics.md (checked by a test) follow them. What they hold of the kinds a sequence keeps beside its pages
-(a hybrid's state slots) is derived from the registered kinds' `usage_columns` (engine/cache_kinds.py, read
-without torch): a new kind's columns and summary keys need no edit here.
+lists of docs/statistics.md (checked by a test) follow them. What they hold of the units a sequence keeps beside its pages
+(a hybrid's state slots) is derived from the cache managers' `usage_columns` (engine/state_slots.py, read
+without torch): a new manager's columns and summary keys are one entry of `KIND_USAGE`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import storage
-from .engine.cache_kinds import KINDS
+from .engine.state_slots import StateSlots
 from .engine.timing import PHASES, summary_key
 from .rows import FINGERPRINT_KEY
 
@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # `batchrun stats` reads files: it needs neither torch nor th
 
 SUMMARY_KEY = b"batchrun.summary"
 
-# each registered kind's usage columns (engine/cache_kind.UsageColumns), in the engine's order of kinds
-KIND_USAGE = tuple(kind.usage_columns for kind in KINDS)
+# each cache manager's usage columns (engine/cache_spec.UsageColumns), in the engine's order of managers
+KIND_USAGE = (StateSlots.usage_columns,)
 
 
 def kind_columns(usage) -> list[str]:
@@ -466,7 +466,7 @@ class StatsCollector:
 
     def _kind_summary(self, m) -> dict:
         """Each registered kind's summary keys (kind_summary_rules): 0 for a kind the model does not have."""
-        bytes_per_unit = self.engine.kind_bytes()
+        bytes_per_unit = self.engine.unit_bytes()
         out = {}
         for c in KIND_USAGE:
             out[c.total] = m.usage.get(c.total, 0)

@@ -388,7 +388,7 @@ def test_abort_gives_back_the_snapshots_planned_but_not_copied():
     assert not states.snapshots and not states.snapshot_ends and not bm.sequences and not states.sequences
     states.check([], [])
     scheduler.add(seq(2, common + [70, 71, 72]))
-    assert scheduler.schedule().kind_copies[0].device == []  # computes its prefix: no snapshot to restore
+    assert scheduler.schedule().unit_copies[0].device == []  # computes its prefix: no snapshot to restore
 
 
 def test_block_table_rows_follow_every_kind_of_change():

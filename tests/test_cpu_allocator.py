@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from batchrun.engine.kv_cache import KVCache, KVCacheSpec, KVGroups, KVShape
+from batchrun.engine.cache_spec import KVCacheSpec, KVGroups, KVShape
+from batchrun.engine.kv_cache import KVCache
 
 PROBE = """
 import random, resource, sys, torch

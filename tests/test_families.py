@@ -119,7 +119,7 @@ def family_engine(model, attention: str, full_pages: int = 256, **engine):
     )
     cfg.update(engine)
     if (
-        found.kind_specs
+        found.states
     ):  # a hybrid: the pages alone, the state slots on top (one per sequence, not from the budget)
         cfg["num_pages"] = full_pages * found.groups.num_groups
     return Engine(LoadedModel(model, max_model_len=512), EngineConfig(**cfg), torch.device("cpu"))
@@ -489,7 +489,8 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
     each reading an earlier layer's K/V): the sliding layers go two to a page's worth, the last of them leaving
     half its pages unused; each layer's K and V views are disjoint columns of the page rows, every element of a
     page belongs to at most one layer, and a reusing layer sees its source's pages."""
-    from batchrun.engine.kv_cache import KVCache, KVCacheSpec, KVGroups, KVShape
+    from batchrun.engine.cache_spec import KVCacheSpec, KVGroups, KVShape
+    from batchrun.engine.kv_cache import KVCache
 
     sliding, full = ("sliding", KVShape(1, 256, 256)), ("full", KVShape(1, 512, 512))
     layers = [full if i % 6 == 5 else sliding for i in range(42)]

@@ -11,10 +11,9 @@ from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
-from batchrun.engine.cache_kind import KindCopies, KindCopy
+from batchrun.engine.cache_spec import LayerStates, StateShape, StateSpec, UnitCopies, UnitCopy
 from batchrun.engine.sequence import Sequence
-from batchrun.engine.state_cache import LayerStates, StateCache, StateShape, StateSpec
-from batchrun.engine.state_kind import StateKind
+from batchrun.engine.state_cache import StateCache
 from batchrun.engine.state_slots import SequenceSlots, StateSlots
 from batchrun.errors import BadInput
 
@@ -30,7 +29,7 @@ def test_swap_moves_the_states_and_equals_hf(family):
 
     def check(eng, result):
         eng.check_integrity()
-        swaps.append((len(result.plan.kind_copies[0].swap_out), len(result.plan.kind_copies[0].swap_in)))
+        swaps.append((len(result.plan.unit_copies[0].swap_out), len(result.plan.unit_copies[0].swap_in)))
 
     got, steps, engine = run(model, family, "torch", full_pages=8, preemption="swap", on_step=check)
     assert sum(o for o, _ in swaps) > 0 and sum(i for _, i in swaps) > 0, "no state was swapped"
@@ -50,13 +49,13 @@ def test_swap_copies_a_slot_bit_for_bit():
     for t in cache.tensors:
         t.copy_(torch.randn(t.shape).to(t.dtype))
     before = [t[1].clone() for t in cache.tensors]
-    cache.apply(KindCopies(swap_out=[KindCopy(1, 0)]))
+    cache.apply(UnitCopies(swap_out=[UnitCopy(1, 0)]))
     for t in cache.tensors:
         t[1].zero_()
-    cache.apply(KindCopies(swap_in=[KindCopy(0, 3)]))
+    cache.apply(UnitCopies(swap_in=[UnitCopy(0, 3)]))
     for t, b in zip(cache.tensors, before):
         assert torch.equal(t[3], b)
-    cache.apply(KindCopies([KindCopy(3, 2)]))  # a fork's copy
+    cache.apply(UnitCopies([UnitCopy(3, 2)]))  # a fork's copy
     for t, b in zip(cache.tensors, before):
         assert torch.equal(t[2], b)
 
@@ -76,7 +75,7 @@ def test_parallel_samples_copy_the_state(family):
         engine,
         token_lists,
         SamplingParams(max_new_tokens=NEW_TOKENS, n=2),
-        on_step=lambda e, r: (e.check_integrity(), forks.append(len(r.plan.kind_copies[0].device))),
+        on_step=lambda e, r: (e.check_integrity(), forks.append(len(r.plan.unit_copies[0].device))),
     )
     assert sum(forks) == len(token_lists)
     for i, samples in enumerate(seqs):
@@ -124,7 +123,7 @@ def test_statistics_count_state_slots():
         used.append(held)
 
     run_engine(engine, prompts(256), SamplingParams(max_new_tokens=4, n=2), on_step=check)
-    assert max(used) == 4 and engine.kind_bytes()["bytes_per_state_slot"] > 0
+    assert max(used) == 4 and engine.unit_bytes()["bytes_per_state_slot"] > 0
 
 
 def test_slot_bookkeeping_catches_a_double_hold():
@@ -147,18 +146,18 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
 
     cpu = torch.device("cpu")
     # a state slot of 10,000 bytes: one stateful layer's 2,500 fp32 values
-    kind = [StateKind(StateSpec((LayerStates(0, (StateShape((2500,), torch.float32),), ()),)))]
-    roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, kind, cpu)
+    spec = StateSpec((LayerStates(0, (StateShape((2500,), torch.float32),), ()),))
+    roomy = pool_sizes(EngineConfig(kv_cache_memory="1MiB", max_num_seqs=8), 1000, 1, spec, cpu)
     # 8 slots for sequences, 2 keeping shared prefixes' states (a quarter as many), the rest pages
-    assert (roomy.kind_pools[0].num_slots, roomy.kind_pools[0].num_snapshots) == (8, 2)
+    assert (roomy.states.num_slots, roomy.states.num_snapshots) == (8, 2)
     assert roomy.num_pages == (2**20 - 10 * 10_000) // 1000
     config = EngineConfig(kv_cache_memory="50000", max_num_seqs=8, prefix_sharing=False)
-    tight = pool_sizes(config, 1000, 2, kind, cpu)
+    tight = pool_sizes(config, 1000, 2, spec, cpu)
     # one page a slot would allow 4 slots (50,000 // 12,000); at most half the budget in slots allows 2
-    assert tight.kind_pools[0].num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
-    assert tight.kind_pools[0].num_snapshots == 0
+    assert tight.states.num_slots == 2 and tight.num_pages == (50_000 - 2 * 10_000) // 1000
+    assert tight.states.num_snapshots == 0
     with pytest.raises(BadInput, match="kv_cache_memory"):
-        pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, kind, cpu)
+        pool_sizes(EngineConfig(kv_cache_memory="5000"), 1000, 1, spec, cpu)
 
 
 @pytest.mark.parametrize("family", sorted(set(HYBRID) - WHOLE_PROMPTS))
@@ -181,7 +180,7 @@ def test_prefix_sharing_restores_the_state_at_the_prefix_end(family):
         engine,
         rows,
         SamplingParams(max_new_tokens=NEW_TOKENS),
-        on_step=lambda e, r: (e.check_integrity(), restores.append(len(r.plan.kind_copies[0].device))),
+        on_step=lambda e, r: (e.check_integrity(), restores.append(len(r.plan.unit_copies[0].device))),
     )
     assert [s[0].output_token_ids for s in seqs] == expected
     slots = engine.kv.managers[0]
@@ -212,7 +211,7 @@ def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch
     model, expected = model_and_reference("jamba")
     rows = prompts(256)
     got, steps, engine = run(model, "jamba", "torch", max_num_batched_tokens=16)
-    assert not engine.plan.kind_specs[StateKind].continues_state and engine.kv.managers[0].num_snapshots == 0
+    assert not engine.plan.attention.states.continues_state and engine.kv.managers[0].num_snapshots == 0
     lengths = {len(p) for p in rows}
     for step in steps:
         for s in step.plan.scheduled:

@@ -3,7 +3,8 @@ request's tokens, through growth in rows and in width."""
 
 from __future__ import annotations
 
-from batchrun.engine.input_batch import InputBatch, NewRequest
+from batchrun.engine.input_batch import InputBatch
+from batchrun.engine.scheduler_output import NewRequest
 
 
 def _tokens(batch: InputBatch, req_id: int) -> list[int]:

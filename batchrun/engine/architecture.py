@@ -14,13 +14,11 @@ each layer's mask kind and K/V shapes as the layers actually produce them (MLA m
 values; Gemma 4's full layers have other head dims than its sliding ones), and the layers handed an earlier
 layer's K/V (KV sharing).
 
-What a model keeps per sequence beside its pages is each registered kind's to find (cache_kinds.py): a kind's
-`probe` readies the model's modules for it and stands in for its step view in the probe's forward, and its `spec`
-afterwards is what the forward revealed, held by kind (`ModelAttention.kind_specs`). Hybrid models (linear
-attention, Mamba or short convolutions beside attention) keep a state per sequence in those layers: the state
-kind's probe (state_kind.py) routes those modules' calls to the step's state slots (stateful_layers.py, refusing
-one batchrun cannot give a slot) and records the state shapes they create and whether their prompt form
-continues a state it is given.
+Hybrid models (linear attention, Mamba or short convolutions beside attention) keep a state per sequence in
+those layers: before the probe's forward, their modules are routed to the step's state slots (stateful_layers.py,
+refusing one batchrun cannot give a slot), and the state probe (state_cache.StateProbe) stands in for the slots
+and records the state shapes the model's own code creates and whether their prompt form continues a state it is
+given (`ModelAttention.states`, a cache_spec.StateSpec).
 
 What particular families compute around their attention (Llama 4's query scale, Inkling 2's relative bias and
 its attention over earlier blocks), and the families refused by what their modules are (sparse attention,
@@ -51,10 +49,12 @@ from .attention import (
     refusal,
 )
 from .attention.reference import attend
-from .cache_kinds import KINDS
+from .cache_spec import KVCacheSpec, KVGroups, KVShape, StateSpec
 from .families import QueryScaleFix
-from .kv_cache import KVCacheSpec, KVGroups, KVShape, decoder_of, text_config
+from .kv_cache import decoder_of, text_config
 from .per_sequence_rope import PerSequenceRope
+from .state_cache import StateProbe
+from .stateful_layers import prepare_stateful_layers, stateful_modules
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
 FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})
@@ -99,8 +99,7 @@ class ModelAttention:
     layer_kv: tuple[tuple[MaskKind, KVShape] | None, ...]  # per layer; None: a layer without attention
     calls: tuple[LayerCall | None, ...]  # per layer: its call as the probe read it
     kv_reads: tuple[tuple[int, int], ...] = ()  # (layer, earlier layer whose K/V it was given: KV sharing)
-    # each kind's spec, by its class (cache_kind.KindSpec: a hybrid's StateSpec under StateKind); only kinds found
-    kind_specs: dict = field(default_factory=dict, hash=False)
+    states: StateSpec | None = None  # what a hybrid's stateful layers keep per sequence (None: no such layer)
     # RoPE factors chosen per sequence (LongRoPE, dynamic NTK); None: the model's own call, the same for all
     rope: PerSequenceRope | None = field(default=None, compare=False)
 
@@ -270,8 +269,9 @@ def inspect_model(model) -> ModelAttention:
     layers = check_config(model)
     # LongRoPE and dynamic NTK: factors per packed sequence (refused where they cannot be)
     rope = PerSequenceRope.of(model, rope_types(text_config(model.config)))
-    # each kind's stand-in for its step view (a hybrid's stateful modules readied and routed to it)
-    kind_probes = {kind: p for kind in KINDS if (p := kind.probe(model)) is not None}
+    # the stand-in for the state slots' step view (a hybrid's stateful modules readied and routed to it)
+    prepare_stateful_layers(stateful_modules(model))
+    state_probe = StateProbe()
     families.adapt_modules(model)
     probe = ProbeAttention()
     T = 5
@@ -280,7 +280,7 @@ def inspect_model(model) -> ModelAttention:
     device = next(model.parameters()).device
     services = AttentionServices(probe, None, None, specs=None, layers=layers)  # specs None: read every call
     step = StepMetadata([T], [T], torch.arange(T, device=device), device)
-    meta = AttentionMetadata(services, step, [], views={p.view_key: p for p in kind_probes.values()})
+    meta = AttentionMetadata(services, step, [], views={StateProbe.view_key: state_probe})
     try:
         with torch.inference_mode(), meta.running():
             model(
@@ -289,9 +289,8 @@ def inspect_model(model) -> ModelAttention:
                 use_cache=False,
                 batchrun_attn=meta,
             )
-            # what each kind found (a hybrid's: each stateful layer called again, in pieces)
-            found = {kind: p.spec(measured=device.type != "meta") for kind, p in kind_probes.items()}
-            kind_specs = {kind: spec for kind, spec in found.items() if spec is not None}
+            # what the stateful layers keep (each called again, in pieces)
+            states = state_probe.spec(measured=device.type != "meta")
     except UnsupportedModel as e:
         raise refusal(arch, str(e)) from None
     except Exception as e:  # noqa: BLE001 - any failure of the model's own code under batchrun's attention
@@ -307,9 +306,9 @@ def inspect_model(model) -> ModelAttention:
     feed_forward = {i for i, t in enumerate(layer_types) if t in FEED_FORWARD_LAYER_TYPES}
     # a decoder layer is covered when one of its modules attended or kept a state (LongCat-Flash's layers hold
     # two attention sublayers, indices 2i and 2i + 1), or it is a feed-forward layer alone
-    seen = set(calls).union(*(spec.layer_indices for spec in kind_specs.values()))
+    seen = set(calls).union(states.layer_indices if states else ())
     silent = [i for i, inner in enumerate(decoder_layers) if not inner & seen and i not in feed_forward]
-    if not calls and not kind_specs:
+    if not calls and states is None:
         raise refusal(
             arch,
             "its attention does not go through transformers' attention interface (the layers never called "
@@ -346,7 +345,7 @@ def inspect_model(model) -> ModelAttention:
         layer_kv=tuple(layer_kv),
         calls=tuple(layer_calls),
         kv_reads=kv_reads(probe, layer_kv),
-        kind_specs=kind_specs,
+        states=states,
         rope=rope,
     )
 

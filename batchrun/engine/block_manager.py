@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .page_pool import CpuPagePool, PageCopy, PageLayout, PagePool, held_pages
+from .cache_spec import PageCopy
+from .page_pool import CpuPagePool, PageLayout, PagePool, held_pages
 from .prefix_cache import PrefixCache, PrefixMatch
 from .sequence import NULL_PAGE, Sequence
 

@@ -17,8 +17,6 @@ from ..vocabulary import token_id_error
 from . import memory
 from .attention import AttentionLayers, AttentionServices, make_backend
 from .block_manager import BlockManager
-from .cache_kind import usage_row
-from .cache_kinds import KINDS
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache
 from .kv_coordinator import KVCacheCoordinator
@@ -36,6 +34,8 @@ from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
 from .sequence import Sequence
 from .sizing import pool_sizes
+from .state_cache import StateCache
+from .state_slots import StateSlots
 from .timing import PhaseTimes
 
 
@@ -117,13 +117,12 @@ class Engine:
         self.encoder_budget_bytes = (
             self.encoder.max_tokens * image_feature_bytes(model) if self.encoder else 0
         )
-        # what sequences hold beside pages, as the plan has it (cache_kinds.py: a hybrid's state slots)
-        self.cache_kinds = [kind for kind in (cls.of(plan) for cls in KINDS) if kind is not None]
+        states = plan.attention.states  # what a hybrid's stateful layers keep per sequence (None: none)
         sizes = pool_sizes(
             config,
             plan.kv_spec.bytes_per_page,
             self.kv_groups.num_groups,
-            self.cache_kinds,
+            states,
             device,
             reserved_bytes=self.encoder_budget_bytes + (plan.lora.slot_bytes if plan.lora else 0),
         )
@@ -138,8 +137,13 @@ class Engine:
         )
         if plan.rope is not None:  # RoPE factors per sequence: pages rotated alike are shared
             block_manager.prefix_cache.shareable_tokens = plan.rope.shareable_tokens
-        # what each sequence holds in the cache: pages, and each kind's units (its manager)
-        managers = [kind.manager(pool) for kind, pool in zip(self.cache_kinds, sizes.kind_pools)]
+        # what each sequence holds in the cache: pages, and a hybrid's state slots (a manager and its tensors)
+        slots = sizes.states
+        managers = (
+            (StateSlots(slots.num_slots, slots.num_cpu_slots, slots.num_snapshots, states.bytes_per_slot),)
+            if slots
+            else ()
+        )
         self.kv = KVCacheCoordinator(block_manager, *managers)
         self.scheduler = Scheduler(config, self.kv, plan.chunks, encoder=self.encoder)
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
@@ -148,9 +152,12 @@ class Engine:
                 f"sequence; give it more pages or memory."
             )
         self.kv_cache = KVCache(plan.kv_spec, self.num_pages, sizes.num_cpu_pages, device)
-        self.kind_tensors = [
-            kind.tensors(pool, device) for kind, pool in zip(self.cache_kinds, sizes.kind_pools)
-        ]
+        # each manager's tensors, in the coordinator's order of managers (the plan's `unit_copies`)
+        self.unit_tensors = (
+            (StateCache(states, slots.num_slots + slots.num_snapshots, slots.num_cpu_slots, device),)
+            if slots
+            else ()
+        )
         self.times = PhaseTimes()  # where the steps' time went (timing.py)
         services = AttentionServices(
             self.attention,
@@ -158,7 +165,7 @@ class Engine:
             self.times,
             specs=specs,
             layers=plan.attention.layers,
-            kind_tensors=tuple(self.kind_tensors),
+            unit_tensors=self.unit_tensors,
             encoder=self.encoder,
         )
         self.runner = ModelRunner(model, plan, services, config.max_num_seqs)
@@ -201,12 +208,14 @@ class Engine:
                 self.grammars.compile(params.response_format)
             except ValueError as e:
                 return str(e)
-        units = self.kv.admission_error(params.n)  # a kind's (a hybrid's state slots: each sample holds one)
+        units = self.kv.admission_error(
+            params.n
+        )  # a manager's (a hybrid's state slots: each sample holds one)
         if units:
             return units
         total = min(num_prompt_tokens + params.max_new_tokens, limit)
         # the most pages it holds at once, in every KV cache group (a windowed group only what its window reads)
-        pages = self.kv.bm.layout.pages_to_run(
+        pages = self.kv.pages_to_run(
             num_prompt_tokens, total, self.scheduler.max_chunk_of(images) or num_prompt_tokens
         )
         if pages > self.num_pages:
@@ -269,7 +278,7 @@ class Engine:
         with self.times("schedule"):
             plan = self.scheduler.schedule()
             self.kv_cache.apply(plan.swap_out, plan.swap_in, plan.copy_on_write)
-            for tensors, copies in zip(self.kind_tensors, plan.kind_copies):  # the kinds' order, both
+            for tensors, copies in zip(self.unit_tensors, plan.unit_copies):  # the managers' order, both
                 tensors.apply(copies)
             if self.encoder is not None:  # a preempted prompt encodes its images again when it resumes
                 self.encoder.release(plan.preempted)
@@ -318,16 +327,16 @@ class Engine:
 
     @property
     def num_used_pages(self) -> int:
-        return self.kv.bm.num_used_pages
+        return self.kv.num_used_pages
 
     @property
     def block_manager(self) -> BlockManager:
         """The coordinator's pages (its counters: prefix-cache hits, copies on write, pages freed by windows)."""
         return self.kv.bm
 
-    def kind_bytes(self) -> dict[str, int]:
-        """Each kind's bytes per unit for the run's summary, by its key (a hybrid's bytes_per_state_slot)."""
-        return {kind.usage_columns.bytes_per_unit: kind.bytes_per_unit for kind in self.cache_kinds}
+    def unit_bytes(self) -> dict[str, int]:
+        """Each manager's bytes per unit for the run's summary, by its key (a hybrid's bytes_per_state_slot)."""
+        return self.kv.unit_bytes()
 
     def image_counts(self) -> dict[str, int]:
         """Images encoded (each distinct image of a step once), image tokens computed, the most image-feature
@@ -363,14 +372,10 @@ class Engine:
         """What the KV cache holds now, from the block tables; `recount`: slot by slot, to check the first."""
         scheduler = self.scheduler
         running = scheduler.running
-        usage = usage_row(self.cache_kinds, self.kv.managers, running, recount)
         if recount:  # from the sequences themselves, not the scheduler's running sums
-            return memory.recount(
-                self.kv.bm, usage, running, self.num_waiting, self.num_swapped, self.reserved_slots
-            )
+            return memory.recount(self.kv, running, self.num_waiting, self.num_swapped, self.reserved_slots)
         return memory.count(
-            self.kv.bm,
-            usage,
+            self.kv,
             running,
             self.num_waiting,
             self.num_swapped,

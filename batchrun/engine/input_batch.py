@@ -2,7 +2,7 @@
 
 The runner used to read every step's token ids, prompt lengths, positions and block tables from the live
 `Sequence`s and block manager lists the scheduler handed it. Here it keeps them itself, one row per request, in
-persistent arrays: a row is written once when the request is new to the runner (`NewRequest`, from the
+persistent arrays: a row is written once when the request is new to the runner (scheduler_output.NewRequest, from the
 scheduler's output: its prompt and what it generated so far, how many of those its cached prefix computed, its
 adapter, its images), a forked sample's row is copied from its parent's, the tokens the engine
 samples are appended to their rows after each step, all of a step's in one indexed write (no per-token Python
@@ -18,31 +18,11 @@ there); a finished or aborted request's row goes back.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from .block_table_buffer import BlockTableBuffer
-
-
-@dataclass(frozen=True, slots=True)
-class NewRequest:
-    """What the runner needs once of a request it holds no row for (SchedulerOutput.new_requests)."""
-
-    req_id: int  # Sequence.seq_id
-    token_ids: list[int]  # its prompt, then what it generated so far (a recompute's)
-    num_prompt_tokens: int
-    adapter: int | None  # its LoRA adapter's id; None: the base model
-    images: Any = None  # its images as the processor made them (multimodal.ImageInputs); None: none
-    num_computed_tokens: int = 0  # its tokens in the cache already (a cached prefix)
-
-    @classmethod
-    def of(cls, seq) -> NewRequest:
-        """`seq` as admitted (its cached prefix counted)."""
-        return cls(
-            seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter, seq.images, seq.num_computed_tokens
-        )
+from .scheduler_output import NewRequest
 
 
 class InputBatch:

@@ -1,6 +1,6 @@
 """The page tensors: the accelerator pool, the (pinned, on CUDA) CPU swap pool, and the copies between them.
 
-A page holds P tokens of one KV cache group's layers. The groups (`KVGroups`) are the model's attention layers
+A page holds P tokens of one KV cache group's layers. The groups (cache_spec.KVGroups) are the model's attention layers
 sorted by mask kind and K/V shape: a model whose layers all attend alike is one group of all its layers (the
 plain paged cache); Gemma 3's 5 sliding : 1 full is 6 groups of 1 layer; Gemma 4, whose full-attention layers
 have other head dims and KV heads than its sliding ones, has groups of each shape. Every page is one size, and
@@ -17,102 +17,11 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .page_pool import PageCopy
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """One attention layer's K/V per token."""
-
-    num_kv_heads: int
-    head_dim: int  # of the keys (and queries)
-    v_head_dim: int  # of the values (MLA: narrower than the keys)
-
-    @property
-    def elements(self) -> int:
-        """K and V elements per token."""
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
-
-
-@dataclass(frozen=True)
-class KVGroups:
-    """The attention layers in KV cache groups: one mask kind and one K/V shape per group, so that a group's
-    pages follow one block table and one view per layer. Layers of one kind and shape are split into groups of
-    `base` layers, `base` the gcd of the counts of each (kind, shape), so that every group of the common shape
-    fills a page; a group of a smaller shape takes as many layers as fit the page (gpt-oss's alternating
-    12 : 12 is 2 groups of 12; Gemma 3's 5 : 1 over 6 layers, 6 groups of 1)."""
-
-    mask_kinds: tuple[Hashable, ...]  # per group: its mask kind (attention.MaskKind)
-    shapes: tuple[KVShape, ...]  # per group
-    sizes: tuple[int, ...]  # per group: its layers
-    layer_group: tuple[int, ...]  # per layer: its group (-1: a layer without attention)
-    layer_slot: tuple[int, ...]  # per layer: its place among its group's layers (in the page)
-    # layers handed an earlier layer's very K/V (KV sharing): they read that layer's place, and write nothing
-    readers: frozenset[int] = frozenset()
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.mask_kinds)
-
-    @property
-    def elements_per_token(self) -> int:
-        """A page's K/V elements per token: its largest group's."""
-        return max(n * s.elements for s, n in zip(self.shapes, self.sizes))
-
-    @classmethod
-    def of_layers(
-        cls, layers: list[tuple[Hashable, KVShape] | None], reads: dict[int, int] | None = None
-    ) -> KVGroups:
-        """Groups of the attention layers, each given as (mask kind, K/V shape); None: a layer without attention,
-        in no group. `reads`: layer -> the earlier layer whose K/V it attends over, of its kind and shape
-        (Gemma 3n's and 4's KV-shared layers): it gets that layer's place in the pages, not pages of its own."""
-        reads = reads or {}
-        by_key: dict[tuple[Hashable, KVShape], list[int]] = {}
-        for layer, key in enumerate(layers):
-            if key is not None and layer not in reads:
-                by_key.setdefault(key, []).append(layer)
-        base = math.gcd(*(len(members) for members in by_key.values()))
-        width = max(base * shape.elements for _, shape in by_key)  # a page's elements per token
-        kinds, shapes, sizes = [], [], []
-        layer_group, layer_slot = [-1] * len(layers), [-1] * len(layers)
-        for (kind, shape), members in by_key.items():
-            size = width // shape.elements
-            for i in range(0, len(members), size):
-                chunk = members[i : i + size]
-                for slot, layer in enumerate(chunk):
-                    layer_group[layer], layer_slot[layer] = len(kinds), slot
-                kinds.append(kind)
-                shapes.append(shape)
-                sizes.append(len(chunk))
-        for layer, source in reads.items():
-            assert layers[layer] == layers[source], "a layer reads the K/V of a layer of its kind and shape"
-            layer_group[layer], layer_slot[layer] = layer_group[source], layer_slot[source]
-        return cls(
-            tuple(kinds), tuple(shapes), tuple(sizes), tuple(layer_group), tuple(layer_slot), frozenset(reads)
-        )
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """The pages: their size in tokens, their dtype, and the groups whose layers they hold."""
-
-    groups: KVGroups
-    page_size: int
-    dtype: torch.dtype
-
-    @property
-    def page_elements(self) -> int:
-        return self.page_size * self.groups.elements_per_token
-
-    @property
-    def bytes_per_page(self) -> int:
-        return self.page_elements * self.dtype.itemsize
+from .cache_spec import KVCacheSpec, KVShape, PageCopy
 
 
 def text_config(cfg):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .kv_coordinator import KVCacheCoordinator
 from .sequence import NULL_PAGE, Sequence
 
 
@@ -28,8 +29,8 @@ class MemorySnapshot:
     prefix_query_tokens: int  # counters since the engine started
     prefix_hit_tokens: int
     cow_copies: int
-    # each kind's usage columns by name (cache_kind.usage_row: a hybrid's state_slots_total and state_slots_used);
-    # empty for a model with pages alone
+    # each manager's usage columns by name (KVCacheCoordinator.usage: a hybrid's state_slots_total and
+    # state_slots_used); empty for a model with pages alone
     usage: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -55,8 +56,7 @@ class MemorySnapshot:
 
 
 def count(
-    bm: BlockManager,
-    usage,
+    kv: KVCacheCoordinator,
     running: list[Sequence],
     num_waiting: int,
     num_swapped: int,
@@ -64,16 +64,16 @@ def count(
     computed: int,
 ) -> MemorySnapshot:
     """From the block tables: a page holds min(P, computed tokens past its start) of each holder's tokens.
-    `usage`: the kinds' usage columns (cache_kind.usage_row); `reserved_slots`: what contiguous reservations for
+    `reserved_slots`: what contiguous reservations for
     the running sequences would hold (Engine.reserved_slots of them); `computed`: their computed tokens summed
     (both kept as running sums by the scheduler, so a step's count passes over no sequence where none is shared
     and no group has a window)."""
-    if bm.pool.num_shared:
-        counted = _count_shared(bm, running)
+    if kv.bm.pool.num_shared:
+        counted = _count_shared(kv.bm, running)
     else:
-        counted = _count_unshared(bm, running, computed)
+        counted = _count_unshared(kv.bm, running, computed)
     counted["reserved_slots_contiguous"] = reserved_slots
-    return _snapshot(bm, usage, running, num_waiting, num_swapped, **counted)
+    return _snapshot(kv, kv.usage(running), running, num_waiting, num_swapped, **counted)
 
 
 def _count_shared(bm: BlockManager, running: list[Sequence]) -> dict[str, int]:
@@ -133,10 +133,11 @@ def _count_unshared(bm: BlockManager, running: list[Sequence], computed: int) ->
 
 
 def recount(
-    bm: BlockManager, usage, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
+    kv: KVCacheCoordinator, running: list[Sequence], num_waiting: int, num_swapped: int, reserved_slots
 ) -> MemorySnapshot:
-    """The same by brute force: mark every slot that holds a computed token, count holders page by page (the
-    kinds' `usage` recounted sequence by sequence by the caller: cache_kind.usage_row's `recount`)."""
+    """The same by brute force: mark every slot that holds a computed token, count holders page by page (each
+    manager's usage recounted sequence by sequence)."""
+    bm = kv.bm
     P = bm.page_size
     slot_holds_token = [[False] * P for _ in range(bm.num_pages)]
     holders: dict[int, int] = {}
@@ -154,8 +155,8 @@ def recount(
                 else:
                     holders[page] = holders.get(page, 0) + 1
     return _snapshot(
-        bm,
-        usage,
+        kv,
+        kv.usage(running, recount=True),
         running,
         num_waiting,
         num_swapped,
@@ -170,7 +171,7 @@ def recount(
 
 
 def _snapshot(
-    bm: BlockManager,
+    kv: KVCacheCoordinator,
     usage: dict[str, int],
     running: list[Sequence],
     num_waiting: int,
@@ -178,7 +179,8 @@ def _snapshot(
     **counted: int,
 ) -> MemorySnapshot:
     """A snapshot of what was counted, with the queue sizes and the block manager's own counters (and, unless
-    recounted, the free pages as it counts them), and each kind's usage columns."""
+    recounted, the free pages as it counts them), and each manager's usage columns."""
+    bm = kv.bm
     counted.setdefault("pages_allocatable", bm.num_free_pages)
     return MemorySnapshot(
         num_running=len(running),

@@ -22,13 +22,14 @@ from ..vocabulary import embedding_rows
 from . import families
 from .architecture import ModelAttention, inspect_model
 from .attention import refusal as refusal_of
+from .cache_spec import KVCacheSpec
 from .families import ImageBlocks, MRope
-from .kv_cache import KVCacheSpec, text_config
+from .kv_cache import text_config
 from .lora import LoRAManager, manager_of
 from .multimodal import image_token_id, images_unsupported_reason
 from .per_sequence_rope import PerSequenceRope
 from .quantization import computes_each_prompt_whole, computes_per_sequence
-from .scheduler import ChunkRules
+from .scheduler_output import ChunkRules
 from .sizing import model_max_len
 
 
@@ -62,7 +63,7 @@ class GroupCalls:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    attention: ModelAttention  # per-layer specs, KV groups, each kind's spec, per-sequence rope
+    attention: ModelAttention  # per-layer specs, KV groups, a hybrid's states, per-sequence rope
     layer_specs: tuple  # each attention layer's spec (attention.LayerSpec; None: no attention), fixed at load
     group_calls: GroupCalls  # per KV cache group, what its layers' calls need of a step
     kv_spec: KVCacheSpec  # the pages those groups form, at the engine's page size and the model's dtype
@@ -107,8 +108,9 @@ class ModelPlan:
             vocab_size=text_config(model.config).vocab_size,
             embedding_rows=embedding_rows(model),
             chunks=ChunkRules(
-                # a kind whose layers cannot continue over several tokens (a hybrid's Jamba-like scan)
-                whole_prompts=whole or any(spec.whole_prompts for spec in attention.kind_specs.values()),
+                # stateful layers that cannot continue over several tokens (a hybrid's Jamba-like scan)
+                whole_prompts=whole
+                or (attention.states is not None and not attention.states.continues_state),
                 whole_images=images is not None and images.blocks is not None,
                 recompute_at=rope.recompute_at if rope is not None else None,
             ),
@@ -136,8 +138,3 @@ class ModelPlan:
     @property
     def rope(self) -> PerSequenceRope | None:
         return self.attention.rope
-
-    @property
-    def kind_specs(self) -> dict:
-        """Each kind's spec found by the load probe, by the kind's class (architecture.ModelAttention)."""
-        return self.attention.kind_specs

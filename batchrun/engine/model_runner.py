@@ -50,7 +50,7 @@ class ModelRunner:
         self.mrope = images and images.positions  # 3-D rotary positions (Qwen-VL); None: 1-D positions
         self.image_blocks = images and images.blocks  # Gemma's bidirectional image attention; None: causal
         self.encoder: EncoderCache | None = services.encoder
-        self.kind_tensors = services.kind_tensors  # each kind's tensors (cache_kind.KindTensors)
+        self.unit_tensors = services.unit_tensors  # each cache manager's tensors (a hybrid's StateCache)
         self.times = services.times
         self.services = services  # the backend (make_backend), the KV cache, the layers' specs
         spec = services.kv_cache.spec
@@ -150,9 +150,9 @@ class ModelRunner:
             )
             for g, table in enumerate(tables)
         ]
-        views = {  # each kind's step view, keyed by its tensors' class, from its units in packed order
+        views = {  # each manager's step view, keyed by its tensors' class, from its units in packed order
             type(tensors): tensors.step_view([s.units[i] for s in plan.scheduled], query_lens, starts)
-            for i, tensors in enumerate(self.kind_tensors)
+            for i, tensors in enumerate(self.unit_tensors)
         }
         rotary = None
         if self.rope is not None:  # LongRoPE, dynamic NTK: each sequence's own factors, from its lengths

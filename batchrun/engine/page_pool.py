@@ -14,14 +14,8 @@ import array
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
 
 from .sequence import NULL_PAGE
-
-
-class PageCopy(NamedTuple):
-    src: int
-    dst: int
 
 
 def cdiv(a: int, b: int) -> int:

@@ -279,7 +279,7 @@ class PoolingRunner:
         if "position_ids" not in inspect.signature(self.model.forward).parameters:
             raise UnsupportedModel(f"{name} cannot run on batchrun: its forward takes no position_ids")
         attention = inspect_model(self.model)
-        if attention.kind_specs:  # a hybrid's states (state_kind.py), or any kind kept beside pages
+        if attention.states is not None:  # a hybrid's states (cache_spec.StateSpec)
             raise UnsupportedModel(
                 f"{name} cannot run on batchrun: some of its layers keep a state from token to token (a hybrid), "
                 "which a packed row of texts does not give each text"

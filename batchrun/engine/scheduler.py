@@ -12,35 +12,18 @@ Each step, in this order:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from itertools import islice
 
 from .config import EngineConfig
-from .input_batch import NewRequest
 from .kv_coordinator import KVCacheCoordinator
 from .multimodal import EncoderCache
-from .scheduler_output import ScheduledSequence, SchedulerOutput
+from .scheduler_output import ChunkRules, NewRequest, ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
 from .steady_decodes import MIN_SEQS, SteadyDecodes
 
 # how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
 # adapter would be one more than a step may run
 ADAPTER_LOOKAHEAD = 64
-
-
-@dataclass(frozen=True)
-class ChunkRules:
-    """How much of a prompt one step may compute (the scheduler's one chunk policy reads these):
-    - whole_prompts: each prompt (and a recompute) in one step, past the token budget when it begins the step: a
-      hybrid whose stateful layers cannot continue a state over several tokens, or a quantized layer that
-      chooses its arithmetic from all of a prompt's tokens (LLM.int8() with outliers);
-    - whole_images: a chunk never splits an image whose tokens attend to each other;
-    - recompute_at: a sequence reaching this many tokens is computed again whole (Phi-3's LongRoPE switches
-      factors there); None: never."""
-
-    whole_prompts: bool = False
-    whole_images: bool = False
-    recompute_at: int | None = None
 
 
 def _adapter_order(s: ScheduledSequence) -> int:
@@ -52,12 +35,12 @@ class Scheduler:
         self,
         config: EngineConfig,
         kv: KVCacheCoordinator,
-        rules: ChunkRules = ChunkRules(),
+        rules: ChunkRules = ChunkRules(),  # noqa: B008 - frozen, so one default shared by all is safe
         encoder: EncoderCache | None = None,
     ):
         """`kv`: what sequences hold in the cache (pages, and a hybrid model's state slots), one call per action;
-        `rules`: the model plan's chunk rules (model_plan.ChunkRules); `encoder`: a vision-language model's image
-        features waiting for prefill, and their budget (None: text only)."""
+        `rules`: the model plan's chunk rules (scheduler_output.ChunkRules); `encoder`: a vision-language model's
+        image features waiting for prefill, and their budget (None: text only)."""
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.recompute_at = rules.recompute_at
         self.kv = kv
@@ -128,8 +111,8 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        # the kinds' copies (a hybrid's states): those the last plan left first (forks, kept prefixes)
-        out = SchedulerOutput(kind_copies=self.kv.new_step())
+        # the cache managers' copies (a hybrid's states): those the last plan left first (forks, kept prefixes)
+        out = SchedulerOutput(unit_copies=self.kv.new_step())
         if self.encoder is not None:
             self.encoder.new_step()
         budget, plain_decodes = self.config.max_num_batched_tokens, 0
@@ -200,7 +183,7 @@ class Scheduler:
         num_groups = bm.num_groups
         register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
         scheduled, units_of = out.scheduled, kv.units_of
-        stateless = not kv.managers  # no kind's units: not asked sequence by sequence
+        stateless = not kv.managers  # no cache manager's units: not asked sequence by sequence
         decode = ScheduledSequence.decode
         decodes = 0
         for seq in list(running):  # a copy: preemption takes sequences off the end
@@ -259,7 +242,7 @@ class Scheduler:
         return budget, decodes
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        out.copy_on_write.extend(self.kv.bm.grow(seq, n))
+        out.copy_on_write.extend(self.kv.grow(seq, n))
         self._planned(seq, n, out)
 
     def _planned(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:

@@ -11,6 +11,10 @@ A scheduled sequence carries, of its block tables, only what changed since the r
 for a decode crossing into a new page, a copied page for copy on write, and the whole table once for a request
 admitted, swapped in or forked. The runner keeps the tables themselves (input_batch.py), so nothing downstream
 reads the block manager's lists.
+
+The types that cross from the scheduler to the runner live here, beside the plan, so neither imports the other:
+a request new to the runner (`NewRequest`), and the model plan's rules of how much of a prompt a step computes
+(`ChunkRules`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache_kind import KindCopies
-from .input_batch import NewRequest
-from .page_pool import PageCopy
+from .cache_spec import PageCopy, UnitCopies
 from .sequence import Sequence
 
 _NONE = range(0)
@@ -30,6 +32,40 @@ _NONE = range(0)
 # per KV cache group: (the first entry of the table that changed, the table's entries from there), or None for
 # a table that did not change since the runner last saw it (block_manager.BlockManager.take_new_block_ids)
 NewBlockIds = list[tuple[int, list[int]]] | None
+
+
+@dataclass(frozen=True)
+class ChunkRules:
+    """How much of a prompt one step may compute (the scheduler's one chunk policy reads these):
+    - whole_prompts: each prompt (and a recompute) in one step, past the token budget when it begins the step: a
+      hybrid whose stateful layers cannot continue a state over several tokens, or a quantized layer that
+      chooses its arithmetic from all of a prompt's tokens (LLM.int8() with outliers);
+    - whole_images: a chunk never splits an image whose tokens attend to each other;
+    - recompute_at: a sequence reaching this many tokens is computed again whole (Phi-3's LongRoPE switches
+      factors there); None: never."""
+
+    whole_prompts: bool = False
+    whole_images: bool = False
+    recompute_at: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """What the runner needs once of a request it holds no row for (SchedulerOutput.new_requests)."""
+
+    req_id: int  # Sequence.seq_id
+    token_ids: list[int]  # its prompt, then what it generated so far (a recompute's)
+    num_prompt_tokens: int
+    adapter: int | None  # its LoRA adapter's id; None: the base model
+    images: Any = None  # its images as the processor made them (multimodal.ImageInputs); None: none
+    num_computed_tokens: int = 0  # its tokens in the cache already (a cached prefix)
+
+    @classmethod
+    def of(cls, seq) -> NewRequest:
+        """`seq` as admitted (its cached prefix counted)."""
+        return cls(
+            seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.adapter, seq.images, seq.num_computed_tokens
+        )
 
 
 @dataclass(slots=True)
@@ -121,9 +157,9 @@ class SchedulerOutput:
     copy_on_write: list[PageCopy] = field(default_factory=list)  # accelerator page -> accelerator page
     preempted: list[Sequence] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)
-    # each kind's copies beside the pages' (cache_kind.KindCopies: a hybrid's state slots), in the coordinator's
-    # order of kinds, which is the engine's (none for a model with pages alone)
-    kind_copies: list[KindCopies] = field(default_factory=list)
+    # each manager's copies beside the pages' (cache_spec.UnitCopies: a hybrid's state slots), in the
+    # coordinator's order of managers, which is the engine's of their tensors (none for a model with pages alone)
+    unit_copies: list[UnitCopies] = field(default_factory=list)
     # what the scheduler counts as it plans, so that the runner, the output processor and the statistics need
     # not pass over `scheduled` to learn it (every step): the tokens computed, the sequences that compute only
     # generated tokens and sample (one logits row each, no prompt token to count or score, no sample to fork),

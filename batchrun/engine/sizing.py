@@ -19,9 +19,11 @@ from ..checks import parse_size
 from ..errors import BadInput
 from ..host import available_ram
 from .architecture import inspect_model
+from .cache_spec import StateSpec
 from .config import EngineConfig
 from .kv_cache import text_config
 from .loading import meta_paged_model
+from .state_slots import StatePool, state_pool
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 # engine.swap_space unset: this share of the RAM available at start, and no more than AUTO_SWAP_MAX
@@ -125,12 +127,11 @@ def swap_bytes(config: EngineConfig) -> int:
 
 @dataclass(frozen=True)
 class PoolSizes:
-    """The engine's pools: KV pages on the device and on the CPU, and each other kind's pool (its own sizes, in
-    the kinds' order: cache_kind.CacheKind.pool; a hybrid model's state slots)."""
+    """The engine's pools: KV pages on the device and on the CPU, and a hybrid model's state slots (None: none)."""
 
     num_pages: int
     num_cpu_pages: int
-    kind_pools: tuple = ()
+    states: StatePool | None = None
     swap_bytes: int = 0  # the swap space the pools came from (swap_bytes: unset, what fit at start)
 
 
@@ -138,31 +139,26 @@ def pool_sizes(
     config: EngineConfig,
     bytes_per_page: int,
     num_groups: int,
-    cache_kinds,
+    states: StateSpec | None,
     device: torch.device,
     reserved_bytes: int = 0,
 ) -> PoolSizes:
-    """Pages, and each of `cache_kinds`' pools (cache_kind.CacheKind: a hybrid model's state slots), from the KV
-    budget and the swap space: each kind takes its share of what the kinds before it left (`CacheKind.pool`), and
-    the rest is pages. An explicit `engine.num_pages` is the pages alone; the kinds then come on top.
+    """Pages, and a hybrid model's state slots (`states`: what a slot holds), from the KV budget and the swap
+    space: the slots take their share (state_slots.state_pool), and the rest is pages. An explicit
+    `engine.num_pages` is the pages alone; the slots then come on top.
 
     `reserved_bytes` come out of a budget given as memory first: a vision-language model's image features
     waiting for prefill (multimodal.EncoderCache)."""
-    swap = total_swap = swap_bytes(config)
-    if not cache_kinds:
+    swap = swap_bytes(config)
+    if states is None:
         return PoolSizes(
-            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page, (), swap
+            num_pages_for(config, bytes_per_page, device, reserved_bytes), swap // bytes_per_page, None, swap
         )
     # the budget in bytes ("pages" of one byte); None: engine.num_pages fixes the pages
     budget = None if config.num_pages is not None else num_pages_for(config, 1, device, reserved_bytes)
-    pools = []
-    for kind in cache_kinds:
-        pool = kind.pool(config, budget, swap, bytes_per_page, num_groups)
-        pools.append(pool)
-        swap -= pool.cpu_bytes
-        budget = None if budget is None else budget - pool.device_bytes
-    pages = config.num_pages if budget is None else budget // bytes_per_page
-    return PoolSizes(pages, swap // bytes_per_page, tuple(pools), total_swap)
+    pool = state_pool(states, config, budget, swap, bytes_per_page, num_groups)
+    pages = config.num_pages if budget is None else (budget - pool.device_bytes) // bytes_per_page
+    return PoolSizes(pages, (swap - pool.cpu_bytes) // bytes_per_page, pool, swap)
 
 
 def num_pages_for(

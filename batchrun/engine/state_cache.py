@@ -1,4 +1,4 @@
-"""The second kind of cache: a state slot per sequence, for hybrid models' stateful layers.
+"""The state slots' tensors: a slot per sequence, for hybrid models' stateful layers.
 
 Linear-attention (Gated DeltaNet, KDA), Mamba and short-convolution layers do not read back over earlier
 tokens: each carries a fixed-size state from one step to the next, a convolution window and (most of them) a
@@ -6,13 +6,13 @@ recurrent state. A hybrid model (Qwen 3.5, Granite 4, Nemotron-H, LFM 2, Falcon-
 its attention layers. batchrun keeps their states in a pool of *state slots*, one slot per running sequence
 holding every stateful layer's states, beside the pages of the attention layers:
 
-- `StateSpec`: what one slot holds, found by the load probe (architecture.py): each stateful layer's conv and
-  recurrent state shapes, as the model's own code creates them.
+- `StateSpec` (cache_spec.py): what one slot holds, found by the load probe (`StateProbe`, below): each
+  stateful layer's conv and recurrent state shapes, as the model's own code creates them.
 - `StateSlots` (state_slots.py): which slot each sequence holds (pure integers, like page_pool.py):
   accelerator slots and CPU swap slots, a slot reserved at admission for each parallel sample still to be
   forked.
-- `StateCache`: the slot tensors and the copies between them (swap out, swap in, a fork's copy): the state
-  kind's tensors (cache_kind.KindTensors; state_kind.StateKind makes them and the slots' manager).
+- `StateCache`: the slot tensors and the copies between them (swap out, swap in, a fork's copy) that the
+  plan carries for the state manager (cache_spec.UnitCopies).
 - `StepStates`: one step's view, passed to the layers with the attention metadata. Each stateful layer runs its
   own `transformers` code, never a re-implementation: on a `transformers` cache whose layer objects
   (`LinearAttentionLayer`, with its own padding and update rules) hold views of the sequence's slot. The
@@ -27,62 +27,15 @@ states (snapshots, chosen and restored by `StateSlots`), and a row behind the pr
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from . import families
-from .cache_kind import KindCopies, KindCopy, KindProbe, KindSpec, KindTensors
+from .cache_spec import LayerStates, StateShape, StateSpec, UnitCopies, UnitCopy
 
 
-class StateShape(NamedTuple):
-    shape: tuple[int, ...]  # of one sequence's state, without the batch axis
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class LayerStates:
-    """One stateful layer's states, by state index (`state_idx` of transformers' cache interface)."""
-
-    layer: int
-    conv: tuple[StateShape | None, ...]
-    recurrent: tuple[StateShape | None, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in (*self.conv, *self.recurrent) if s is not None)
-
-
-@dataclass(frozen=True)
-class StateSpec(KindSpec):
-    """What one state slot holds: every stateful layer's states."""
-
-    layers: tuple[LayerStates, ...]
-    # whether every stateful layer's several-token (prompt) form continues the state it is given; where one
-    # starts afresh instead (Jamba's Mamba scan takes no initial state: `generate` only ever runs it on a whole
-    # prompt), each prompt runs whole in one step and no prefix state is kept for sharing
-    continues_state: bool = True
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def layer_indices(self) -> tuple[int, ...]:
-        return tuple(layer.layer for layer in self.layers)
-
-    @property
-    def whole_prompts(self) -> bool:
-        return not self.continues_state
-
-
-class StateCache(KindTensors):
+class StateCache:
     """The slot tensors: per stateful layer and state index, [num_slots, *shape] on the device and
     [num_cpu_slots, *shape] on the CPU (pinned on CUDA). A step's view of them is `StepStates`, which the
     stateful layers read as `AttentionMetadata.views[StateCache]` (stateful_layers.py)."""
@@ -95,8 +48,8 @@ class StateCache(KindTensors):
         self.recurrent: dict[int, list[torch.Tensor | None]] = {}
         self.cpu: list[torch.Tensor] = []  # every CPU tensor, in the order of `self.tensors`
         for layer in spec.layers:
-            for kind, shapes in (("conv", layer.conv), ("recurrent", layer.recurrent)):
-                getattr(self, kind)[layer.layer] = [
+            for which, shapes in (("conv", layer.conv), ("recurrent", layer.recurrent)):
+                getattr(self, which)[layer.layer] = [
                     None if s is None else torch.zeros(num_slots, *s.shape, dtype=s.dtype, device=device)
                     for s in shapes
                 ]
@@ -107,7 +60,7 @@ class StateCache(KindTensors):
     def tensors(self) -> list[torch.Tensor]:
         return [t for d in (self.conv, self.recurrent) for ts in d.values() for t in ts if t is not None]
 
-    def apply(self, copies: KindCopies) -> None:
+    def apply(self, copies: UnitCopies) -> None:
         """A step's copies, in the only safe order: forks and kept prefixes (from slots still held), out, in."""
         swap_out, swap_in = copies.swap_out, copies.swap_in
         for wave in _waves(copies.device):
@@ -131,10 +84,10 @@ class StateCache(KindTensors):
         return StepStates(self, units, query_lens, starts)
 
 
-def _waves(copies: list[KindCopy]) -> list[list[KindCopy]]:
+def _waves(copies: list[UnitCopy]) -> list[list[UnitCopy]]:
     """The copies in order, batched where no copy reads a slot an earlier one of its batch writes (a snapshot
     kept, then restored into a new sequence in the same step: the second reads what the first wrote)."""
-    waves: list[list[KindCopy]] = []
+    waves: list[list[UnitCopy]] = []
     written: set[int] = set()
     for c in copies:
         if not waves or c.src in written:
@@ -227,7 +180,7 @@ class StepStates:
             mine = _token_rows(kwargs, self.num_tokens, self.decode_rows)
             out = call.forward(x, **{call.cache_keyword: layer_cache(layer_idx, layer)}, **mine)
             pools = (conv, recurrent)
-            _write_back(layer, given, lambda kind, i, new, _: pools[kind][i].index_copy_(0, slots, new))
+            _write_back(layer, given, lambda which, i, new, _: pools[which][i].index_copy_(0, slots, new))
             pieces.append((self.decode_rows, x, out))
         for i, row in self.prompts:
             slot, n = self.slots[i], self.query_lens[i]
@@ -241,7 +194,7 @@ class StepStates:
             x = hidden[:, row : row + n]
             out = call.forward(x, **{call.cache_keyword: cache}, **mine)
             # the layer updates the slot's views in place; a state it replaced instead is copied in
-            _write_back(layer, given, lambda kind, j, new, view: None if new is view else view.copy_(new))
+            _write_back(layer, given, lambda which, j, new, view: None if new is view else view.copy_(new))
             pieces.append((slice(row, row + n), x, out))
         return packed_output(pieces, self.num_tokens)
 
@@ -273,14 +226,14 @@ def first_output(out) -> torch.Tensor:
 
 
 def _write_back(layer, given: tuple[list, list], put) -> None:
-    """The states the layer object holds after the call, into the slots: `put(i, kind, new, given)` for each."""
-    for kind, held in enumerate((layer.conv_states, layer.recurrent_states)):
-        for i, t in enumerate(given[kind]):
+    """The states the layer object holds after the call, into the slots: `put(which, i, new, given)` for each."""
+    for which, held in enumerate((layer.conv_states, layer.recurrent_states)):
+        for i, t in enumerate(given[which]):
             if t is not None:
-                put(kind, i, held[i], t)
+                put(which, i, held[i], t)
 
 
-class StateProbe(KindProbe):
+class StateProbe:
     """The load probe's states: a fresh `LinearAttentionLayer` per stateful layer, created by the model's own
     code as it would be under `generate`; afterwards, the shapes it made (the `StateSpec`)."""
 

@@ -3,9 +3,9 @@
 A hybrid model's running sequence holds one accelerator slot for its stateful layers' states (and one reserved
 for each parallel sample it will fork), a swapped one a CPU slot; a few more slots keep the states at the ends of
 shared prefixes (snapshots), so that a row behind a shared prefix starts from a copy rather than recomputing it.
-`StateSlots` is the state kind's manager (cache_kind.KindManager, made by state_kind.StateKind): the KV cache
-coordinator (kv_coordinator.py) calls it beside the block manager in each action. A model without stateful
-layers has no state kind, so the coordinator holds no such manager.
+`StateSlots` is the state's manager (kv_coordinator.CacheManager): the KV cache coordinator calls it beside the
+block manager in each action. A model without stateful layers has no state spec, so the coordinator holds no
+such manager. `state_pool` sizes the slots from the KV budget (sizing.pool_sizes asks it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,55 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from .cache_kind import KindCopy, KindManager, Usage
+from ..errors import BadInput
+from .cache_spec import StateSpec, UnitCopy, Usage, UsageColumns
+from .kv_coordinator import CacheManager
+
+MAX_SNAPSHOTS = 16  # shared prefixes whose state a hybrid keeps at once: a job has few system prompts
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """The state slots: for running sequences and, with prefix sharing, for kept prefixes (snapshots), on the
+    device; CPU slots for swapped sequences; and the bytes they take of the KV budget and the swap space."""
+
+    num_slots: int
+    num_cpu_slots: int
+    num_snapshots: int
+    device_bytes: int
+    cpu_bytes: int
+
+
+def state_pool(spec: StateSpec, config, budget: int | None, swap: int, bytes_per_page: int, num_groups: int):
+    """The budget split by what the scheduler needs: a running sequence holds one state slot and at least one
+    page per KV cache group, and at most `max_num_seqs` sequences run at once. So there are `max_num_seqs` slots
+    (fewer where the budget cannot hold that many slots with a page per group each, or where they would take
+    more than half of it), and the rest of the budget is pages. With prefix sharing, a few more slots (a quarter
+    as many, at most MAX_SNAPSHOTS) keep shared prefixes' states. The swap space is split the same way. An
+    explicit `engine.num_pages` (`budget` None) is the pages alone; the slots then come on top."""
+    bytes_per_slot = spec.bytes_per_slot
+    per_seq = bytes_per_slot + num_groups * bytes_per_page
+    cpu_slots = min(config.max_num_seqs, swap // per_seq)
+    # False: the layers cannot start from a kept state
+    keeps = config.prefix_sharing and spec.continues_state
+    snapshots = lambda slots: min(MAX_SNAPSHOTS, max(1, slots // 4)) if keeps else 0
+    if budget is None:
+        slots = config.max_num_seqs
+        kept = snapshots(slots)
+    else:
+        # at most half the budget in slots: at a small budget, slots for max_num_seqs would leave too few pages
+        # for them (one page each is no sequence's length), and sequences at once would be bounded by pages
+        # anyway
+        slots = min(config.max_num_seqs, budget // per_seq, max(1, budget // 2 // bytes_per_slot))
+        if slots < 1:
+            raise BadInput(
+                f"key `engine.kv_cache_memory`: {config.kv_cache_memory!r} holds no sequence of this hybrid "
+                f"model (a state slot of {bytes_per_slot} bytes and {num_groups} KV page(s) of "
+                f"{bytes_per_page} bytes); give more memory or set engine.num_pages."
+            )
+        fits = budget >= (slots + snapshots(slots)) * bytes_per_slot + bytes_per_page
+        kept = snapshots(slots) if fits else 0
+    return StatePool(slots, cpu_slots, kept, (slots + kept) * bytes_per_slot, cpu_slots * bytes_per_slot)
 
 
 @dataclass(eq=False, slots=True)
@@ -28,7 +76,7 @@ class SequenceSlots:
     cpu_slot: int = -1
 
 
-class StateSlots(KindManager):
+class StateSlots(CacheManager):
     """The accelerator's and the CPU's state slots: which are free, and which each sequence holds
     (`SequenceSlots`, keyed by seq_id): one slot while it runs (and one reserved for each sample it will fork),
     a CPU slot while it is swapped out.
@@ -42,9 +90,13 @@ class StateSlots(KindManager):
     this step waits for it (one step) rather than compute it again."""
 
     LOOKAHEAD = 16  # waiting prompts a newly admitted one is compared with, for a prefix they share
+    usage_columns = UsageColumns(
+        "state_slots_total", "state_slots_used", "bytes_per_state_slot", "state slots", "hybrid layers"
+    )
 
-    def __init__(self, num_slots: int, num_cpu_slots: int, num_snapshots: int = 0):
+    def __init__(self, num_slots: int, num_cpu_slots: int, num_snapshots: int = 0, bytes_per_slot: int = 0):
         self.num_slots, self.num_cpu_slots, self.num_snapshots = num_slots, num_cpu_slots, num_snapshots
+        self.bytes_per_unit = bytes_per_slot
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._free_cpu: deque[int] = deque(range(num_cpu_slots))
         self._free_snapshots: list[int] = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
@@ -54,7 +106,9 @@ class StateSlots(KindManager):
         # seq_id -> the prefix (full pages) whose state it keeps when its prefill gets there: the scheduler's
         # chunk rule asks every step (`limit`), so it has a dict of its own
         self.snapshot_ends: dict[int, int] = {}
-        self.step_ends = self.snapshot_ends  # the coordinator's and the scheduler's name for it (KindManager)
+        self.step_ends = (
+            self.snapshot_ends
+        )  # the coordinator's and the scheduler's name for it (CacheManager)
         self.snapshots_taken = self.snapshots_restored = 0  # counters for statistics
 
     # ---- prefix snapshots ----------------------------------------------------------------------------------
@@ -91,44 +145,30 @@ class StateSlots(KindManager):
     def can_admit(self, seq) -> bool:
         return self.seats(seq) <= self.num_free
 
-    def admit(self, seq, hashes: list[bytes], k: int) -> KindCopy | None:
-        """seq's slots (its own, and one per sample it will fork); the copy of a kept prefix's state into its
-        slot when it starts behind k cached pages."""
+    def admit(self, seq, hashes: list[bytes], k: int) -> UnitCopy | None:
+        """seq's slots (its own, and one per sample it will fork); behind k cached pages, the copy of the
+        snapshot at their end into its slot."""
         self.allocate(seq)
-        return self.restore(seq, hashes, k)
-
-    def restore(self, seq, hashes: list[bytes], k: int) -> KindCopy | None:
-        """seq starts behind k cached pages: the copy of the snapshot at their end into its slot."""
         if k == 0 or not self.num_snapshots:
             return None
         self.snapshots.move_to_end(hashes[k - 1])
         self.snapshots_restored += 1
-        return KindCopy(self.snapshots[hashes[k - 1]], self.sequences[seq.seq_id].slot)
+        return UnitCopy(self.snapshots[hashes[k - 1]], self.sequences[seq.seq_id].slot)
 
     def keep_prefix(self, seq, hashes: list[bytes], matched: int, page_hashes, waiting) -> None:
-        """Keeping prefix states: the prefix of seq worth a snapshot, the longest it shares with one of the next
-        `waiting` prompts (its prefill stops there once: `limit`)."""
-        if not self.num_snapshots:
-            return
-        theirs = [page_hashes(o) for o in islice(waiting, self.LOOKAHEAD)]
-        self.choose_snapshot(seq, hashes, matched, theirs)
-
-    def choose_snapshot(
-        self, seq, hashes: list[bytes], computed_blocks: int, waiting: list[list[bytes]]
-    ) -> None:
         """The prefix of seq worth keeping a state of: the most pages its prompt shares with one of the next
-        waiting prompts (`waiting`: their page hashes, the first LOOKAHEAD), beyond what it starts with, unless
-        a snapshot of it is kept already."""
+        LOOKAHEAD `waiting` prompts (`page_hashes(o)` of each), beyond the `matched` it starts with, unless a
+        snapshot of it is kept already. Its prefill stops there once (`limit`)."""
         self.snapshot_ends.pop(seq.seq_id, None)
         if not self.num_snapshots or not hashes:
             return
         best = 0
-        for theirs in waiting[: self.LOOKAHEAD]:
-            n = 0
+        for other in islice(waiting, self.LOOKAHEAD):
+            theirs, n = page_hashes(other), 0
             while n < min(len(hashes), len(theirs)) and hashes[n] == theirs[n]:
                 n += 1
             best = max(best, n)
-        if best > computed_blocks and hashes[best - 1] not in self.snapshots:
+        if best > matched and hashes[best - 1] not in self.snapshots:
             self.snapshot_ends[seq.seq_id] = best
 
     def limit(self, seq, start: int, n: int, page_size: int) -> int:
@@ -136,20 +176,14 @@ class StateSlots(KindManager):
         end = self.snapshot_ends.get(seq.seq_id, 0) * page_size
         return end - start if start < end < start + n else n
 
-    def planned(self, seq, end: int, page_size: int, page_hashes) -> KindCopy | None:
-        """Planned up to `end`: at seq's snapshot boundary, the copy into a snapshot slot (`reached`)."""
-        if seq.seq_id not in self.snapshot_ends:
-            return None
-        return self.reached(seq, end, page_size, page_hashes(seq))
-
-    def reached(self, seq, end: int, page_size: int, hashes: list[bytes]) -> KindCopy | None:
+    def planned(self, seq, end: int, page_size: int, page_hashes) -> UnitCopy | None:
         """Planned up to `end`: at seq's snapshot boundary, the copy of its slot into a snapshot slot (made
         before the next step, after this step's forward has computed the state there)."""
         blocks = self.snapshot_ends.get(seq.seq_id, 0)
         if not blocks or end != blocks * page_size:
             return None
         del self.snapshot_ends[seq.seq_id]
-        h = hashes[blocks - 1]
+        h = page_hashes(seq)[blocks - 1]
         if h in self.snapshots:
             return None
         if not self._free_snapshots:
@@ -160,7 +194,7 @@ class StateSlots(KindManager):
         slot = self.snapshots[h] = self._free_snapshots.pop()
         self._taken_now.add(h)
         self.snapshots_taken += 1
-        return KindCopy(self.sequences[seq.seq_id].slot, slot)
+        return UnitCopy(self.sequences[seq.seq_id].slot, slot)
 
     @property
     def num_free(self) -> int:
@@ -206,12 +240,12 @@ class StateSlots(KindManager):
         if entry.cpu_slot < 0:
             del self.sequences[seq.seq_id]
 
-    def fork(self, parent, child) -> KindCopy:
+    def fork(self, parent, child) -> UnitCopy:
         """The child takes a slot its parent reserved; returns the copy of the parent's state into it."""
         mine = self.sequences[parent.seq_id]
         assert child.seq_id not in self.sequences, "a child is forked once"
         self.sequences[child.seq_id] = SequenceSlots(slot=mine.reserved.pop())
-        return KindCopy(mine.slot, self.sequences[child.seq_id].slot)
+        return UnitCopy(mine.slot, self.sequences[child.seq_id].slot)
 
     def can_swap_out(self, seq) -> bool:
         return self.num_free_cpu > 0
@@ -219,19 +253,19 @@ class StateSlots(KindManager):
     def can_swap_in(self, seq) -> bool:
         return self.seats(seq) <= self.num_free
 
-    def swap_out(self, seq) -> KindCopy:
+    def swap_out(self, seq) -> UnitCopy:
         """seq's state to a CPU slot; returns the copy (accelerator slot -> CPU slot) to make before the freed
         slot is reused."""
         entry = self.sequences[seq.seq_id]
         entry.cpu_slot = self._free_cpu.popleft()
-        copy = KindCopy(entry.slot, entry.cpu_slot)
+        copy = UnitCopy(entry.slot, entry.cpu_slot)
         self.free(seq)
         return copy
 
-    def swap_in(self, seq) -> KindCopy:
+    def swap_in(self, seq) -> UnitCopy:
         self.allocate(seq)
         entry = self.sequences[seq.seq_id]
-        copy = KindCopy(entry.cpu_slot, entry.slot)
+        copy = UnitCopy(entry.cpu_slot, entry.slot)
         self.free_cpu(seq)
         return copy
 

@@ -65,8 +65,8 @@ class AttentionServices:
     """The engine's parts a step reaches, made once per engine: the backend, the caches a step reads and writes
     (the KV pages; a hybrid model's state slots; a vision-language model's image features), the clock, each
     attention layer's spec (LayerSpec, by layer; None: the load probe, which reads every call in full), and
-    what the config says of the layers (architecture.ModelLayers: chunks, shared modules). The kinds' tensors
-    (cache_kind.KindTensors: a hybrid model's state slots) and the image features ride here beside the KV cache
+    what the config says of the layers (architecture.ModelLayers: chunks, shared modules). The cache managers'
+    tensors (a hybrid model's state slots: state_cache.StateCache) and the image features ride here beside the KV cache
     because they are caches alike: made once by the engine, sized from the same budget, read by the runner every
     step."""
 
@@ -75,8 +75,8 @@ class AttentionServices:
     times: Any  # timing.PhaseTimes: the layers add their seconds to "attention"
     specs: tuple | None  # layers.LayerSpec per layer (None where a layer has no attention)
     layers: Any = None  # architecture.ModelLayers
-    # each kind's tensors (cache_kind.KindTensors: a hybrid's StateCache); none: pages alone
-    kind_tensors: tuple = ()
+    # each cache manager's tensors, in the coordinator's order (a hybrid's StateCache); none: pages alone
+    unit_tensors: tuple = ()
     encoder: Any = None  # multimodal.EncoderCache: image features (None: a text model)
 
     def __post_init__(self) -> None:
