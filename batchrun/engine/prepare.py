@@ -63,13 +63,12 @@ class Rewrite:
     undo: Callable[[torch.nn.Module], int] | None = None
 
 
-def _attach_adapters(model: torch.nn.Module, context: Preparation) -> int:
-    lora.attach(model, context.adapters, context.max_loras, context.device)
-    return len(context.adapters)
-
-
 REWRITES = (
-    Rewrite("lora", lambda c: bool(c.adapters), _attach_adapters),
+    Rewrite(
+        "lora",
+        lambda c: bool(c.adapters),
+        lambda m, c: len(lora.attach(m, c.adapters, c.max_loras, c.device).names),
+    ),
     Rewrite(
         "packed_linear",
         lambda c: c.cpu and c.pack_weights and cpu_linear.available(c.dtype),
