@@ -176,15 +176,13 @@ class LLM:
     ) -> None:
         from . import model_loader
         from .engine import loading
+        from .engine.prepare import Preparation, prepare_model
 
         placement = placement or place(engine.device, model.dtype)
         self.device, self.dtype = placement.device, placement.dtype
         self.slow_dtype = warn_slow_dtype(placement)  # said now, and in a job's summary
         folder = model_loader.open_model(model.path, source)  # read once: the budget check, then the load
         self.model_dir, config = folder.path, folder.config
-        self.packed_weights = False  # linear weights packed for oneDNN (engine/cpu_linear.py)
-        self.fused_products = 0  # q/k/v, gate/up made one packed product each (engine/fused_linear.py)
-        self.fused_elementwise = 0  # RMSNorms and gated MLPs fused (engine/fused_elementwise.py)
         adapters = {}
         if model.adapters:  # each adapter's folder and config, then against the model before it loads
             from .adapters import read_adapters
@@ -204,17 +202,11 @@ class LLM:
         )
         # the weights' format and bytes in memory, for the summary (counted before any packing for oneDNN)
         self.weights = Weights.of(hf_model, checkpoint_format(config))
-        if adapters:  # each adapter's layers wrapped before packing, which then packs their base layers
-            from .engine import lora
-
-            lora.attach(hf_model, adapters, engine.max_loras, self.device)
-        if self.device.type == "cpu":  # weights packed for oneDNN where this CPU can (the summary says which)
-            from .engine import cpu_linear, fused_elementwise, fused_linear
-
-            self.packed_weights = cpu_linear.prepare(hf_model, self.dtype, engine.pack_weights)
-            self.fused_products = len(fused_linear.fused_groups(hf_model))
-            # a bf16/fp16 model's RMSNorms and SiLU-and-mul as one C++ pass each; an fp32 one's norms, bit-equal
-            self.fused_elementwise = fused_elementwise.fuse(hf_model, self.dtype)
+        # LoRA's layers wrapped, then the CPU rewrites (engine/prepare.py): how many modules each rewrote
+        self.rewrites = prepare_model(
+            hf_model,
+            Preparation(self.device, self.dtype, engine.pack_weights, adapters, engine.max_loras),
+        )
         self._token_texts: dict[int, str] = {}
         try:
             loaded = loading.LoadedModel.with_tokenizer(hf_model, self.tokenizer, model.max_model_len)

@@ -234,8 +234,8 @@ def load_worker(
         "dtype": str(llm.dtype).replace("torch.", ""),
         "model": str(llm.model_dir),
         "max_num_seqs": spec.engine.max_num_seqs,
-        "packed_weights": llm.packed_weights,
-        "fused_products": llm.fused_products,
+        "packed_weights": llm.rewrites["packed_linear"] > 0,
+        "fused_products": llm.rewrites["fused_products"],
         "weights_format": llm.weights.format,
         "weights_bytes": llm.weights.bytes,
         "slow_dtype": llm.slow_dtype,
@@ -263,8 +263,8 @@ def _load_pooling_worker(spec: JobSpec, replica: int, placement: Placement | Non
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
         "model": spec.model.path,
-        "packed_weights": runner.packed_weights,
-        "fused_products": runner.fused_products,
+        "packed_weights": runner.rewrites["packed_linear"] > 0,
+        "fused_products": runner.rewrites["fused_products"],
         "slow_dtype": slow_dtype(Placement(runner.device, runner.dtype)),
     }
     load_s = time.perf_counter() - t0

@@ -75,19 +75,17 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def make_engine(model_dir: Path, max_num_seqs: int, dtype: str = "float32"):
-    """An engine on the CPU; in bf16/fp16 the model is prepared as LLM prepares it (weights packed for oneDNN,
-    q/k/v and gate/up fused, RMSNorm and SiLU-and-mul fused: engine/fused_elementwise.py), in fp32 its RMSNorms
-    as LLM makes them (bit-equal) and its weights as HF holds them."""
+    """An engine on the CPU, its model prepared as LLM prepares it (engine/prepare.py), but that in fp32 its
+    weights stay as HF holds them (not packed for oneDNN)."""
     import torch
 
-    from batchrun.engine import Engine, EngineConfig, LoadedModel, cpu_linear, fused_elementwise
+    from batchrun.engine import Engine, EngineConfig, LoadedModel
     from batchrun.engine.loading import load_model
+    from batchrun.engine.prepare import Preparation, prepare_model
 
-    torch_dtype = getattr(torch, dtype)
-    tok, model = load_model(model_dir, torch_dtype, torch.device("cpu"))
-    if torch_dtype != torch.float32:
-        cpu_linear.prepare(model, torch_dtype, True)
-    fused_elementwise.fuse(model, torch_dtype)  # in fp32 the norms alone, bit-equal (as LLM does)
+    torch_dtype, cpu = getattr(torch, dtype), torch.device("cpu")
+    tok, model = load_model(model_dir, torch_dtype, cpu)
+    prepare_model(model, Preparation(cpu, torch_dtype, pack_weights=torch_dtype != torch.float32))
     config = EngineConfig(
         device="cpu",
         num_pages=max_num_seqs * 16 + 64,

@@ -51,7 +51,9 @@ def ours(folder, texts=TEXTS, **pooler) -> torch.Tensor:
     from batchrun import LLM
 
     llm = LLM(str(folder), dtype="float32", device="cpu", runner="pooling", pooler=pooler or None)
-    assert llm.pooling.fused_encoder == 0  # its post-ops are not bit-equal to HF's operations in fp32
+    assert (
+        llm.pooling.rewrites["fused_encoder"] == 0
+    )  # its post-ops are not bit-equal to HF's operations in fp32
     outs = llm.embed(texts, use_tqdm=False)
     assert all(o.error is None for o in outs)
     return torch.tensor([o.outputs.embedding for o in outs])

@@ -90,9 +90,15 @@ def test_bf16_embeddings_are_within_bf16_tolerance_of_fp32(bases, tmp_path, fami
     assert runner.dtype == torch.bfloat16 and next(runner.model.parameters()).dtype == torch.bfloat16
     if family == "qwen3" and cpu_kernels.load() is not None:
         # RMSNorms, SiLU-and-mul and rotary fused, as generation's (fp32 is held bit-equal by test_embed.py)
-        assert runner.fused_elementwise > 0 and runner.fused_rotary == runner.model.config.num_hidden_layers
-    if family == "bert" and runner.packed_weights:  # its GELU and residual adds as the products' post-ops
-        assert runner.fused_encoder == 3 * runner.model.config.num_hidden_layers
+        rewrites = runner.rewrites
+        assert (
+            rewrites["fused_elementwise"] > 0
+            and rewrites["fused_rotary"] == runner.model.config.num_hidden_layers
+        )
+    if (
+        family == "bert" and runner.rewrites["packed_linear"]
+    ):  # its GELU and residual adds as the products' post-ops
+        assert runner.rewrites["fused_encoder"] == 3 * runner.model.config.num_hidden_layers
     outs = llm.embed(TEXTS, use_tqdm=False)
     got = torch.tensor([o.outputs.embedding for o in outs])
     want = fp32(folder, TEXTS)

@@ -233,7 +233,7 @@ def test_a_bf16_llm_of_the_family_scores_a_prompt_as_hf_within_bf16_tolerance(fa
             shutil.copy(f, tmp_path / f.name)
     reference = tiny_model(family, torch.bfloat16)
     llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", num_pages=64)
-    assert llm.fused_elementwise == llama_form(reference, family) > 0
+    assert llm.rewrites["fused_elementwise"] == llama_form(reference, family) > 0
     prompt = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate([prompt], SamplingParams(max_new_tokens=0, prompt_logprobs=True), use_tqdm=False)[0]
     got = torch.tensor(out.prompt_logprobs[1:])
@@ -298,10 +298,11 @@ def test_a_bf16_llm_runs_fused_and_each_rows_tokens_are_its_own():
     from batchrun import LLM, SamplingParams
 
     llm = LLM(device="cpu", dtype="bfloat16", num_pages=64)
-    assert llm.fused_elementwise == 2 * 30 + 1 + 30
+    assert llm.rewrites["fused_elementwise"] == 2 * 30 + 1 + 30
     params = SamplingParams(max_new_tokens=8)
     prompts = ["The capital of France is", "List three colours:", "Once upon a time, in a small village,"]
     alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     among = llm.generate(prompts[1:2] + prompts[:1] + prompts[2:], params, use_tqdm=False)
     assert among[1].outputs[0].token_ids == alone
-    assert LLM(device="cpu", dtype="float32", num_pages=16).fused_elementwise == 2 * 30 + 1  # the norms alone
+    fp32 = LLM(device="cpu", dtype="float32", num_pages=16)
+    assert fp32.rewrites["fused_elementwise"] == 2 * 30 + 1  # the norms alone

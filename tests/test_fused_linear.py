@@ -183,4 +183,4 @@ def test_the_summary_counts_the_fused_products():
 
     llm = LLM(device="cpu", dtype="float32", num_pages=16)
     layers = llm.engine.runner.model.config.num_hidden_layers
-    assert llm.packed_weights and llm.fused_products == 2 * layers
+    assert llm.rewrites["packed_linear"] and llm.rewrites["fused_products"] == 2 * layers

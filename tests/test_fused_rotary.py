@@ -7,11 +7,14 @@ test_fused_rotary_families.py."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from batchrun.engine import fused_rotary
 from batchrun.engine.cpu_kernels import load
+from batchrun.engine.prepare import Preparation, prepare_model
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
@@ -164,10 +167,14 @@ def test_an_engine_with_the_kernel_equals_hf_generate(family, monkeypatch):
     import test_families as families
 
     model, expected = families.model_and_reference(family)
+    model = copy.deepcopy(
+        model
+    )  # prepared as LLM prepares it (its weights unpacked): the cached one left alone
+    prepared = prepare_model(model, Preparation(torch.device("cpu"), torch.float32, pack_weights=False))
+    assert prepared["fused_rotary"] == model.config.num_hidden_layers
     calls = []
     real = KERNEL.rotary_embedding
     monkeypatch.setattr(KERNEL, "rotary_embedding", lambda *a: calls.append(bool(out := real(*a))) or out)
     got, steps, engine = families.run(model, family, "torch")
-    assert engine.runner.fused_rotary == model.config.num_hidden_layers
     assert calls == [True] * len(steps) * model.config.num_hidden_layers
     assert got == expected

@@ -152,12 +152,3 @@ def copy_out_of_the_load(model: torch.nn.Module) -> None:
         for t in [*model.parameters(), *model.buffers()]:
             if type(t) in (torch.Tensor, torch.nn.Parameter):
                 t.data = t.data.clone()
-
-
-def prepare(model: torch.nn.Module, dtype: torch.dtype, pack: bool) -> bool:
-    """A CPU model's setup before its first forward: freed memory blocks kept for reuse (cpu_allocator), and its
-    linear weights packed when `pack` (engine.pack_weights) and this CPU can; returns whether any were."""
-    from . import cpu_allocator
-
-    cpu_allocator.keep_freed_blocks()
-    return pack and available(dtype) and pack_linear_layers(model) > 0

@@ -8,7 +8,7 @@ product instead, as post-ops applied to each tile while it is in cache (`_linear
 bf16 once, where HF's code rounds them first, a difference of a unit in the last bf16 place
 (tests/test_fused_encoder.py holds them to the bf16 tolerance). In fp32 a post-op's result is within an fp32 unit
 of HF's separate operations' but not always equal to it (the same test), so a pooling job in fp32, which is held
-to HF bit for bit, does not take them (pooling.py fuses bf16/fp16 models only).
+to HF bit for bit, does not take them (prepare.py fuses bf16/fp16 models only).
 
 Keyed on the module's structure at load, as fused_elementwise.py keys its modules: a module is replaced only when
 its class's `forward` is, statement for statement, BERT's (`INTERMEDIATE_FORWARDS`, `OUTPUT_FORWARDS`), its

@@ -39,17 +39,25 @@ class LoadedModel:
         return cls(model, tokenizer, frozenset(eos_token_ids(tokenizer, model)), max_model_len)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, config=None, tokenizer=None):
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    config=None,
+    tokenizer=None,
+    auto_class: str | None = None,
+):
     """Tokenizer and model from a local directory, with batchrun's paged attention as attention function.
     `config`: the model's config, when the caller has read it already; `tokenizer`: the tokenizer, when the
-    caller has it already (a vision-language model's processor holds one)."""
+    caller has it already (a vision-language model's processor holds one); `auto_class`: a pooling model's
+    transformers class (`model_class`)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # batchrun shows its own progress
     try:
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-        model = load_paged_model(model_dir, dtype, config)
+        model = load_paged_model(model_dir, dtype, config, auto_class)
     except BadInput:
         raise
     except Exception as e:
@@ -197,11 +205,16 @@ def refused_attention(config):
         ) from None
 
 
-def model_class(config):
-    """The `transformers` auto class of a config: a vision-language model (a `vision_config`) is an image-text
-    model (its language model, its image encoder and its own merge of the two); any other, a causal LM."""
+def model_class(config, auto_class: str | None = None):
+    """The `transformers` auto class of a config: `auto_class` where the caller names one (a pooling model's:
+    AutoModel, its base model alone, or AutoModelForSequenceClassification); else a vision-language model (a
+    `vision_config`) is an image-text model (its language model, its image encoder and its own merge of the
+    two); any other, a causal LM."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if auto_class is not None:
+        return getattr(transformers, auto_class)
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
@@ -217,15 +230,15 @@ def attention_implementation(config):
     return chosen
 
 
-def load_paged_model(model_dir, dtype: torch.dtype, config=None):
-    """A model from a local directory with batchrun's attention; a model class that refuses a custom attention
-    function is UnsupportedModel naming the architecture."""
+def load_paged_model(model_dir, dtype: torch.dtype, config=None, auto_class: str | None = None):
+    """A model (of `model_class`) from a local directory with batchrun's attention; a model class that refuses a
+    custom attention function is UnsupportedModel naming the architecture."""
     from transformers import AutoConfig
 
     register()
     config = config if config is not None else AutoConfig.from_pretrained(model_dir)
     with refused_attention(config):
-        return model_class(config).from_pretrained(
+        return model_class(config, auto_class).from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attention_implementation(config), config=config
         )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import decoder_stack, fused_residual, fused_rotary
+from . import decoder_stack, fused_rotary
 from .attention import (
     AttentionMetadata,
     AttentionServices,
@@ -68,10 +68,6 @@ class ModelRunner:
             2 * max_num_seqs, num_groups=spec.groups.num_groups, pin=self.device.type == "cuda"
         )
         self.staging = StepStaging(spec.groups.num_groups, self.device)  # a step's per-token tensors
-        # the attention modules whose HF rotary runs as one C++ call within the forward (fused_rotary.py)
-        self.fused_rotary = fused_rotary.install(model) if self.device.type == "cpu" else 0
-        # the decoder layers whose residual adds are made in place (fused_residual.py)
-        self.fused_residual = fused_residual.install(model) if self.device.type == "cpu" else 0
         # the forward a step calls: the outer forwards' module calls made directly where HF's are a form
         # decoder_stack.py knows (less Python a step), HF's own otherwise
         self.forward = decoder_stack.forward_of(model)
@@ -212,6 +208,7 @@ class ModelRunner:
         if self.encoder is not None:
             with self.times("encode"):
                 images = self.encoder.step_inputs(chunks)
+        # within the forward, the rotary kernel prepare_model installed (fused_rotary.py) computes
         with self.times("forward"), meta.running(), fused_rotary.applied():
             if not isinstance(logits_to_keep, int) and logits_to_keep.numel() == 0 and not images:
                 # nothing samples (every sequence is mid-prompt): run the decoder alone for its K/V

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInput
-from . import cpu_kernels, cpu_linear, fused_elementwise, fused_encoder, fused_linear, fused_rotary
+from . import cpu_kernels, fused_rotary
 from .architecture import inspect_model, rope_types
-from .attention import ATTENTION_NAME, METADATA_KEYWORD, PackedLayout, UnsupportedModel, int_tensor, register
+from .attention import METADATA_KEYWORD, PackedLayout, UnsupportedModel, int_tensor
+from .loading import load_model
 from .per_sequence_rope import LENGTH_DEPENDENT_ROPE
 from .pooler import PoolingPlan
+from .prepare import Preparation, prepare_model
 from .sentence_modules import after_pooling, load_modules, pool
 
 
@@ -101,17 +102,10 @@ class PoolingRunner:
         self.model_dir = model_dir / plan.transformer_path  # the transformers model's folder
         self.device, self.dtype = device, dtype
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.tokenizer, model = load_pooling_model(self.model_dir, config, dtype, device, self.auto_class)
+        self.tokenizer, model = load_model(self.model_dir, dtype, device, config, auto_class=self.auto_class)
         self.model = self._base_model(model)
-        self.packed_weights = device.type == "cpu" and cpu_linear.prepare(self.model, dtype, pack_weights)
-        self.fused_products = len(fused_linear.fused_groups(self.model))  # q/k/v made one packed product
-        # a BERT-style block's GELU and residual add as post-ops of its packed products: bf16/fp16 only (in fp32
-        # a post-op's result is within an fp32 unit of HF's separate operations', not always equal)
-        fp32 = dtype == torch.float32
-        self.fused_encoder = fused_encoder.fuse(self.model) if self.packed_weights and not fp32 else 0
-        # a bf16/fp16 decoder's RMSNorms and SiLU-and-mul as one C++ pass each, as generation's; fp32 norms bit-equal
-        self.fused_elementwise = fused_elementwise.fuse(self.model, dtype) if device.type == "cpu" else 0
-        self.fused_rotary = fused_rotary.install(self.model) if device.type == "cpu" else 0  # as generation's
+        # the CPU rewrites (prepare.py), generation's: how many modules each rewrote
+        self.rewrites = prepare_model(self.model, Preparation(device, dtype, pack_weights))
         # bf16 texts of a few dozen tokens or more attend by generation's C++ prompt kernel (attention/packed.py)
         cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
         self.attention_kernel = cpu_kernels.load() if cpu_bf16 else None
@@ -324,37 +318,3 @@ class PoolingRunner:
                 f"{name} cannot run on batchrun: a text's token states change beside another text in one packed "
                 "row (something in the model reaches across texts besides attention)"
             )
-
-
-def load_pooling_model(
-    model_dir: Path, config, dtype: torch.dtype, device: torch.device, auto_class: str = "AutoModel"
-):
-    """Tokenizer and model (of `config`, already read) with batchrun's attention: `auto_class` AutoModel (the
-    base model: token states, no head) or AutoModelForSequenceClassification (engine/classifier.py)."""
-    import transformers
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from .architecture import not_the_models_fault
-
-    hf_logging.disable_progress_bar()
-    register()
-    try:
-        cls = getattr(transformers, auto_class)._model_mapping[type(config)]
-    except Exception as e:  # noqa: BLE001 - the checkpoint's own files
-        if not_the_models_fault(e):
-            raise
-        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
-    if not cls.is_backend_compatible():
-        raise UnsupportedModel(
-            f"{config.model_type} ({cls.__name__}) cannot run on batchrun: its attention does not go through "
-            "transformers' attention interface"
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = cls.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, config=config)
-    except Exception as e:  # noqa: BLE001
-        if not_the_models_fault(e):
-            raise
-        raise BadInput(f"model.path: cannot load the model in {model_dir}: {e}") from None
-    return tokenizer, model.to(device).eval()
