@@ -474,8 +474,19 @@ ROTARY_FORM = frozenset(
 # in bf16 each call mixes dtypes, which the kernel declines, and HF's function runs
 ROTARY_COS_IN_FP32 = frozenset({"olmo2", "olmo3", "olmo_hybrid", "lfm3"})
 
+OWN_CODE = "its attention is computed in the model's own code"
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
+    "bloom": (f"{OWN_CODE} (BloomAttention", {}),
+    "mpt": (f"{OWN_CODE} (MptAttention", {}),
+    "xglm": (f"{OWN_CODE} (XGLMAttention", {}),
+    "openai-gpt": (f"{OWN_CODE} (Attention (modeling_openai.py)", {}),
+    "gpt_neox_japanese": (f"{OWN_CODE} (GPTNeoXJapaneseAttention", {}),
+    "cpmant": (f"{OWN_CODE} (CpmAntAttention", {}),
+    "gpt_neo": (
+        "does not go through transformers' attention interface",
+        dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW),
+    ),
     "stablelm": ("does not pass batchrun's step metadata", {}),
     "deepseek_v32": ("sparse attention (DeepseekV32Indexer", {}),
     "glm_moe_dsa": ("sparse attention (GlmMoeDsaIndexer", {}),
