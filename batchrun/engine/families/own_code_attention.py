@@ -8,7 +8,7 @@ refused only as "never called batchrun's attention", neither naming the construc
 
 Checks at load: the modules of the decoder (`get_decoder`: an image encoder keeps its own attention) whose class
 name ends in `Attention` and whose modeling file never dispatches through transformers' attention interface
-(`ALL_ATTENTION_FUNCTIONS`). Provides: `refusal`.
+(`ALL_ATTENTION_FUNCTIONS`), but those a route of families.alibi_attention computes. Provides: `refusal`.
 """
 
 from __future__ import annotations
@@ -18,22 +18,23 @@ import inspect
 import sys
 
 from .adapter import FamilyAdapter
+from .alibi_attention import ROUTES, decoder_of
 
-INTERFACE = (
-    "ALL_ATTENTION_FUNCTIONS"  # what a modeling file names where its attention goes through the interface
-)
+# what a modeling file names where its attention goes through transformers' attention interface
+INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 
 
 class OwnCodeAttention(FamilyAdapter):
     name = "attention computed in the model's own code"
 
     def refusal(self, model) -> str | None:
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         own = sorted(
             {
                 f"{type(m).__name__} ({type(m).__module__.rsplit('.', 1)[-1]}.py)"
-                for m in decoder.modules()
-                if type(m).__name__.endswith("Attention") and not _dispatches(type(m).__module__)
+                for m in decoder_of(model).modules()
+                if type(m).__name__.endswith("Attention")
+                and type(m).__name__ not in ROUTES
+                and not _dispatches(type(m).__module__)
             }
         )
         if not own:
