@@ -40,8 +40,8 @@ class OwnCodeAttention(FamilyAdapter):
         if not own:
             return None
         return (
-            f"its attention is computed in the model's own code ({', '.join(own)} multiplies queries by keys "
-            "itself, never calling transformers' attention interface), so batchrun cannot page its K/V"
+            f"its attention is computed in the model's own code ({', '.join(own)}, which never calls "
+            "transformers' attention interface), so batchrun cannot page it"
         )
 
 
