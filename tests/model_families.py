@@ -42,6 +42,8 @@ def tiny_text(vocab_size: int, **overrides) -> dict:
 
 
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# ALiBi's slopes, computed in the model's own code and routed through the paged attention (families.alibi_attention)
+ALIBI = "ALiBi computed in the model's own code"
 
 # family -> (what it shows, config overrides)
 SUPPORTED: dict[str, tuple[str, dict]] = {
@@ -60,6 +62,11 @@ SUPPORTED: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("mixture of experts", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "mixtral": ("mixture of experts", dict(MOE, sliding_window=None)),
     "mistral": ("sliding window", dict(sliding_window=WINDOW)),
+    "bloom": (ALIBI, {}),
+    "mpt": (
+        f"{ALIBI}, clipped q/k/v, its own softmax scale",
+        dict(attn_config=dict(clip_qkv=0.8, softmax_scale=0.5)),
+    ),
     "gemma": ("GeGLU, scaled embeddings", {}),
     "gemma2": (
         "sliding window, logit soft-capping",
@@ -402,6 +409,8 @@ LLAMA_FORM: dict[str, tuple[str, ...]] = {
     "phi3:longrope": ("Phi3RMSNorm",),
     "gpt_neox": (),
     "gpt2": (),
+    "bloom": (),  # LayerNorms, a GELU MLP
+    "mpt": (),  # LayerNorms, a GELU MLP
     "glm": ("GlmRMSNorm",),
     "smollm3": ("SmolLM3RMSNorm", "SmolLM3MLP"),
     "hunyuan_v1_moe": ("HunYuanMoEV1RMSNorm", "HunYuanMoEV1MLP"),
@@ -474,8 +483,17 @@ ROTARY_FORM = frozenset(
 # in bf16 each call mixes dtypes, which the kernel declines, and HF's function runs
 ROTARY_COS_IN_FP32 = frozenset({"olmo2", "olmo3", "olmo_hybrid", "lfm3"})
 
+OWN_CODE = "its attention is computed in the model's own code"
 REFUSED: dict[str, tuple[str, dict]] = {
     "falcon": ("does not go through transformers' attention interface", dict(_drop=["head_dim"])),
+    "xglm": (f"{OWN_CODE} (XGLMAttention", {}),
+    "openai-gpt": (f"{OWN_CODE} (Attention (modeling_openai.py)", {}),
+    "gpt_neox_japanese": (f"{OWN_CODE} (GPTNeoXJapaneseAttention", {}),
+    "cpmant": (f"{OWN_CODE} (CpmAntAttention", {}),
+    "gpt_neo": (
+        "does not go through transformers' attention interface",
+        dict(attention_types=[[["global", "local"], 1]], window_size=WINDOW),
+    ),
     "stablelm": ("does not pass batchrun's step metadata", {}),
     "deepseek_v32": ("sparse attention (DeepseekV32Indexer", {}),
     "glm_moe_dsa": ("sparse attention (GlmMoeDsaIndexer", {}),

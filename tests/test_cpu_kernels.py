@@ -219,6 +219,8 @@ def test_batchrun_cpu_isa_avx2_builds_for_an_avx2_cpu_and_reads_its_flags(monkey
         dict(sinks="token"),  # Inkling 2's: a sink logit per query token and head
         dict(relative_bias=24),  # and a bias per query token and head by the key's distance back
         dict(window=20, relative_bias=20, sinks="token"),
+        dict(alibi=True),  # Bloom's and MPT's: a slope per head times the key's distance back
+        dict(window=20, relative_bias=20, alibi=True),
     ],
     ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
 )
@@ -231,23 +233,29 @@ def test_paged_decode_with_layer_features_matches_the_reference(dtype, extras, h
     window, chunk, softcap = extras.get("window", 0), extras.get("chunk", 0), extras.get("softcap", 0.0)
     gen = torch.Generator().manual_seed(5)
     T, num_heads = q.shape[:2]
-    sinks = bias = None  # the kernel's: per packed row where per token; the reference's: of the decoding rows
+    sinks = bias = slopes = (
+        None  # the kernel's: per packed row where per token; the reference's: of the decoding rows
+    )
     if "sinks" in extras:
         sinks = torch.randn((T, num_heads) if extras["sinks"] == "token" else (num_heads,), generator=gen)
     if "relative_bias" in extras:
         bias = torch.randn(T, num_heads, extras["relative_bias"], generator=gen)
+    if "alibi" in extras:
+        slopes = torch.rand(num_heads, generator=gen)
     first = [
         max(0, c - window) if window else ((c - 1) - (c - 1) % chunk if chunk else 0) for c in context_lens
     ]
     out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor(context_lens, dtype=torch.int32)
     first_keys = torch.tensor(first, dtype=torch.int32) if window or chunk else None
-    KERNEL.paged_decode_attention(out, q, kc, vc, bt, seq_lens, rows, scale, first_keys, softcap, sinks, bias)
+    KERNEL.paged_decode_attention(
+        out, q, kc, vc, bt, seq_lens, rows, scale, first_keys, softcap, sinks, bias, slopes
+    )
     qsl = torch.arange(len(context_lens) + 1, dtype=torch.int32)
     ref = ref_paged_attention(
         q[rows].float(), kc.float(), vc.float(), bt, qsl, seq_lens, scale, window, chunk, softcap,
         sinks if sinks is None or sinks.dim() == 1 else sinks[rows],
-        None if bias is None else bias[rows],
+        None if bias is None else bias[rows], slopes,
     )  # fmt: skip
     got = out[rows].float()
     assert not got.isnan().any()

@@ -24,6 +24,7 @@ NEW_TOKENS = 24
 INTERPRETED_SMALLER = {
     "gemma4_text": dict(num_hidden_layers=2, num_kv_shared_layers=0, global_head_dim=64),
     "inkling2_text": dict(swa_head_dim=32),
+    **{family: dict(num_attention_heads=2) for family in ("bloom", "mpt")},  # head dim: hidden / heads
 }
 MODELS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
@@ -147,11 +148,14 @@ def test_family_equals_hf_generate(family, attention):
 
 @pytest.mark.parametrize(
     "family",
-    ["mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text", "phimoe", "zaya", "modernbert-decoder"],
+    [
+        *("mistral", "gemma2", "gpt_oss", "llama4_text", "gemma3_text", "phimoe", "zaya"),
+        *("modernbert-decoder", "bloom", "mpt"),
+    ],
 )
 def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
-    """The matrix can fail: attention that drops the layer's window, chunk, soft-capping and sinks (plain causal
-    attention, what batchrun computed before) differs from the reference on these families."""
+    """The matrix can fail: attention that drops the layer's window, chunk, soft-capping, sinks and ALiBi (plain
+    causal attention, what batchrun computed before) differs from the reference on these families."""
     import dataclasses
 
     from batchrun.engine.attention import interface
@@ -161,7 +165,7 @@ def test_the_matrix_sees_a_dropped_feature(family, monkeypatch):
     monkeypatch.setattr(
         interface,
         "read_call",
-        lambda *a: dataclasses.replace(real(*a), kind=FULL, softcap=None, sinks=None),
+        lambda *a: dataclasses.replace(real(*a), kind=FULL, softcap=None, sinks=None, alibi_slopes=None),
     )
     got, _, _ = run(model, family, "gather")
     assert got != expected
@@ -252,6 +256,21 @@ def test_inkling_without_its_adapters_is_refused(adapter, monkeypatch):
         inspect_model(model)
     expected = "position_bias" if adapter == "InklingRelativeBias" else "step metadata"
     assert expected in str(err.value), err.value
+
+
+@pytest.mark.parametrize(("family", "attribute"), [("bloom", "query_key_value"), ("mpt", "clip_qkv")])
+def test_alibi_attention_of_another_structure_is_refused(family, attribute):
+    """Bloom's and MPT's attention, computed in their own code, is routed through the paged attention only where
+    the module has what the route reads (families.alibi_attention); a module without it is refused at load,
+    naming the module and the attribute, never computed otherwise."""
+    from batchrun.engine.architecture import inspect_model
+
+    model = build(family, SUPPORTED[family][1], "paged")
+    for m in model.modules():
+        if type(m).__name__.endswith("Attention"):
+            delattr(m, attribute)
+    with pytest.raises(UnsupportedModel, match=f"Attention computes its ALiBi .* lacks {attribute}"):
+        inspect_model(model)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))

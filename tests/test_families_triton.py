@@ -10,22 +10,24 @@ from model_families import HYBRID
 from test_families import model_and_reference, run
 
 
-# in the default run: KV cache groups of different shapes with a window, a hybrid's stateful layers; soft-capping,
-# sinks and chunks (a minute or two each interpreted) behind the marker; the kernels' unit tests
+# in the default run: KV cache groups of different shapes with a window, a hybrid's stateful layers, ALiBi (MPT's);
+# soft-capping, sinks, chunks and Bloom's ALiBi (a minute or two each interpreted) behind the marker; the kernels' unit tests
 # (tests/test_kernels.py) check every one of those features against the PyTorch reference in the default run
 @pytest.mark.parametrize(
     "family",
     [
         "gemma4_text",
         "qwen3_5_text",
+        "mpt",
         pytest.param("gemma2", marks=pytest.mark.triton_matrix),
         pytest.param("gpt_oss", marks=pytest.mark.triton_matrix),
         pytest.param("llama4_text", marks=pytest.mark.triton_matrix),
+        pytest.param("bloom", marks=pytest.mark.triton_matrix),
     ],
 )
 def test_family_on_triton_equals_hf_generate(family):
-    """The Triton kernels (interpreted on the CPU here; they take head dims from 32) with a window, soft-capping,
-    sinks and chunks, beside a hybrid's stateful layers, and on KV cache groups of different shapes."""
+    """The Triton kernels (interpreted on the CPU here; they take head dims from 32) with a window, ALiBi,
+    soft-capping, sinks and chunks, beside a hybrid's stateful layers, and on KV cache groups of different shapes."""
     model, expected = model_and_reference(family, head_dim=32)
     got, _, engine = run(model, family, "triton")
     assert engine.attention.name == "triton"

@@ -54,7 +54,8 @@ def check(
     dtype=torch.float32,
     seed=0,
     **extras,  # window, chunk, softcap, sinks (True: random ones per head, "token": per query token and head),
-    # relative_bias (R: random ones per query token and head for distances 0..R-1)
+    # relative_bias (R: random ones per query token and head for distances 0..R-1), alibi_slopes (True: a random
+    # positive slope per head)
 ):
     gen = torch.Generator().manual_seed(seed)
     q, kc, vc, bt, qsl, sl = make_case(
@@ -66,6 +67,8 @@ def check(
         extras["sinks"] = torch.randn(shape, generator=gen).to(DEVICE)
     if extras.get("relative_bias"):
         extras["relative_bias"] = torch.randn(T, num_heads, extras["relative_bias"], generator=gen).to(DEVICE)
+    if extras.get("alibi_slopes"):
+        extras["alibi_slopes"] = torch.rand(num_heads, generator=gen).to(DEVICE)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))  # poisoned: an element the kernel fails to write fails the test
     paged_attention(q, kc, vc, bt, qsl, sl, scale, out=out, **extras)
@@ -126,6 +129,8 @@ def test_large_head_dims(head_dim):
         dict(sinks="token"),
         dict(relative_bias=24),
         dict(window=20, relative_bias=20, sinks="token"),
+        dict(alibi_slopes=True),
+        dict(window=20, relative_bias=20, alibi_slopes=True),
     ],
     ids=lambda e: "-".join(f"{k}{v}" for k, v in e.items()),
 )

@@ -15,7 +15,14 @@ struct DecodeExtras {
   int64_t sink_stride = 0;              // 0: one per head
   const float* rel = nullptr;           // nullptr: none; else row t's bias of a head at t * rel_st + head * rel_sh
   int64_t rel_extent = 0, rel_st = 0, rel_sh = 0;
+  const float* alibi = nullptr;  // nullptr: none; else each query head's ALiBi slope
 };
+
+// ALiBi: the head's slope times the key's distance behind the query, taken from scores[hidden, n) (key j,
+// the query's own j `last`), as the eager reference adds -slope * (query position - key position)
+inline void subtract_alibi(float* scores, float slope, int64_t hidden, int64_t n, int64_t last) {
+  for (int64_t j = hidden; j < n; ++j) scores[j] += -slope * static_cast<float>(last - j);
+}
 
 // The bf16 decode with AVX512-BF16 dot products (cpu_decode_bf16.cpp): false, computing nothing, where this
 // build (no AVX512-BF16) or the shape (head dims other than 32/64/128 or unequal, pages of an odd size) is not

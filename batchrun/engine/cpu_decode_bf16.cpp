@@ -184,6 +184,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           const int64_t last = ctx - 1 - first_page * base.P;  // the query's own j
           for (int64_t j = std::max(hidden, last - extras.rel_extent + 1); j < n; ++j) scores[j] += bias[last - j];
         }
+        if (extras.alibi)
+          batchrun::subtract_alibi(scores.data(), extras.alibi[head], hidden, n, ctx - 1 - first_page * base.P);
         const float* sink = extras.sinks ? extras.sinks + t * extras.sink_stride + head : nullptr;
         inv[r] = 1.f / softmax(scores.data(), hidden, n, sink, probs.data() + r * padded);
         orow[r] = o + t * so_t + head * so_h;

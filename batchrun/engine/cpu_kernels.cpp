@@ -9,14 +9,15 @@
 // a horizontal sum per key made the kernel compute-bound (bench/micro/profile_step.py attention measures
 // it; figures in bench/RESULTS.md). What a layer asks beyond full causal attention: the first key each sequence
 // sees (a sliding window or a chunk: the pages wholly before it are not read), logit soft-capping, an
-// attention-sink logit per query head (or per query token and head) in the softmax's denominator, and a relative
-// bias per query token and head by the key's backward distance (Inkling 2's). Shapes:
+// attention-sink logit per query head (or per query token and head) in the softmax's denominator, a relative
+// bias per query token and head by the key's backward distance (Inkling 2's), and ALiBi (Bloom's, MPT's). Shapes:
 //   query [T, Hq, Dk], out [T, Hq, Dv] (any strides but a unit last one)
 //   k_cache [num_pages, P, Hkv, Dk], v_cache [num_pages, P, Hkv, Dv] (Dk != Dv: MLA)
 //   block_tables [G, max_blocks] int32   seq_lens [G] int32 (context, the new token included)
 //   token_index [G] int64: the packed row of each decoding sequence's query (and output)
 //   first_keys [G] int32 or None (0)   softcap: 0 = off   sinks [Hq] or [T, Hq] fp32, or None
 //   relative_bias [T, Hq, R] fp32 (unit stride in R) or None: added to the score of the key d = p - k < R back
+//   alibi_slopes [Hq] fp32 or None: ALiBi, -slope * (p - k) added to the score of the key at k (after the bias)
 //
 // 2. Greedy argmax over rows of logits [N, V] (fp32 or bf16), as torch.argmax decides it (the first index of the
 // largest value; a NaN counts as the largest), at the speed of a plain reduction, where torch's argmax ran
@@ -166,6 +167,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
           const int64_t last = ctx - 1 - first_page * P;  // the query's own j
           for (int64_t j = std::max(hidden, last - extras.rel_extent + 1); j < n; ++j) scores[j] += bias[last - j];
         }
+        if (extras.alibi)
+          batchrun::subtract_alibi(scores.data(), extras.alibi[head], hidden, n, ctx - 1 - first_page * P);
         const float* sink = extras.sinks ? extras.sinks + t * extras.sink_stride + head : nullptr;
         float m = sink ? *sink : -INFINITY;
         for (int64_t j = hidden; j < n; ++j) m = scores[j] > m ? scores[j] : m;
@@ -214,7 +217,7 @@ void decode_any(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_ca
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor seq_lens, at::Tensor token_index, double scale,
                             c10::optional<at::Tensor> first_keys, double softcap, c10::optional<at::Tensor> sinks,
-                            c10::optional<at::Tensor> relative_bias) {
+                            c10::optional<at::Tensor> relative_bias, c10::optional<at::Tensor> alibi_slopes) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention runs on the CPU");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "unit stride in the head dimension");
@@ -249,6 +252,12 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
     extras.rel_extent = relative_bias->size(2);
     extras.rel_st = relative_bias->stride(0);
     extras.rel_sh = relative_bias->stride(1);
+  }
+  if (alibi_slopes.has_value()) {
+    TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous() &&
+                    alibi_slopes->dim() == 1 && alibi_slopes->size(0) == query.size(1),
+                "alibi_slopes: [Hq] float32");
+    extras.alibi = alibi_slopes->data_ptr<float>();
   }
   switch (query.scalar_type()) {
     case at::kFloat:
@@ -380,7 +389,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the pages (CPU)",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("token_index"), py::arg("scale"), py::arg("first_keys") = py::none(),
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("relative_bias") = py::none());
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("relative_bias") = py::none(),
+        py::arg("alibi_slopes") = py::none());
   m.def("argmax_rows", &argmax_rows, "greedy argmax of each row of [N, V] logits, as torch.argmax (CPU)");
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm of [..., H] bf16/fp16 rows in one pass, or false (CPU)", py::arg("out"),
         py::arg("x"), py::arg("weight"), py::arg("eps"));

@@ -46,8 +46,9 @@ class ImageRules:
 @dataclass(frozen=True)
 class GroupCalls:
     """Per KV cache group, what its layers' calls ask of a step's metadata (attention.GroupMetadata), read once
-    from the layer specs: whether any adds per-token terms (its prompts then need each query's row and position),
-    and whether any runs the eager reference. A group's mask kind is the KV groups' own (KVGroups.mask_kinds)."""
+    from the layer specs: whether any adds per-token terms or ALiBi (its prompts then need each query's row and
+    position: LayerSpec.positional), and whether any runs the eager reference. A group's mask kind is the KV
+    groups' own (KVGroups.mask_kinds)."""
 
     token_terms: tuple[bool, ...]
     eager: tuple[bool, ...]
@@ -56,7 +57,7 @@ class GroupCalls:
     def of(cls, specs: tuple, num_groups: int) -> GroupCalls:
         members = [[s for s in specs if s is not None and s.group == g] for g in range(num_groups)]
         return cls(
-            tuple(any(s.token_terms for s in m) for m in members),
+            tuple(any(s.positional for s in m) for m in members),
             tuple(any(s.token_terms or not s.call.plain for s in m) for m in members),
         )
 

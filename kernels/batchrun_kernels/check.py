@@ -55,7 +55,8 @@ def signature(fn, dtype_name: str, constexprs: dict, types: dict | None = None) 
             sig[name] = "*i32"
         elif name == "slot_ptr":
             sig[name] = "*i64"
-        elif name in ("sinks_ptr", "rel_ptr"):  # fp32 whatever the model's dtype (the launcher converts)
+        # fp32 whatever the model's dtype (the launcher converts)
+        elif name in ("sinks_ptr", "rel_ptr", "alibi_ptr"):
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = data

@@ -136,6 +136,8 @@ def _paged_attention_kernel(
     rel_extent,
     stride_rel_t,
     stride_rel_h,
+    alibi_ptr,
+    has_alibi,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -174,6 +176,9 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    slope = tl.zeros([BLOCK_M], tl.float32)
+    if has_alibi:  # each query head's ALiBi slope
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
     # keys this block can see: up to its last query's position, from its first query's first visible key
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (q_block + 1) * block_q)
@@ -234,6 +239,8 @@ def _paged_attention_kernel(
                 mask=near,
                 other=0.0,
             ).to(tl.float32)
+        if has_alibi:  # -slope * (query position - key position), as the reference adds it
+            s += -slope[:, None] * (q_pos[:, None] - k_pos[None, :]).to(tl.float32)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -366,13 +373,15 @@ def paged_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     relative_bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, Hq, D] over each sequence's pages; returns [T, Hq, D].
 
     `window` > 0: a query at p sees keys p - window < k <= p; `chunk` > 0: keys of its own chunk; `softcap` > 0:
     scores capped as softcap * tanh(s / softcap); `sinks` [Hq] or [T, Hq]: one more logit per head (or per query
     token and head) in the softmax; `relative_bias` [T, Hq, R]: added (after soft-capping) to the score of the
-    key d = p - k < R positions back.
+    key d = p - k < R positions back; `alibi_slopes` [Hq]: ALiBi, -slope * (p - k) added to the score of the key
+    at k (after the relative bias).
 
     Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1]: the last tokens of its seq_lens[s]-token
     context, whose K/V (new tokens included) are already in k_cache/v_cache [num_pages, page_size, Hkv, D] at the
@@ -405,6 +414,9 @@ def paged_attention(
     if relative_bias is not None:
         relative_bias = relative_bias.detach().to(torch.float32).contiguous()
         assert relative_bias.dim() == 3 and relative_bias.shape[:2] == (T, num_heads), relative_bias.shape
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
+        assert alibi_slopes.shape == (num_heads,), (alibi_slopes.shape, num_heads)
     gqa = num_heads // num_kv_heads
     if query_blocks is None:
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -438,6 +450,8 @@ def paged_attention(
         relative_bias if relative_bias is not None else seq_lens,
         relative_bias.shape[2] if relative_bias is not None else 0,
         *(relative_bias.stride()[:2] if relative_bias is not None else (0, 0)),
+        alibi_slopes if alibi_slopes is not None else seq_lens,
+        int(alibi_slopes is not None),
         **attention_constexprs(query.dtype, head_dim, query_blocks.block_m, relative_bias is not None),
         **launch_options(query_blocks.block_m),
     )

@@ -32,13 +32,15 @@ def ref_paged_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     relative_bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, Dk]; sequence s owns query rows query_start_loc[s]:query_start_loc[s+1], which are the last
     tokens of its seq_lens[s]-token context; a query at position p sees context positions k <= p (and, with
     `window`, k > p - window; with `chunk`, k // chunk == p // chunk). `softcap`: scores -> softcap *
     tanh(scores / softcap); `sinks` [Hq] or [T, Hq]: one more logit per head (or per query token and head) in
     the softmax, dropped after it; `relative_bias` [T, Hq, R]: added to the score of the key d = p - k < R
-    positions back. Returns [T, Hq, Dv]. fp32 math."""
+    positions back; `alibi_slopes` [Hq]: -slope * (p - k) added to the score of the key at k. Returns
+    [T, Hq, Dv]. fp32 math."""
     out = query.new_empty(*query.shape[:2], v_cache.shape[-1])
     page_size = k_cache.shape[1]
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -61,6 +63,8 @@ def ref_paged_attention(
             for i in range(n):  # query i at position ctx - n + i, key j at j
                 for j in range(max(0, ctx - n + i - relative_bias.shape[2] + 1), ctx - n + i + 1):
                     scores[:, i, j] += relative_bias[starts[s] + i, :, ctx - n + i - j].float()
+        if alibi_slopes is not None:
+            scores = scores - alibi_slopes.float()[:, None, None] * (q_pos - k_pos).float()
         seen = k_pos <= q_pos
         if window:
             seen &= k_pos > q_pos - window

@@ -47,7 +47,7 @@ NEUTRAL_KWARGS = frozenset(
     }
 )
 # arguments that set what a layer computes, the same at every call (read into its LayerCall)
-LAYER_CONSTANTS = ("sliding_window", "softcap", "s_aux", "is_causal")
+LAYER_CONSTANTS = ("sliding_window", "softcap", "s_aux", "alibi_slopes", "is_causal")
 # arguments computed from each query token's hidden state (TokenScores), read at every call
 TOKEN_TERMS = ("position_bias", "sinks")
 
@@ -94,6 +94,11 @@ def read_call(
         )
     if window is not None and chunk is not None:
         raise UnsupportedModel(f"{where} asks for both a sliding window and chunked attention")
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is not None and tuple(slopes.shape) != (query_shape[1],):
+        raise UnsupportedModel(
+            f"{where} passes `alibi_slopes` of shape {tuple(slopes.shape)}, not one slope per query head"
+        )
     signature = CallSignature(
         frozenset(name for name, value in kwargs.items() if value is not None and value is not False),
         tuple((name, kwargs[name]) for name in LAYER_CONSTANTS if name in kwargs),
@@ -101,7 +106,7 @@ def read_call(
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     kind = MaskKind(int(window) if window else None, chunk, bool(causal))
-    return LayerCall(kind, kwargs.get("softcap") or None, kwargs.get("s_aux"), scores, signature)
+    return LayerCall(kind, kwargs.get("softcap") or None, kwargs.get("s_aux"), slopes, scores, signature)
 
 
 def token_scores(where: str, kwargs: dict, query_shape) -> TokenScores | None:
@@ -146,10 +151,17 @@ def _layer_call(meta: AttentionMetadata, module, layer: int, attention_mask, dro
         return spec, dataclasses.replace(spec.call, token_scores=token_scores(where, kwargs, query_shape))
     call = read_call(module, layer, attention_mask, dropout, kwargs, services.layers, query_shape)
     frozen = spec.call
-    if (call.kind, call.softcap, call.sinks is None, call.token_scores is None) != (
+    if (
+        call.kind,
+        call.softcap,
+        call.sinks is None,
+        call.alibi_slopes is None,
+        call.token_scores is None,
+    ) != (
         frozen.kind,
         frozen.softcap,
         frozen.sinks is None,
+        frozen.alibi_slopes is None,
         not spec.token_terms,
     ):
         raise UnsupportedModel(
@@ -203,6 +215,7 @@ def packed_forward(layout: PackedLayout, module, query, key, value, attention_ma
             for name, value in (
                 ("soft-capping", call.softcap),
                 ("sinks", call.sinks),
+                ("ALiBi", call.alibi_slopes),
                 ("per-token terms", call.token_scores),
             )
             if value is not None

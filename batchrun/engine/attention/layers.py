@@ -91,17 +91,38 @@ class LayerCall:
     kind: MaskKind
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), before the mask
     sinks: torch.Tensor | None = None  # [Hq]: one learned logit per head in the softmax's denominator
+    # [Hq]: ALiBi, the head's slope times the key's position less the query's added to its score (a family
+    # adapter passes it for a model that computes the bias in its own code: families.alibi_attention)
+    alibi_slopes: torch.Tensor | None = None
     token_scores: TokenScores | None = None
     signature: CallSignature | None = field(default=None, compare=False)  # what the call was read from
 
     @property
     def plain(self) -> bool:
-        """SDPA computes it (no soft-capping, no sinks, nothing per token)."""
-        return self.softcap is None and self.sinks is None and self.token_scores is None
+        """SDPA computes it (no soft-capping, no sinks, no ALiBi, nothing per token)."""
+        return (
+            self.softcap is None
+            and self.sinks is None
+            and self.alibi_slopes is None
+            and self.token_scores is None
+        )
+
+    @property
+    def positional(self) -> bool:
+        """Its scores depend on each query's and key's positions (per-token terms, ALiBi): a step gives its
+        queries' rows and how far behind them each key is (`terms`)."""
+        return self.alibi_slopes is not None or self.token_scores is not None
 
     def terms(self, rows: torch.Tensor, back: torch.Tensor) -> ScoreTerms | None:
-        """These queries' per-token terms (TokenScores.terms); None for a layer without any."""
-        return None if self.token_scores is None else self.token_scores.terms(rows, back)
+        """These queries' terms (TokenScores.terms, then ALiBi's -slope * back added to the bias); None for a
+        layer without any."""
+        terms = None if self.token_scores is None else self.token_scores.terms(rows, back)
+        if self.alibi_slopes is None:
+            return terms
+        alibi = -self.alibi_slopes.view(1, -1, 1, 1) * back[:, None].to(self.alibi_slopes.dtype)
+        if terms is None:
+            return ScoreTerms(alibi, None)
+        return terms._replace(bias=alibi if terms.bias is None else terms.bias + alibi)
 
     @property
     def sink_logits(self) -> torch.Tensor | None:
@@ -114,6 +135,12 @@ class LayerCall:
         """`sink_logits` in fp32, contiguous (the C++ decode's form): made once for a layer's constant sinks."""
         sinks = self.sink_logits
         return None if sinks is None else sinks.detach().float().contiguous()
+
+    @functools.cached_property
+    def kernel_alibi_slopes(self) -> torch.Tensor | None:
+        """The ALiBi slopes in fp32, contiguous (the C++ decode's form), made once for the layer."""
+        slopes = self.alibi_slopes
+        return None if slopes is None else slopes.detach().float().contiguous()
 
     @property
     def relative_bias(self) -> torch.Tensor | None:
@@ -141,6 +168,11 @@ class LayerSpec:
     @property
     def kind(self) -> MaskKind:
         return self.call.kind
+
+    @property
+    def positional(self) -> bool:
+        """Its scores depend on the queries' and keys' positions (LayerCall.positional; per-token terms)."""
+        return self.token_terms or self.call.positional
 
     def matches(self, attention_mask, dropout: float, kwargs: dict) -> bool:
         """The call passes what the probe saw (then `call` holds for it)."""

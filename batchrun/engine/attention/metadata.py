@@ -182,7 +182,7 @@ class GroupMetadata:
     # per sequence: the (start, end) positions of the images among its queries whose tokens see each other
     # (multimodal.ImageBlocks, on the layers it opens); None: no such image this step
     image_blocks: list[list[tuple[int, int]]] | None = None
-    token_terms: bool = False  # its layers add per-token terms (LayerSpec.token_terms)
+    token_terms: bool = False  # its layers add per-token terms or ALiBi (LayerSpec.positional)
     # some of its layers run the eager reference (soft-capping, sinks, per-token terms: not LayerCall.plain),
     # which takes a whole prompt's causal mask as a tensor where SDPA takes is_causal
     eager: bool = False

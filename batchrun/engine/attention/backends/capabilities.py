@@ -22,6 +22,9 @@ class Capabilities:
     chunks: bool = True  # chunked attention (MaskKind.chunk: Llama 4's local layers)
     softcap: bool = True  # logit soft-capping (Gemma 2)
     sinks: bool = True  # a sink logit per head (gpt-oss)
+    alibi: bool = (
+        True  # ALiBi: a slope per head times the key's position less the query's (LayerCall.alibi_slopes)
+    )
     # each query token's own sink logits and relative bias (layers.TokenScores: Inkling 2), read through
     # `LayerCall`'s helpers: `terms` on an eager path, `sink_logits` / `kernel_sinks` / `relative_bias` in a kernel
     token_terms: bool = True
@@ -40,6 +43,7 @@ class Capabilities:
             (call.kind.chunk is not None and not self.chunks, f"chunked attention of {call.kind.chunk}"),
             (call.softcap is not None and not self.softcap, "logit soft-capping"),
             (call.sinks is not None and not self.sinks, "attention sinks"),
+            (call.alibi_slopes is not None and not self.alibi, "ALiBi"),
             (spec.token_terms and not self.token_terms, "per-token sinks or relative bias"),
             (
                 head_dim != v_head_dim and not self.unequal_head_dims,

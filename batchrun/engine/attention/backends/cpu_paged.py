@@ -126,6 +126,7 @@ class TorchAttention(AttentionBackend):
                 self.kernel.paged_decode_attention(
                     out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.token_index, scale,
                     d.first_keys, call.softcap or 0.0, call.kernel_sinks, call.kernel_relative_bias,
+                    call.kernel_alibi_slopes,
                 )  # fmt: skip
             if times.detailed:
                 key_bytes = k_cache[0, 0].nbytes + v_cache[0, 0].nbytes

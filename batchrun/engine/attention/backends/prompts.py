@@ -126,9 +126,7 @@ def prefill_attention(
         else:
             k = k_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, ctx, Dk]
             v = v_cache[p.pages].flatten(0, 1).transpose(0, 1)[None]
-        terms = None
-        if call.token_scores is not None:
-            terms = call.terms(p.rows[None], p.back[None])
+        terms = None if p.back is None else call.terms(p.rows[None], p.back[None])
         o = attend(q, k, v, p.mask, scale, call, causal=p.causal, terms=terms)
         out[rows] = o[0].transpose(0, 1)
 

@@ -104,4 +104,5 @@ class TritonAttention(AttentionBackend):
             softcap=call.softcap or 0.0,
             sinks=call.sink_logits,
             relative_bias=call.relative_bias,
+            alibi_slopes=call.alibi_slopes,
         )
