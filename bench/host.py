@@ -367,9 +367,22 @@ def main() -> None:
         ],
     )
     if kinds:
-        lines += ["", "Each kind of model's step, ms, beside the plain Llama's (one run, same shape):", ""]
+        lines += [
+            "",
+            "Each kind of model's step, ms, beside the plain Llama's (one run, same shape; host: the bookkeeping",
+            "phases above, the step less the forward):",
+            "",
+        ]
         lines += table(
-            ["seqs", "model", "batchrun", "HF generate", "batchrun / HF", "step / plain step"],
+            [
+                "seqs",
+                "model",
+                "batchrun",
+                "HF generate",
+                "batchrun / HF",
+                "step / plain step",
+                "host / plain host",
+            ],
             [
                 [
                     r["batchrun"]["seqs"],
@@ -378,6 +391,7 @@ def main() -> None:
                     fmt(r["hf"] and r["hf"]["ms_per_step"]),
                     fmt(r["hf"] and r["batchrun"]["ms_per_step"] / r["hf"]["ms_per_step"]),
                     fmt(r["batchrun"]["ms_per_step"] / r["plain"]["ms_per_step"]),
+                    fmt(r["batchrun"]["bookkeeping_ms"] / r["plain"]["bookkeeping_ms"]),
                 ]
                 for r in kinds
             ],
