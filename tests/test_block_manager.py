@@ -9,7 +9,7 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.kv_coordinator import KVCacheCoordinator
 from batchrun.engine.scheduler import Scheduler
-from batchrun.engine.scheduler_output import ScheduledSequence
+from batchrun.engine.scheduler_output import SampledOutput, ScheduledSequence
 from batchrun.engine.sequence import NULL_PAGE, Sequence
 
 # KV cache groups, as the engine makes them from the layers' mask kinds: one full group (no window), a full
@@ -25,6 +25,9 @@ GROUPS = {
 def seq(i, tokens, max_new=8, n=1):
     s = Sequence(i, list(tokens), SamplingParams(max_new_tokens=max_new, n=n))
     s.num_siblings_to_fork = n - 1
+    s.reserved_tokens = (
+        len(s.prompt_token_ids) + max_new
+    )  # where it finishes by length (as the engine sets it)
     return s
 
 
@@ -82,8 +85,8 @@ def test_fork_shares_pages_and_copy_on_write():
     bm.fork(parent, child)
     assert bm.block_tables(child)[0] == bm.block_tables(parent)[0]
     assert all(bm.pool.ref_count[p] == 2 for p in bm.block_tables(parent)[0])
-    parent.append_token(50)
-    child.append_token(51)
+    parent.output_token_ids.append(50)
+    child.output_token_ids.append(51)
     assert bm.num_pages_to_grow(child, 1) == 1  # the shared half-full page must be copied
     (cow,) = bm.grow(child, 1)
     assert cow.src == bm.block_tables(parent)[0][1] and cow.dst == bm.block_tables(child)[0][1]
@@ -123,7 +126,7 @@ def test_random_operations_keep_reference_counts_exact(ops, num_pages, page_size
                 running.append(s)
         elif op == "grow" and running:
             s = running[r % len(running)]
-            s.append_token(r % 3)
+            s.output_token_ids.append(r % 3)
             if bm.num_pages_to_grow(s, 1) <= bm.num_free_pages:
                 bm.grow(s, 1)
                 s.num_computed_tokens += 1
@@ -210,24 +213,27 @@ def drive(scheduler: Scheduler, max_steps: int = 20000):
             assert all(len(t) * bm.page_size >= end for t in bm.block_tables(s.seq)), (s, end)
             assert s == ScheduledSequence(s.seq, s.num_new_tokens, s.start, s.new_block_ids, s.units)
             runner_tables.follow(s)
-            s.seq.num_computed_tokens += s.num_new_tokens
+        # what the engine's output processor gives back: token 7 for each sequence that samples, the other
+        # samples of a prompt just computed made from it
+        sampled = SampledOutput([], [])
         for s in plan.scheduled:
             if not s.samples:
                 continue
             seq_ = s.seq
-            if seq_.num_siblings_to_fork:
-                for k in range(seq_.num_siblings_to_fork):
-                    child = Sequence(
-                        10**6 + seq_.seq_id * 100 + k, seq_.prompt_token_ids, seq_.params, sample_index=k + 1
-                    )
-                    scheduler.fork(seq_, child)
-                    child.append_token(7)
-                seq_.num_siblings_to_fork = 0
-            seq_.append_token(7)
-        for s in list(scheduler.running):
-            if len(s.output_token_ids) >= s.params.max_new_tokens and s.num_uncomputed_tokens <= 1:
-                scheduler.finish(s)
-                finished.append(s)
+            for k in range(seq_.num_siblings_to_fork):
+                child = Sequence(
+                    10**6 + seq_.seq_id * 100 + k, seq_.prompt_token_ids, seq_.params, sample_index=k + 1
+                )
+                child.output_token_ids, child.reserved_tokens = (
+                    list(seq_.output_token_ids),
+                    seq_.reserved_tokens,
+                )
+                sampled.forks.append((seq_, child))
+                sampled.seqs.append(child)
+            seq_.num_siblings_to_fork = 0
+            sampled.seqs.append(seq_)
+        sampled.tokens = [7] * len(sampled.seqs)
+        finished += scheduler.update_from_output(plan, sampled)
         bm.check_integrity(scheduler.live_sequences())
         runner_tables.check(scheduler.running, bm)
     raise AssertionError("did not finish: livelock")
@@ -306,10 +312,8 @@ def test_abort_all_frees_running_swapped_and_waiting():
     swapped_seen = False
     for _ in range(40):  # until some are running and some swapped out
         plan = sched.schedule()
-        for s in plan.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.samples:
-                s.seq.append_token(7)
+        sampling = [s.seq for s in plan.scheduled if s.samples]
+        sched.update_from_output(plan, SampledOutput(sampling, [7] * len(sampling)))
         swapped_seen = bool(sched.swapped and sched.running)
         if swapped_seen:
             break
@@ -334,7 +338,7 @@ def test_a_sliding_group_gives_back_the_pages_behind_its_window():
     assert bm.num_used_pages == 6 and bm.num_window_freed == 4
     assert bm.trim(s) == 0
     # a decode appends a page to each group as before
-    s.append_token(9)
+    s.output_token_ids.append(9)
     assert bm.num_pages_to_grow(s, 1) == 2
     bm.grow(s, 1)
     bm.check_integrity([s])

@@ -239,5 +239,5 @@ def engine_equals_hf_generate(sizes, device: str, rows: int = 8, new_tokens: int
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA and BATCHRUN_TRITON_GPU=1")
 @pytest.mark.parametrize("shape", sorted(EXACT_SHAPES))
 def test_gpu_engine_equals_hf_generate_fp32(shape):
-    # 20 rows: past steady_decodes.MIN_SEQS, so the decodes also run over the scheduler's columns on the device
+    # 20 rows: decodes over the scheduler's columns beside prompt chunks, on the device
     engine_equals_hf_generate(EXACT_SHAPES[shape], "cuda", rows=20)

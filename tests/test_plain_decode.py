@@ -1,11 +1,9 @@
-"""The plain decode step (OutputProcessor._decode_plain: every live request greedy, with no grammar, logprobs or
-stop strings, and every scheduled sequence generating) against the general path (`process` with `plain` off), and
-both again with the scheduler's steady columns planning the decodes (steady_decodes.py: the plain pass's checks
-over columns, its tokens held there two steps at most): one workload run each way must give the same tokens,
-finish reasons and step results, EOS reached and ignored,
-the length limit and the context limit reached, and a greedy n=2 whose sample is forked. And the flag itself:
-one request that is not plain turns it off while any request is live, and it comes back with the next plain
-request once none is."""
+"""The plain sampling step (OutputProcessor.sample's one argmax where every live request is greedy, with no
+grammar, logprobs or stop strings, and every scheduled sequence generates) against the general path (`plain`
+off): one workload run each way must give the same tokens, finish reasons and step results, EOS reached and
+ignored, the length limit and the context limit reached, and a greedy n=2 whose sample is forked. And the flag
+itself: one request that is not plain turns it off while any request is live, and it comes back with the next
+plain request once none is."""
 
 from __future__ import annotations
 
@@ -13,10 +11,7 @@ import pytest
 from helpers import make_engine, paged_model_from_config
 from model_families import perturb, tiny_config
 
-from batchrun.engine import scheduler as scheduler_module
-from batchrun.engine import steady_decodes
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.output_processor import OutputProcessor
 
 MAX_MODEL_LEN = 64
 
@@ -33,17 +28,8 @@ def tiny(tok_model):
     return tok, model
 
 
-def workload(tiny, eos: int | None, plain: bool, monkeypatch) -> tuple[list, list, int, int]:
-    """Each request's samples (tokens, finish reason) and each step's counts; the plain steps taken, and those
-    the scheduler's steady columns planned."""
-    calls = []
-    decode_plain = OutputProcessor._decode_plain
-
-    def counted(self, *args):
-        calls.append(1)
-        return decode_plain(self, *args)
-
-    monkeypatch.setattr(OutputProcessor, "_decode_plain", counted)
+def workload(tiny, eos: int | None, plain: bool) -> tuple[list, list]:
+    """Each request's samples (tokens, finish reason) and each step's counts."""
     engine = make_engine(tiny, max_model_len=MAX_MODEL_LEN, num_pages=64)
     if eos is not None:  # this model's greedy text reaches this token early: its end of sequence, here
         engine.eos_token_ids.clear()
@@ -57,36 +43,26 @@ def workload(tiny, eos: int | None, plain: bool, monkeypatch) -> tuple[list, lis
     ]
     for i, (prompt, params) in enumerate(requests):
         engine.add(prompt, params, request=i)
-    done, steps, steady_steps = {}, [], 0
+    done, steps = {}, []
     while engine.has_unfinished():
-        if not plain:
-            engine.outputs.plain = False
+        assert engine.outputs.plain or not plain
+        engine.outputs.plain = plain
         r = engine.step()
-        engine.check_integrity()  # the scheduler's steady columns among the rest
-        steady_steps += r.plan.decodes is not None
+        engine.check_integrity()  # the scheduler's columns among the rest
         steps.append((r.num_generated, sorted(s.seq_id for s in r.finished), r.sampled))
         for s in r.finished:
             done.setdefault(s.request, []).append((s.sample_index, list(s.output_token_ids), s.finish_reason))
-    return [sorted(done[i]) for i in range(len(requests))], steps, len(calls), steady_steps
+    return [sorted(done[i]) for i in range(len(requests))], steps
 
 
-def test_plain_decode_steps_are_the_general_path(tiny, monkeypatch):
-    probe, _, _, _ = workload(tiny, None, True, monkeypatch)
+def test_plain_sampling_steps_are_the_general_path(tiny):
+    probe, _ = workload(tiny, None, True)
     first = probe[0][0][1]
     eos = first[3]  # the greedy text of request 0 ends at its fourth token
     want_eos_at = first.index(eos)
-    fast, fast_steps, fast_calls, fast_steady = workload(tiny, eos, True, monkeypatch)
-    slow, slow_steps, slow_calls, _ = workload(tiny, eos, False, monkeypatch)
-    assert fast_calls > 0 and slow_calls == 0 and fast_steady == 0  # 5 sequences: the loop plans them
+    fast, fast_steps = workload(tiny, eos, True)
+    slow, slow_steps = workload(tiny, eos, False)
     assert fast == slow and fast_steps == slow_steps
-    # the scheduler's steady columns (made here for a single sequence, not from 16) hold the plain pass's tokens
-    # two steps at most, then write them in
-    monkeypatch.setattr(scheduler_module, "MIN_SEQS", 1)
-    monkeypatch.setattr(steady_decodes, "PENDING_ROWS", 2)
-    held, held_steps, _, held_steady = workload(tiny, eos, True, monkeypatch)
-    assert held == slow and held_steps == slow_steps and held_steady >= 3
-    general, general_steps, _, general_steady = workload(tiny, eos, False, monkeypatch)
-    assert general == slow and general_steps == slow_steps and general_steady >= 3
     assert fast[0] == [(0, first[: want_eos_at + 1], "eos")]
     ((_, tokens, reason),) = fast[1]
     assert reason == "length" and len(tokens) == 9 and eos in tokens[:-1]  # EOS ignored

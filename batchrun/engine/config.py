@@ -133,7 +133,7 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Greedy, with no grammar, no logprobs and no stop strings: a decode of such a request is one argmax and
-        the EOS and length checks (output_processor.OutputProcessor._decode_plain). A new field that changes how a
+        the EOS and length checks (OutputProcessor.sample, Scheduler.update_from_output). A new field that changes how a
         token is sampled or when a sequence finishes must make this False where it applies."""
         return self.greedy and self.logprobs is None and not self.stop and not self.structured
 

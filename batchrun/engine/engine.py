@@ -145,7 +145,7 @@ class Engine:
             else ()
         )
         self.kv = KVCacheCoordinator(block_manager, *managers)
-        self.scheduler = Scheduler(config, self.kv, plan.chunks, encoder=self.encoder)
+        self.scheduler = Scheduler(config, self.kv, plan.chunks, self.encoder, self.eos_token_ids)
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
                 f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "
@@ -169,13 +169,7 @@ class Engine:
             encoder=self.encoder,
         )
         self.runner = ModelRunner(model, plan, services, config.max_num_seqs)
-        self.outputs = OutputProcessor(
-            self.tokenizer,
-            plan.vocab_size,
-            self.eos_token_ids,
-            self.scheduler,
-            self.times,
-        )
+        self.outputs = OutputProcessor(self.tokenizer, plan.vocab_size, self.eos_token_ids)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def prompt_error(
@@ -241,7 +235,8 @@ class Engine:
         `adapter`: the name of the LoRA adapter it runs with (None: the base model); ValueError for a name the
         engine was not given."""
         adapter_id = self.adapter_id(adapter)
-        seq = self.outputs.new_sequence(list(prompt_token_ids), params, request, seeds)
+        idle = not self.scheduler.has_unfinished()
+        seq = self.outputs.new_sequence(list(prompt_token_ids), params, request, seeds, idle)
         seq.adapter = adapter_id
         seq.reserved_tokens = min(len(seq.prompt_token_ids) + params.max_new_tokens, self.plan.max_model_len)
         if images is not None and images.num_images:
@@ -290,11 +285,13 @@ class Engine:
                 )
             return result
         logits = self.runner.execute(plan)
-        # the step's tokens marked computed (Scheduler.computed), then sampled and finished sequences: all of it
-        # under the output processor's phase timers (bench/host.py's bookkeeping counts them), as is handing the
-        # runner its rows' news
-        self.outputs.process(plan, logits, result)
-        with self.times("finish"):
+        with self.times("sample"):  # scoring, samples forked, grammar masks, sampling, logprobs, stops
+            sampled = self.outputs.sample(plan, logits)
+        with self.times("finish"):  # the one place the step changes its requests; the runner's rows follow
+            result.finished = self.scheduler.update_from_output(plan, sampled)
+            result.forks = [(parent.seq_id, child.seq_id) for parent, child in sampled.forks]
+            result.sampled = ([seq.seq_id for seq in sampled.seqs], sampled.tokens)
+            result.num_generated, result.num_prompt_tokens = len(sampled.tokens), sampled.num_prompt_tokens
             self.runner.sampled(result.forks, *result.sampled, result.finished)
         return result
 
@@ -385,10 +382,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Page and state-slot bookkeeping agrees with every live sequence, the runner's persistent block
-        tables with the block manager's, its input batch's rows and the scheduler's steady columns with the
-        sequences (AssertionError otherwise)."""
-        running, steady = self.scheduler.running, self.scheduler.steady
+        tables with the block manager's, its input batch's rows and the scheduler's columns with the sequences
+        (AssertionError otherwise)."""
+        running, rows = self.scheduler.running, self.scheduler.rows
         self.kv.check_integrity(running, self.scheduler.swapped)
         self.runner.batch.check(self.scheduler.live_sequences(), self.kv.bm.sequences)
-        if steady is not None:  # the scheduler's columns of a steady decode batch (steady_decodes.py)
-            steady.check(running, self.kv.bm, self.kv.prefix_cache)
+        if rows is not None:  # the columns the scheduler plans over (running_rows.py)
+            rows.check(running, self.kv.bm, self.kv.units_of)

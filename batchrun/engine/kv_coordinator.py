@@ -257,7 +257,7 @@ class KVCacheCoordinator:
     def planned(self, seq: Sequence, end: int) -> None:
         """seq is planned up to `end` tokens: its full pages go into the prefix cache and, at a prefix a manager
         keeps, the copy that keeps it waits for the next plan. The managers are asked only for a sequence the
-        cutting manager lists (`snapshot_ends`; the scheduler's decode fast path skips the others): one keeps a
+        cutting manager lists (`snapshot_ends`; the decodes the scheduler plans over its columns skip the others): one keeps a
         prefix only where a step was cut to end there."""
         self.prefix_cache.register_full_pages(seq, end)
         if seq.seq_id in self.snapshot_ends:

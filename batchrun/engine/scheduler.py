@@ -12,14 +12,17 @@ Each step, in this order:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from itertools import islice
+
+import numpy as np
 
 from .config import EngineConfig
 from .kv_coordinator import KVCacheCoordinator
 from .multimodal import EncoderCache
-from .scheduler_output import ChunkRules, NewRequest, ScheduledSequence, SchedulerOutput
+from .running_rows import RunningRows
+from .scheduler_output import ChunkRules, NewRequest, SampledOutput, ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
-from .steady_decodes import MIN_SEQS, SteadyDecodes
 
 # how far down the waiting queue admission looks for a row of an adapter already running, when the oldest row's
 # adapter would be one more than a step may run
@@ -37,10 +40,13 @@ class Scheduler:
         kv: KVCacheCoordinator,
         rules: ChunkRules = ChunkRules(),  # noqa: B008 - frozen, so one default shared by all is safe
         encoder: EncoderCache | None = None,
+        eos_token_ids: Collection[int] = (),
     ):
         """`kv`: what sequences hold in the cache (pages, and a hybrid model's state slots), one call per action;
-        `rules`: the model plan's chunk rules (scheduler_output.ChunkRules); `encoder`: a vision-language model's
-        image features waiting for prefill, and their budget (None: text only)."""
+        `rules`: the model plan's chunk rules (scheduler_output.ChunkRules); `encoder`: a vision-language model's image
+        features waiting for prefill, and their budget (None: text only); `eos_token_ids`: the tokens that end a
+        sequence (unless its request ignores EOS)."""
+        self.eos_token_ids = eos_token_ids
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.recompute_at = rules.recompute_at
         self.kv = kv
@@ -56,15 +62,15 @@ class Scheduler:
         self.running: dict[Sequence, None] = {}
         self.swapped: deque[Sequence] = deque()  # in preemption order
         # sums over `running` of each sequence's reserved_tokens and num_computed_tokens, kept where a sequence
-        # enters or leaves it (_enter, _leave) and where its tokens are computed (`computed`, the output
-        # processor's plain pass): the statistics read them every step instead of passing over the sequences
+        # enters or leaves it (_enter, _leave) and where its tokens are computed (`update_from_output`): the
+        # statistics read them every step instead of passing over the sequences
         self.running_reserved_tokens = self.running_computed_tokens = 0
         # whether any request given so far has a LoRA adapter (a fork has its parent's): until one has, a step
         # needs no pass over its sequences to order them by adapter
         self.adapted = False
-        # the running sequences as columns while each only decodes (steady_decodes.py); None once `running`
-        # changes or a step cannot be planned over them
-        self.steady: SteadyDecodes | None = None
+        # `running` as the columns each step is planned over (running_rows.py); None once it changes, made again
+        # by the next plan
+        self.rows: RunningRows | None = None
 
     # ---- queues ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -83,26 +89,21 @@ class Scheduler:
 
     def _enter(self, seq: Sequence) -> None:
         """`seq` runs from now on (admitted, swapped in, forked), its computed tokens counted as they are."""
-        self._drop_steady()
+        self.rows = None
         self.running[seq] = None
         self.running_reserved_tokens += seq.reserved_tokens
         self.running_computed_tokens += seq.num_computed_tokens
 
     def _leave(self, seq: Sequence) -> None:
         """`seq` runs no more (finished, preempted, to be recomputed): before its computed count changes."""
-        self._drop_steady()
+        self.rows = None
         del self.running[seq]
         self.running_reserved_tokens -= seq.reserved_tokens
         self.running_computed_tokens -= seq.num_computed_tokens
 
-    def _drop_steady(self) -> None:
-        if self.steady is not None:
-            self.steady.release()  # the tokens it holds are written into the sequences first
-        self.steady = None
-
     def abort_all(self) -> None:
         """Drop every request and free its pages and state slots (the caller gave up on them)."""
-        self._drop_steady()
+        self.rows = None
         self.kv.abort(self.running, self.swapped, self.waiting)
         self.waiting.clear()
         self.running.clear()
@@ -115,21 +116,13 @@ class Scheduler:
         out = SchedulerOutput(unit_copies=self.kv.new_step())
         if self.encoder is not None:
             self.encoder.new_step()
-        budget, plain_decodes = self.config.max_num_batched_tokens, 0
-        left = None if self.steady is None else self.steady.plan(self.kv, out, budget)  # every one decodes
-        if left is None:  # the loop, sequence by sequence
-            self._drop_steady()
-            left, plain_decodes = self._schedule_running(out, budget)
-        budget = left
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._swap_in(out, budget)
             if not self.swapped:
                 budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget  # every path takes its tokens
-        steady = plain_decodes == out.num_scheduled == len(self.running) >= MIN_SEQS  # each a plain decode
-        if steady and not (self.adapted or self.kv.managers):
-            self.steady = SteadyDecodes(out.scheduled, self.kv.bm)  # the next step, over columns
-        if self.adapted and out.decodes is None and any([s.seq.adapter is not None for s in out.scheduled]):
+        if self.adapted and any([s.seq.adapter is not None for s in out.scheduled]):
             # each LoRA adapter's sequences side by side: its tokens are then one run of the packed step, which
             # every adapted layer reads as a slice (no gather, no scatter); the order of a step's sequences
             # changes nothing else (each row is computed apart, its outputs are matched by place)
@@ -167,79 +160,90 @@ class Scheduler:
             return self.max_chunk
         return max([self.max_chunk] + [b - a for a, b in images.blocks])
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
-        """The running sequences' step, one by one: the budget left and the decodes planned by the fast path."""
-        # a running sequence's growth is pages alone (a state slot never grows): this loop asks the block
-        # manager itself (kv.bm: trim, num_pages_to_grow, grow), every step, for every sequence
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """The running sequences' step, over their columns (running_rows.py): the rows that decode a generated
+        token into a page they have, or crossing into a new page while free pages last, planned at once; every
+        other row in its turn by the general path (`_chunk`, pages grown or preempted for). Returns the budget
+        left."""
+        if not self.running:
+            return budget
         kv, running = self.kv, self.running
-        bm, windowed = kv.bm, kv.bm.layout.windowed
-        # a decode where no page is held twice, none is given back behind a window and no encoder budget
-        # counts: planned at once (what the general path below would plan, without its calls: this loop is most
-        # of a decode step's scheduling; it registers full pages as `kv.planned` would, where no kept prefix
-        # state ends). Its token goes into a page it has, or, crossing into a new page (every sequence does in
-        # the same step, once a page of tokens), into one more page per group while free pages last
-        P, records, snapshot_ends = bm.page_size, bm.sequences, kv.snapshot_ends
-        plain = bm.num_groups and not windowed and self.encoder is None and not bm.pool.num_shared
-        num_groups = bm.num_groups
-        register = kv.prefix_cache.register_full_pages if kv.prefix_cache.enabled else None
-        scheduled, units_of = out.scheduled, kv.units_of
-        stateless = not kv.managers  # no cache manager's units: not asked sequence by sequence
-        decode = ScheduledSequence.decode
-        decodes = 0
-        for seq in list(running):  # a copy: preemption takes sequences off the end
-            if budget <= 0:
-                break
-            if out.preempted and seq not in running:
-                break  # preempted for an older one: so is every sequence after it
-            if plain:
-                start, generated = seq.num_computed_tokens, seq.output_token_ids
-                # decodes_generated_token (_chunk's 1) written out: its last token, a generated one (there is
-                # one, and the tokens before it are computed), where no kept prefix state ends
+        bm = kv.bm
+        if self.rows is None:
+            self.rows = RunningRows(list(running), bm, kv.units_of)
+        rows = self.rows
+        S, P = len(rows), bm.page_size
+        # a page held twice may need a copy on write, and a budget under the rows may stop any of them: asked
+        # sequence by sequence
+        fast = (
+            rows.decodes(bm, kv.snapshot_ends)
+            if budget >= S and not bm.pool.num_shared
+            else np.zeros(S, bool)
+        )
+        crossing = fast & (rows.computed == rows.rooms)
+        registering = fast & ((rows.computed + 1) % P == 0) if kv.prefix_cache.enabled else None
+        begin = 0
+        for i in [*np.flatnonzero(~fast).tolist(), S]:
+            while True:  # the decodes before row i, then row i (or a decode short of pages first)
+                # preemption takes rows off the end: none after it is planned; nor past the budget
+                end = min(i, len(running), begin + budget)
+                stop = self._decodes(rows, begin, end, crossing, registering, out) if begin < end else end
+                budget -= max(0, stop - begin)
+                row = stop if stop < end else i
+                if row >= len(running) or budget <= 0:
+                    return budget
+                seq, begin = rows.seqs[row], row + 1
+                n = self._chunk(seq, budget, out)
                 if (
-                    generated
-                    and start == len(seq.prompt_token_ids) + len(generated) - 1
-                    and seq.seq_id not in snapshot_ends
-                ):
-                    record = records[seq.seq_id]  # its tables as the runner has them already
-                    if record.unsent is None:
-                        tables = record.tables
-                        room = P * (len(tables[0]) if num_groups == 1 else min(map(len, tables)))
-                        if start < room:  # with room for its token
-                            news = None
-                        elif start == room and bm.num_free_pages >= num_groups:
-                            news = bm.append_pages(record, room // P + 1)  # handed on at once
-                            out.tables_changed = True
-                        else:
-                            news = False  # the general path below (it preempts for pages)
-                        if news is not False:
-                            # register_full_pages returns at once unless a page is newly full: asked only then
-                            # (its own test, on the record it reads: the same pages, registered in the same step)
-                            if register is not None and (start + 1) // P > record.num_registered:
-                                register(seq, start + 1)
-                            scheduled.append(decode(seq, start, () if stateless else units_of(seq), news))
-                            budget -= 1
-                            decodes += 1
-                            continue
-            n = self._chunk(seq, budget, out)
-            if not n:  # it waits a step (a whole prompt or image that does not fit, images' features held)
-                continue
-            if windowed:
-                bm.trim(seq)  # pages behind a window go back before anything new is taken
-            need = bm.num_pages_to_grow(seq, n)
-            while need and need > bm.num_free_pages:
-                victim = next(reversed(self.running))  # the most recently admitted
-                self._preempt(victim, out)
-                if victim is seq:
-                    out.num_generating += decodes
-                    return budget, 0  # it preempted itself: every sequence after it is gone already
-                need = bm.num_pages_to_grow(seq, n)
-            if need:  # most decodes write into a page they already own: nothing to grow
-                self._schedule(seq, n, out)
+                    n
+                ):  # else it waits a step (a whole prompt or image that does not fit, images' features held)
+                    bm.trim(seq)  # pages behind a window go back before anything new is taken
+                    need = bm.num_pages_to_grow(seq, n)
+                    while need and need > bm.num_free_pages:
+                        victim = next(reversed(running))  # the most recently admitted
+                        self._preempt(victim, out)
+                        if victim is seq:
+                            return budget  # it preempted itself: every sequence after it is gone already
+                        need = bm.num_pages_to_grow(seq, n)
+                    if need:  # most steps write into a page they already own: nothing to grow
+                        out.copy_on_write.extend(kv.grow(seq, n))
+                    self._planned(seq, n, out)
+                    if self.rows is not None:
+                        rows.planned[row] = n
+                        rows.replanned(row, bm)
+                    budget -= n
+                if row == i:
+                    break
+        return budget
+
+    def _decodes(
+        self, rows: RunningRows, begin: int, end: int, crossing, registering, out: SchedulerOutput
+    ) -> int:
+        """Rows begin..end, each decoding its last token (`RunningRows.decodes`), planned: a new page in each group
+        for those crossing into one, the pages they fill registered in the prefix cache (both in the rows'
+        order, as the general path would: a page taken from the free pool may be a cached one whose hash a later
+        registration reuses). Returns the row it stopped at: end, or one crossing with too few pages left (the
+        rows planned before it took them), which the general path plans (it preempts)."""
+        bm, kv, P = self.kv.bm, self.kv, self.kv.bm.page_size
+        news, stop = {}, end
+        visit = crossing[begin:end] if registering is None else crossing[begin:end] | registering[begin:end]
+        for i in (begin + np.flatnonzero(visit)).tolist():
+            start = int(rows.computed[i])
+            if not crossing[i]:
+                kv.prefix_cache.register_full_pages(rows.seqs[i], start + 1)
+            elif bm.num_free_pages < bm.num_groups:
+                stop = i
+                break
             else:
-                self._planned(seq, n, out)
-            budget -= n
-        out.num_generating += decodes
-        return budget, decodes
+                news[i] = bm.append_pages(bm.sequences[int(rows.ids[i])], start // P + 1)
+                rows.rooms[i] += P
+        decode, seqs, units, get = ScheduledSequence.decode, rows.seqs, rows.units, news.get
+        starts = rows.computed[begin:stop].tolist()
+        out.scheduled += [decode(seqs[i], c, units[i], get(i)) for i, c in enumerate(starts, begin)]
+        rows.planned[begin:stop] = 1
+        out.num_generating += stop - begin
+        out.tables_changed = out.tables_changed or bool(news)
+        return stop
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         out.copy_on_write.extend(self.kv.grow(seq, n))
@@ -357,16 +361,40 @@ class Scheduler:
         )
 
     # ---- after the forward pass -----------------------------------------------------------------------------
-    def computed(self, plan: SchedulerOutput) -> None:
-        """The step of `plan` ran: its tokens' K/V are in the cache (before its samples are forked and its tokens
-        sampled). The output processor calls it first thing; its plain pass does the same itself."""
-        if plan.decodes is not None:
-            for seq, end in zip(plan.decodes.seqs, (plan.decodes.positions + 1).tolist()):
-                seq.num_computed_tokens = end
-        else:
-            for s in plan.scheduled:  # every step, for every sequence: kept lean
-                s.seq.num_computed_tokens = s.start + s.num_new_tokens
+    def update_from_output(self, plan: SchedulerOutput, sampled: SampledOutput) -> list[Sequence]:
+        """The one place a step changes its requests: the step of `plan` ran and gave `sampled` back. Its tokens
+        are computed, its forked samples run from now on (sharing their parent's pages), its scoring sequences
+        are done, each sampled token is appended and its sequence finished by a stop, EOS or its length limit,
+        or computed again whole where the model asks (`recompute_at`). Returns the sequences finished."""
+        if self.rows is not None:
+            self.rows.advance()
+        for s in plan.scheduled:  # every step, for every sequence: kept lean
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
         self.running_computed_tokens += plan.num_batched_tokens
+        for parent, child in sampled.forks:
+            self.fork(parent, child)
+        finished = []
+        for seq in sampled.scored:  # its prompt is scored: nothing to generate
+            seq.finish_reason = "length"
+            self.finish(seq)
+            finished.append(seq)
+        eos, stopped, recompute_at = self.eos_token_ids, sampled.stopped, self.recompute_at
+        for i, (seq, token) in enumerate(zip(sampled.seqs, sampled.tokens)):  # every step, for every sequence
+            out = seq.output_token_ids
+            out.append(token)
+            if stopped and i in stopped:
+                seq.finish_reason = "stop"
+            elif token in eos and not seq.params.ignore_eos:
+                seq.finish_reason = "eos"
+            elif len(out) + len(seq.prompt_token_ids) >= seq.reserved_tokens:  # max_new_tokens or the context
+                seq.finish_reason = "length"
+            else:
+                if recompute_at is not None and len(out) + len(seq.prompt_token_ids) == recompute_at:
+                    self.recompute(seq)  # Phi-3's LongRoPE switch (per_sequence_rope.py)
+                continue
+            self.finish(seq)
+            finished.append(seq)
+        return finished
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Add a parallel sample that shares every page of its parent (and takes a copy of its state, made
@@ -377,7 +405,7 @@ class Scheduler:
 
 def decodes_generated_token(seq: Sequence, start: int, snapshot_ends) -> bool:
     """Whether `seq` computes one token from `start`, its last, a generated one, that no resource cuts: the rule
-    `_chunk` asks first and the decode fast path writes out (keep the two alike). With a budget > 0, whole prompts,
-    whole images and the encoder cut prompt tokens only; a hybrid's kept prefix (`snapshot_ends`) cuts anywhere."""
+    `_chunk` asks first (RunningRows.decodes asks it of the columns). With a budget > 0, whole prompts, whole images
+    and the encoder cut prompt tokens only; a hybrid's kept prefix (`snapshot_ends`) cuts anywhere."""
     p = len(seq.prompt_token_ids)  # not the properties: asked of every running sequence, every step
     return p <= start == p + len(seq.output_token_ids) - 1 and seq.seq_id not in snapshot_ends

@@ -1,10 +1,8 @@
 """The scheduler's plan for one step (vLLM v1's `SchedulerOutput`): what each scheduled sequence computes, which
 requests are new to the model runner, and the copies the cache owners make first.
 
-A step whose every sequence decodes the token it generated last comes as columns (`DecodeColumns`, vLLM v1's
-`CachedRequestData` for the case that fills a decode-heavy batch): the sequences, their ids and their starts as
-arrays, the few new pages by place. The model runner and the output processor read the columns; anything else
-reads `scheduled`, which makes each sequence's `ScheduledSequence` from them the first time it is asked.
+After the forward, what the step sampled comes back as one value (`SampledOutput`), which one scheduler method
+applies (`Scheduler.update_from_output`).
 
 A scheduled sequence carries, of its block tables, only what changed since the runner last saw them
 (`new_block_ids`, from the block manager's record of what it has handed on): nothing for most decodes, one page
@@ -21,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from .cache_spec import PageCopy, UnitCopies
 from .sequence import Sequence
@@ -115,42 +111,11 @@ class ScheduledSequence:
         )
 
 
-@dataclass(slots=True)
-class DecodeColumns:
-    """A step in which each sequence decodes its last token, a generated one (`ScheduledSequence.decode`'s case:
-    one token at its start, sampled, no prompt position scored, no state unit), as columns."""
-
-    seqs: list[Sequence]
-    req_ids: list[int]  # each one's seq_id (the runner's row of it)
-    positions: np.ndarray  # [S] int64: each one's token's position, its computed count
-    # the tokens each may reach (Sequence.reserved_tokens): it finishes by length when its count reaches them
-    limits: np.ndarray
-    stops_at_eos: np.ndarray  # [S] bool: each one's request does not ignore EOS
-    # the scheduler's steady columns that planned it (steady_decodes.SteadyDecodes), which hold the tokens the
-    # step generates for the sequences (`generated`)
-    owner: Any
-    # by place: what changed in the tables of those crossing into a new page
-    new_block_ids: dict[int, NewBlockIds] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def scheduled(self) -> list[ScheduledSequence]:
-        """Each sequence's `ScheduledSequence`, for the readers of a plan that do not read columns."""
-        decode, news = ScheduledSequence.decode, self.new_block_ids
-        return [
-            decode(seq, start, (), news.get(i))
-            for i, (seq, start) in enumerate(zip(self.seqs, self.positions.tolist()))
-        ]
-
-
 @dataclass
 class SchedulerOutput:
-    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest. Its sequences
-    are `scheduled` or, in a step of decodes alone planned over columns, `decodes` (one of the two at a time)."""
+    """The plan for one step; the KV-cache owner applies the copies, the model runner the rest."""
 
-    decodes: DecodeColumns | None = None
-    _scheduled: list[ScheduledSequence] = field(default_factory=list)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)  # admitted: the model runner's new rows
     swap_out: list[PageCopy] = field(default_factory=list)  # accelerator page -> CPU page
     swap_in: list[PageCopy] = field(default_factory=list)  # CPU page -> accelerator page
@@ -170,16 +135,8 @@ class SchedulerOutput:
     tables_changed: bool = False
 
     @property
-    def scheduled(self) -> list[ScheduledSequence]:
-        """The step's sequences in order, each as a `ScheduledSequence` (a plan of columns is made one here and
-        is one from then on: the scheduler appends what it plans after its decodes)."""
-        if self.decodes is not None:
-            self._scheduled, self.decodes = self.decodes.scheduled() + self._scheduled, None
-        return self._scheduled
-
-    @property
     def num_scheduled(self) -> int:
-        return len(self._scheduled) if self.decodes is None else len(self.decodes)
+        return len(self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -188,17 +145,30 @@ class SchedulerOutput:
     @property
     def req_ids(self) -> list[int]:
         """The step's sequences' ids, in order."""
-        return [s.req_id for s in self._scheduled] if self.decodes is None else self.decodes.req_ids
+        return [s.req_id for s in self.scheduled]
 
     @property
     def seqs(self) -> list[Sequence]:
         """The step's sequences, in order."""
-        return [s.seq for s in self._scheduled] if self.decodes is None else self.decodes.seqs
+        return [s.seq for s in self.scheduled]
 
     def table_changes(self) -> tuple[list[int], list]:
         """The places in the step whose block tables changed, and what changed in each (NewBlockIds)."""
-        if self.decodes is not None:
-            news = self.decodes.new_block_ids
-            return list(news), list(news.values())
-        changed = [(i, s.new_block_ids) for i, s in enumerate(self._scheduled) if s.new_block_ids is not None]
+        changed = [(i, s.new_block_ids) for i, s in enumerate(self.scheduled) if s.new_block_ids is not None]
         return [i for i, _ in changed], [new for _, new in changed]
+
+
+@dataclass
+class SampledOutput:
+    """What a step's forward gave back, as the output processor sampled it (the one return the scheduler applies,
+    `Scheduler.update_from_output`): the sequences that sampled, in order, and their tokens; the samples forked
+    from a prompt finished this step (parent, child: each child samples from its parent's row, among `seqs`); the
+    scoring sequences (max_new_tokens 0) whose prompt is scored, so done; and the places in `seqs` that end by a
+    stop: a grammar's end, or a stop string where EOS does not end them first (the output processor's checks)."""
+
+    seqs: list[Sequence]
+    tokens: list[int]
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    scored: list[Sequence] = field(default_factory=list)
+    stopped: set[int] = field(default_factory=set)
+    num_prompt_tokens: int = 0  # prompt tokens the step computed (recomputed ones included)

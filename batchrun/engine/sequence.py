@@ -19,13 +19,8 @@ class Sequence:
     `num_computed_tokens` counts tokens whose K/V is in the cache (prefix-cache hits included); the tokens
     `token_ids[num_computed_tokens:]` are what the next forward passes must compute. The block manager sets it
     when the sequence is admitted (its cached prefix) or forked (its parent's), the scheduler after each step
-    (`Scheduler.computed`) and for a sequence preempted by recompute, which goes back to 0 and computes prompt +
-    generated tokens again as one longer prompt.
-
-    While every running sequence only decodes, the scheduler's steady batch (steady_decodes.py) keeps their new
-    tokens and computed counts as columns instead of writing each sequence every step (after a forward that
-    streams the KV cache through the processor's caches, touching a Python object costs a miss to memory): the two
-    are properties that have it write a sequence's in first, so a reader never sees them behind.
+    (`Scheduler.update_from_output`) and for a sequence preempted by recompute, which goes back to 0 and computes
+    prompt + generated tokens again as one longer prompt.
     """
 
     seq_id: int
@@ -33,10 +28,8 @@ class Sequence:
     params: SamplingParams
     request: Any = None  # the job's handle for the row this sequence answers
     sample_index: int = 0
-    # output_token_ids and num_computed_tokens (the properties below) as last written here: behind by the tokens
-    # a steady decode batch holds for it still (`_pending`)
-    _output_token_ids: list[int] = field(default_factory=list, repr=False)
-    _num_computed_tokens: int = field(default=0, repr=False)
+    output_token_ids: list[int] = field(default_factory=list)  # the tokens generated so far
+    num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_siblings_to_fork: int = 0  # n - 1 until the prompt is prefilled; then the samples are forked
     sibling_seeds: list[int] = field(default_factory=list)  # the generator seed of each sample 0 .. n-1
@@ -53,34 +46,6 @@ class Sequence:
     # (the output processor's check) and what a contiguous reservation would hold for it (the statistics sum it
     # over the running sequences every step); set where the engine makes it
     reserved_tokens: int = 0
-    # the steady decode batch (steady_decodes.SteadyDecodes) holding tokens generated for it and its computed
-    # count, not yet written here: it writes them in when either is read or written; None: none held
-    _pending: Any = field(default=None, repr=False)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """The tokens generated so far."""
-        if self._pending is not None:
-            self._pending.write_back(self)
-        return self._output_token_ids
-
-    @output_token_ids.setter
-    def output_token_ids(self, tokens: list[int]) -> None:
-        if self._pending is not None:
-            self._pending.release()
-        self._output_token_ids = tokens
-
-    @property
-    def num_computed_tokens(self) -> int:
-        if self._pending is not None:
-            self._pending.write_back(self)
-        return self._num_computed_tokens
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, n: int) -> None:
-        if self._pending is not None:
-            self._pending.release()
-        self._num_computed_tokens = n
 
     @property
     def cache_salt(self) -> bytes | None:
@@ -111,17 +76,3 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without building the whole list (the model runner asks every step)."""
-        p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
-
-    def token_at(self, position: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
-
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
