@@ -51,10 +51,10 @@ from .attention import (
 from .attention.reference import attend
 from .cache_spec import KVCacheSpec, KVGroups, KVShape, StateSpec
 from .families import QueryScaleFix
-from .kv_cache import decoder_of, text_config
 from .per_sequence_rope import PerSequenceRope
 from .state_cache import StateProbe
 from .stateful_layers import prepare_stateful_layers, stateful_modules
+from .structure import decoder_of, text_config
 
 # layer types that neither attend nor keep a state: feed-forward blocks alone (Nemotron-H's `mlp` and `moe`)
 FEED_FORWARD_LAYER_TYPES = frozenset({"mlp", "moe"})

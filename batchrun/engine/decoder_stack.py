@@ -38,7 +38,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from .attention import ATTENTION_NAME
 from .cpu_linear import hooked
 from .fused_elementwise import forward_source, statements
-from .kv_cache import decoder_of
+from .structure import decoder_of
 
 # the causal LM's forward: the model's last hidden states, the kept positions, the LM head (Llama's; also
 # Qwen2's, Mistral's, Phi-3's and some thirty others')

@@ -24,20 +24,6 @@ import torch
 from .cache_spec import KVCacheSpec, KVShape, PageCopy
 
 
-def text_config(cfg):
-    """The language model's config (a vision-language model's `text_config`; the config itself otherwise)."""
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's decoder stack: what transformers' `get_decoder` finds, except where that lookup (by the
-    attribute name `decoder` first) finds the LM head (ModernBERT-decoder's): the base model then."""
-    if not hasattr(model, "get_decoder"):
-        return model
-    decoder = model.get_decoder()
-    return model.base_model if decoder is model.get_output_embeddings() else decoder
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeroed pages. On the CPU an anonymous mapping, which the OS zeroes lazily, 4 KiB at a time: the process
     grows only by the pages actually written, and start-up touches nothing. Not in 2 MiB pages (numpy's calloc

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInput
-from .kv_cache import decoder_of
 from .lora_config import WEIGHT_FILES, AdapterConfig
+from .structure import decoder_of
 
 # a tensor's key: its module, and which of the adapter's tensors it is -- lora_A or lora_B of a linear layer, an
 # embedding's lora_embedding_A or _B, or a base layer saved whole beside them (PEFT's save_embedding_layers)

@@ -24,13 +24,13 @@ from .architecture import ModelAttention, inspect_model
 from .attention import refusal as refusal_of
 from .cache_spec import KVCacheSpec
 from .families import ImageBlocks, MRope
-from .kv_cache import text_config
 from .lora import LoRAManager, manager_of
 from .multimodal import image_token_id, images_unsupported_reason
 from .per_sequence_rope import PerSequenceRope
 from .quantization import computes_each_prompt_whole, computes_per_sequence
 from .scheduler_output import ChunkRules
 from .sizing import model_max_len
+from .structure import text_config
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from .attention import (
     products_as_generate,
 )
 from .input_batch import InputBatch
-from .kv_cache import text_config
 from .model_plan import ModelPlan
 from .multimodal import EncoderCache
 from .scheduler_output import SchedulerOutput
 from .staging import StepStaging
+from .structure import text_config
 
 
 class ModelRunner:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from . import families
-from .kv_cache import text_config
+from .structure import text_config
 
 
 @dataclass

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 from itertools import islice
+from typing import Protocol
 
 import numpy as np
 
 from .config import EngineConfig
 from .kv_coordinator import KVCacheCoordinator
-from .multimodal import EncoderCache
 from .running_rows import RunningRows
 from .scheduler_output import ChunkRules, NewRequest, SampledOutput, ScheduledSequence, SchedulerOutput
 from .sequence import Sequence
@@ -33,13 +33,25 @@ def _adapter_order(s: ScheduledSequence) -> int:
     return -1 if s.seq.adapter is None else s.seq.adapter
 
 
+class ImageBudget(Protocol):
+    """What the scheduler asks of a vision-language model's image features waiting for prefill (the runner's
+    `multimodal.EncoderCache` answers): the scheduler plans within their budget and imports nothing of the
+    runner's side."""
+
+    def new_step(self) -> None: ...
+
+    def fit(self, seq: Sequence, start: int, n: int) -> int: ...
+
+    def take(self, seq: Sequence, start: int, n: int) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
         kv: KVCacheCoordinator,
         rules: ChunkRules = ChunkRules(),  # noqa: B008 - frozen, so one default shared by all is safe
-        encoder: EncoderCache | None = None,
+        encoder: ImageBudget | None = None,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv`: what sequences hold in the cache (pages, and a hybrid model's state slots), one call per action;

@@ -21,9 +21,9 @@ from ..host import available_ram
 from .architecture import inspect_model
 from .cache_spec import StateSpec
 from .config import EngineConfig
-from .kv_cache import text_config
 from .loading import meta_paged_model
 from .state_slots import StatePool, state_pool
+from .structure import text_config
 
 CPU_KV_SHARE = 0.1  # on the CPU, kv_cache_memory as a fraction means a fraction of a tenth of available RAM
 # engine.swap_space unset: this share of the RAM available at start, and no more than AUTO_SWAP_MAX

@@ -20,8 +20,8 @@ import torch
 
 from . import families
 from .attention import AttentionMetadata, UnsupportedModel, refusal
-from .kv_cache import decoder_of
 from .state_cache import StateCache, StatefulCall
+from .structure import decoder_of
 
 # how a module keeps a state through transformers' cache interface: the calls of it in its source (a family's
 # own names for them included)
