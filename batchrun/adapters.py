@@ -3,7 +3,7 @@ and its weights), given as a local path, an fsspec URL (s3://, gs://, hf://, ...
 (read from the local Hugging Face cache, or downloaded there unless HF_HUB_OFFLINE=1, as `model.path` is).
 
 A URL's two files are copied once into the cache folder (`$BATCHRUN_CACHE/adapters/`), keyed by the URL; each
-adapter's config is read and checked here (engine/lora_config.py) when the job is validated, before any model
+adapter's config is read and checked here (engine/model/lora/config.py) when the job is validated, before any model
 is loaded, so a DoRA adapter or one over engine.max_lora_rank is exit 2 at once; and its weights' names and shapes
 against the model's config (`check_adapters`), so an adapter of another base model is too.
 """
@@ -16,7 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .engine.lora_config import CONFIG_FILE, WEIGHT_FILES, AdapterConfig, read_adapter_config
+from batchrun.engine.model.lora.config import CONFIG_FILE, WEIGHT_FILES, AdapterConfig, read_adapter_config
+
 from .errors import BadInput
 from .host import cache_dir
 from .model_loader import from_hub, is_hub_id
@@ -82,8 +83,8 @@ def check_adapters(adapters: dict[str, tuple[Path, AdapterConfig]], model_config
     that cannot be made there is the load's to report (the load checks the adapters again, on the model itself)."""
     if not adapters:
         return
-    from .engine.loading import meta_paged_model
-    from .engine.lora_weights import check_adapter
+    from batchrun.engine.model.loading import meta_paged_model
+    from batchrun.engine.model.lora.weights import check_adapter
 
     try:
         model = meta_paged_model(model_config)

@@ -17,6 +17,9 @@ from typing import Any, Union
 
 import yaml
 
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.pooling.pooler import TASKS, PoolerConfig
+
 from .checks import (
     FieldError,
     TypeMismatch,
@@ -27,8 +30,6 @@ from .checks import (
     one_of,
     parse_size,
 )
-from .engine.config import EngineConfig, SamplingParams
-from .engine.pooler import TASKS, PoolerConfig
 from .errors import BadInput
 from .storage import is_url, location
 
@@ -58,7 +59,7 @@ class ModelSpec:
     chat_template: bool = True
     system_prompt: str | None = None
     max_model_len: int | None = field(default=None, metadata={"check": at_least(1)})
-    # LoRA adapters over the model (adapters.py, engine/lora.py): {name: a PEFT adapter folder, URL or hub id}
+    # LoRA adapters over the model (adapters.py, engine/model/lora/layers.py): {name: a PEFT adapter folder, URL or hub id}
     adapters: dict[str, str] = field(default_factory=dict, metadata={"check": _adapter_names})
     # the adapter of every row that names none (input.adapter_column's null cells too); None: the base model
     adapter: str | None = None
@@ -214,7 +215,7 @@ class JobSpec:
     task: str = field(default="generate", metadata={"check": one_of(*TASKS)})
     pooler: PoolerConfig = field(
         default_factory=PoolerConfig
-    )  # a pooling task's overrides (engine/pooler.py)
+    )  # a pooling task's overrides (engine/pooling/pooler.py)
     source_file: str = field(default="<job>", metadata={"internal": True})
 
     @property

@@ -392,7 +392,7 @@ def check_job(spec: JobSpec, limit: int | None) -> CheckedJob:
     # a pooling job's pooler keys against the checkpoint's files (an impossible combination)
     checkpoint = open_checkpoint(spec) if spec.task != "generate" else None
     if spec.sampling.structured:
-        from .engine.structured import check_format
+        from batchrun.engine.structured import check_format
 
         try:
             check_format(spec.sampling.response_format)

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from batchrun.engine import Engine, EngineConfig, SamplingParams, Sequence
+from batchrun.engine.model.quantization import Weights, checkpoint_format
+from batchrun.engine.model.sizing import check_max_model_len, check_memory_budget
+from batchrun.engine.pooling.pooler import PoolerConfig
+
 from .config import ModelSpec
-from .engine import Engine, EngineConfig, SamplingParams, Sequence
-from .engine.pooler import PoolerConfig
-from .engine.quantization import Weights, checkpoint_format
-from .engine.sizing import check_max_model_len, check_memory_budget
 from .errors import BadInput
 from .host import Placement, place, warn_slow_dtype
 from .loop import drive
@@ -151,7 +152,9 @@ class LLM:
             raise BadInput(f"LLM(...): runner={runner!r}; expected generate or pooling")
         if pooler is not None and runner != "pooling":
             raise BadInput("LLM(...): pooler= applies to runner='pooling'")
-        self.pooling = None  # runner="pooling": the pooling runner (engine/pooling.py), in place of an engine
+        self.pooling = (
+            None  # runner="pooling": the pooling runner (engine/pooling/runner.py), in place of an engine
+        )
         if runner == "pooling":
             from .pooling_worker import load_runner
 
@@ -174,9 +177,10 @@ class LLM:
     def _load(
         self, model: ModelSpec, engine: EngineConfig, source: str, placement: Placement | None = None
     ) -> None:
+        from batchrun.engine.model import loading
+        from batchrun.engine.model.prepare import Preparation, prepare_model
+
         from . import model_loader
-        from .engine import loading
-        from .engine.prepare import Preparation, prepare_model
 
         placement = placement or place(engine.device, model.dtype)
         self.device, self.dtype = placement.device, placement.dtype
@@ -202,7 +206,7 @@ class LLM:
         )
         # the weights' format and bytes in memory, for the summary (counted before any packing for oneDNN)
         self.weights = Weights.of(hf_model, checkpoint_format(config))
-        # LoRA's layers wrapped, then the CPU rewrites (engine/prepare.py): how many modules each rewrote
+        # LoRA's layers wrapped, then the CPU rewrites (engine/model/prepare.py): how many modules each rewrote
         self.rewrites = prepare_model(
             hf_model,
             Preparation(self.device, self.dtype, engine.pack_weights, adapters, engine.max_loras),
@@ -282,7 +286,7 @@ class LLM:
     def _process(self, text: str, pictures: list, what: str) -> Prompt:
         """Text holding the model's image placeholders, and its PIL images, through the model's processor (which
         expands each placeholder into the image's tokens) into a prompt with its image inputs."""
-        from .engine.multimodal import ImageInputs
+        from batchrun.engine.model.multimodal import ImageInputs
 
         try:
             outputs = self.processor(text=text, images=pictures, return_tensors="pt")

@@ -1,5 +1,5 @@
 """The engine side of a pooling job (task: embed, classify, score, reward): rows in, one output row each out, on
-one pooling runner (engine/pooling.py, engine/classifier.py). It is worker.py's `RowWorker` for generation, in the
+one pooling runner (engine/pooling/runner.py, engine/pooling/classifier.py). It is worker.py's `RowWorker` for generation, in the
 same loop (loop.drive), job, replicas, part files and resume: a row's input is tokenized as its task takes it
 (`PoolingWorker.tokens_of`: a text as sentence-transformers or transformers do, a pair as the tokenizer makes a
 pair, a conversation through the chat template; a bad row becomes its error row at once), queued, and comes back
@@ -14,10 +14,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.pooling.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
+from batchrun.engine.pooling.sentence_config import (
+    SentenceConfigError,
+    read_cross_encoder_config,
+    read_sentence_config,
+)
+
 from .config import JobSpec, ModelSpec
-from .engine.config import EngineConfig
-from .engine.pooler import PoolerConfig, PoolingPlan, prompt_of, resolve
-from .engine.sentence_config import SentenceConfigError, read_cross_encoder_config, read_sentence_config
 from .errors import BadInput
 from .host import Placement, available_ram, place, warn_slow_dtype
 from .model_loader import ModelFolder, load_config, open_model
@@ -51,9 +56,9 @@ def check_head(model_dir: Path, config, task: str, where: str, api: bool = False
     read one logit (BadInput naming `task` for a head of several labels: classify gives their probabilities, of
     pairs too), and score's activation, read as sentence-transformers' CrossEncoder reads it, must be one batchrun
     applies. `api`: the Python API asks (`where` is its method), and the refusal speaks its words."""
-    from .engine.attention import UnsupportedModel
-    from .engine.classifier import score_activation
-    from .engine.sentence_config import cross_encoder_activation
+    from batchrun.engine.attention import UnsupportedModel
+    from batchrun.engine.pooling.classifier import score_activation
+    from batchrun.engine.pooling.sentence_config import cross_encoder_activation
 
     if task in ("score", "reward") and config.num_labels != 1:
         labels = (
@@ -165,8 +170,8 @@ def load_runner(
     None: as the checkpoint is (task_of). `checkpoint`: the one the job read when it was checked; None (the
     Python API, a replica's process): the folder and its config are found and read here, once (open_model), the
     checkpoint's other files once (read_checkpoint). The runner loads the model from what was read."""
-    from .engine.classifier import ClassifierRunner
-    from .engine.pooling import PoolingRunner
+    from batchrun.engine.pooling.classifier import ClassifierRunner
+    from batchrun.engine.pooling.runner import PoolingRunner
 
     placement = placement or place(engine.device, model.dtype)
     warn_slow_dtype(placement)

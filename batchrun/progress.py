@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-    from .engine import Sequence
+    from batchrun.engine import Sequence
 
 # tqdm's default, less its own remaining time (of finished rows): ours is in the postfix
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"

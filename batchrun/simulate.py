@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from batchrun.engine.core.page_pool import cdiv
+
 from . import storage
-from .engine.page_pool import cdiv
 from .errors import BadInput
 
 

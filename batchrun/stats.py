@@ -4,7 +4,7 @@ Definitions are docs/statistics.md's. A snapshot is taken after the step's forwa
 the engine's `memory_snapshot()`; P is the page size; sums run over the sequences holding accelerator pages
 (`num_running`). `COLUMNS` and `SUMMARY_KEYS` are the one list of each: the writer, `batchrun stats` and the
 lists of docs/statistics.md (checked by a test) follow them. What they hold of the units a sequence keeps beside its pages
-(a hybrid's state slots) is derived from the cache managers' `usage_columns` (engine/state_slots.py, read
+(a hybrid's state slots) is derived from the cache managers' `usage_columns` (engine/core/state_slots.py, read
 without torch): a new manager's columns and summary keys are one entry of `KIND_USAGE`.
 """
 
@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.engine.core.state_slots import StateSlots
+from batchrun.engine.timing import PHASES, summary_key
+
 from . import storage
-from .engine.state_slots import StateSlots
-from .engine.timing import PHASES, summary_key
 from .rows import FINGERPRINT_KEY
 
 if TYPE_CHECKING:  # `batchrun stats` reads files: it needs neither torch nor the engine
-    from .engine import Engine, StepResult
+    from batchrun.engine import Engine, StepResult
 
 SUMMARY_KEY = b"batchrun.summary"
 
@@ -170,7 +171,7 @@ SUMMARY_KEYS = {
     "truncated_rows": ("sum", "sum"),  # a pooling job's texts cut at the longest the model takes
     # a bf16/fp16 pooling job's first texts pooled again in fp32 (fp32_sample.py), merged row for row
     "fp32_sample": (merge_fp32_samples, merge_fp32_samples),
-    # LoRA adapters (engine/lora.py): per adapter name, the rows finished, their prompt and generated tokens
+    # LoRA adapters (engine/model/lora/layers.py): per adapter name, the rows finished, their prompt and generated tokens
     "adapter_rows": ("counts", "counts"),
     "adapter_prompt_tokens": ("counts", "counts"),
     "adapter_generated_tokens": ("counts", "counts"),

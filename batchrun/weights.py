@@ -22,9 +22,10 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchrun.engine.model.lora.config import CONFIG_FILE, WEIGHT_FILES
+
 from .adapters import adapter_folder
 from .config import JobSpec
-from .engine.lora_config import CONFIG_FILE, WEIGHT_FILES
 from .model_loader import default_model_file, is_hub_id
 from .rows import InputRow, row_adapter
 

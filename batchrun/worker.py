@@ -11,9 +11,10 @@ import json
 import time
 from dataclasses import dataclass
 
+from batchrun.engine import SamplingParams
+from batchrun.engine.model.sizing import AUTO_SWAP_RULE
+
 from .config import JobSpec, coerce_field
-from .engine import SamplingParams
-from .engine.sizing import AUTO_SWAP_RULE
 from .errors import BadInput
 from .host import Placement, slow_dtype
 from .llm import LLM, Prompt

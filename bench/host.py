@@ -122,14 +122,14 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def make_engine(
     model_dir: Path, max_num_seqs: int, dtype: str = "float32", adapters: list[str] | None = None
 ):
-    """An engine on the CPU, its model prepared as LLM prepares it (engine/prepare.py), but that in fp32 its
+    """An engine on the CPU, its model prepared as LLM prepares it (engine/model/prepare.py), but that in fp32 its
     weights stay as HF holds them (not packed for oneDNN); `adapters`: LoRA folders, attached as a0, a1, ..."""
     import torch
 
     from batchrun.adapters import read_adapters
     from batchrun.engine import Engine, EngineConfig, LoadedModel
-    from batchrun.engine.loading import load_model
-    from batchrun.engine.prepare import Preparation, prepare_model
+    from batchrun.engine.model.loading import load_model
+    from batchrun.engine.model.prepare import Preparation, prepare_model
 
     torch_dtype, cpu = getattr(torch, dtype), torch.device("cpu")
     tok, model = load_model(model_dir, torch_dtype, cpu)

@@ -1,4 +1,4 @@
-"""The host time of per-sequence RoPE factors (engine/per_sequence_rope.py): `step_embeddings` for a step of
+"""The host time of per-sequence RoPE factors (engine/model/ops/per_sequence_rope.py): `step_embeddings` for a step of
 decodes past the original context, on the test matrix's tiny LongRoPE Phi-3 and dynamic NTK Llama.
 
   OMP_NUM_THREADS=1 python -m bench.per_sequence_rope
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 def main() -> None:
     from test_families import models
 
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     for family in ("phi3:longrope", "llama:dynamic_ntk"):
         rope = inspect_model(models(family)[0]).rope

@@ -34,7 +34,7 @@ def hf_tokens_per_s(target: Path, prompts: list[list[int]], new: int) -> tuple[f
     import torch
     from transformers import AutoModelForCausalLM
 
-    from batchrun.engine.quantization import weight_bytes
+    from batchrun.engine.model.quantization import weight_bytes
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     generated, t0 = 0, time.perf_counter()

@@ -31,7 +31,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tok_model(model_dir):
     """The embedded default model with batchrun's paged attention (fp32, CPU)."""
-    from batchrun.engine.loading import load_model
+    from batchrun.engine.model.loading import load_model
 
     return load_model(model_dir, torch.float32, torch.device("cpu"))
 

@@ -33,7 +33,7 @@ def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
     return bool((err <= ulps * eps * want.float().abs() + torch.finfo(want.dtype).tiny).all())
 
 
-# ---- engine/fused_elementwise.py's modules against HF's (test_fused_elementwise_families, test_quantized)
+# ---- engine/model/ops/fused_elementwise.py's modules against HF's (test_fused_elementwise_families, test_quantized)
 def record_calls(model, ids: torch.Tensor, before=lambda: None) -> dict[torch.nn.Module, list]:
     """One forward under HF's modules (after `before()`: a vision tower's, say): each module's calls as (args,
     kwargs, output), in call order."""
@@ -54,7 +54,7 @@ def record_calls(model, ids: torch.Tensor, before=lambda: None) -> dict[torch.nn
 def check_fused(fused: torch.nn.Module, calls: dict) -> tuple[int, int]:
     """Each of the HF module's recorded calls through its fused replacement, every value within the kernel's
     ulps of HF's; returns how many values were bit-equal, of how many."""
-    from batchrun.engine.fused_elementwise import SiluAndMulMLP
+    from batchrun.engine.model.ops.fused_elementwise import SiluAndMulMLP
 
     hf = fused._hf[0]
     assert calls.get(hf), f"{type(hf).__name__} was not called by the forward"
@@ -77,7 +77,7 @@ def check_fused(fused: torch.nn.Module, calls: dict) -> tuple[int, int]:
 
 
 def fused_modules(model) -> list[torch.nn.Module]:
-    from batchrun.engine.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
+    from batchrun.engine.model.ops.fused_elementwise import FusedRMSNorm, SiluAndMulMLP
 
     return [m for m in model.modules() if isinstance(m, FusedRMSNorm | SiluAndMulMLP)]
 
@@ -85,7 +85,7 @@ def fused_modules(model) -> list[torch.nn.Module]:
 def make_engine(tok_model, num_cpu_pages: int = 1024, max_model_len: int = 8192, **overrides):
     """An engine on the CPU with the torch backend; `overrides` are EngineConfig keys (the job's engine:)."""
     from batchrun.engine import Engine, EngineConfig, LoadedModel
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     tok, model = tok_model
     cfg = dict(
@@ -120,7 +120,7 @@ def paged_model_from_config(config, dtype: torch.dtype = torch.float32):
     """A random-weight model from a config, with batchrun's attention as the engine loads a model directory's
     (the tests' architecture matrix)."""
     from batchrun.engine.attention import register
-    from batchrun.engine.loading import attention_implementation, model_class, refused_attention
+    from batchrun.engine.model.loading import attention_implementation, model_class, refused_attention
 
     register()
     with refused_attention(config):

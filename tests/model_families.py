@@ -460,7 +460,7 @@ LLAMA_FORM.update(
 )
 
 # the families whose attention calls its modeling file's `apply_rotary_pos_emb` in a form batchrun's rotary kernel
-# computes (engine/fused_rotary.py), read from each modeling file: Llama's (q * cos + rotate_half(q) * sin with
+# computes (engine/model/ops/fused_rotary.py), read from each modeling file: Llama's (q * cos + rotate_half(q) * sin with
 # Llama's rotate_half), OLMo's (the same, cast to q's dtype), or partial rotary (cos's width rotated, the rest
 # passed through: GPT-NeoX's, Phi-3's own, the Qwen 3.5 / Next and hybrids' copies). Not here: Cohere's
 # (interleaved halves in fp32), GLM's and DeepSeek's interleaved pairs (DeepSeek-V3's config interleaves by

@@ -12,7 +12,7 @@ from batchrun.engine.attention import FULL, LayerCall, LayerSpec, MaskKind, make
 from batchrun.engine.attention import backends as registry
 from batchrun.engine.attention.backends import AttentionBackend, AttentionLayers, Capabilities
 from batchrun.engine.attention.backends.cpu_paged import TorchAttention
-from batchrun.engine.cache_spec import KVCacheSpec, KVGroups, KVShape
+from batchrun.engine.core.cache_spec import KVCacheSpec, KVGroups, KVShape
 from batchrun.errors import BadInput
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # no tensor is made: no GPU needed

@@ -5,12 +5,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchrun.engine.attention import FULL, MaskKind
-from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
-from batchrun.engine.kv_coordinator import KVCacheCoordinator
-from batchrun.engine.scheduler import Scheduler
-from batchrun.engine.scheduler_output import SampledOutput, ScheduledSequence
-from batchrun.engine.sequence import NULL_PAGE, Sequence
+from batchrun.engine.core.block_manager import BlockManager
+from batchrun.engine.core.kv_coordinator import KVCacheCoordinator
+from batchrun.engine.core.scheduler import Scheduler
+from batchrun.engine.core.scheduler_output import SampledOutput, ScheduledSequence
+from batchrun.engine.core.sequence import NULL_PAGE, Sequence
 
 # KV cache groups, as the engine makes them from the layers' mask kinds: one full group (no window), a full
 # group beside a sliding one of 5 tokens, a sliding group alone, a full group beside a chunked one of 8
@@ -375,7 +375,7 @@ def test_abort_gives_back_the_snapshots_planned_but_not_copied():
     """A hybrid's prefix snapshot is planned in one step and copied before the next: abort_all in between drops
     that copy, so the snapshot must not stay indexed (a later prompt with the same prefix would start from a slot
     never filled), and no sequence's snapshot boundary is kept."""
-    from batchrun.engine.state_slots import StateSlots
+    from batchrun.engine.core.state_slots import StateSlots
 
     bm, states = BlockManager(64, 4, 16), StateSlots(4, 2, 2)
     scheduler = Scheduler(
@@ -400,7 +400,7 @@ def test_block_table_rows_follow_every_kind_of_change():
     plain lists: a whole table (admission, swap-in, fork), a page appended, the last page replaced (copy on
     write), both in one plan, a shorter table rewritten (a recompute readmitted), rows in and out of order, the
     buffer widened and given more rows, and tables left unchanged."""
-    from batchrun.engine.block_table_buffer import BlockTableBuffer
+    from batchrun.engine.worker.block_table_buffer import BlockTableBuffer
 
     buffer = BlockTableBuffer(num_groups=2, capacity=2)
     tables = {}
@@ -439,7 +439,7 @@ def test_block_table_steps_reuse_the_last_tables_until_a_write():
     tables as they are (BlockTableBuffer._last); anything else makes them again. Each step's tables against a
     recount of what was written (plain lists), over rows in order (views of the unpinned buffers) and out of
     order (gathered)."""
-    from batchrun.engine.block_table_buffer import BlockTableBuffer
+    from batchrun.engine.worker.block_table_buffer import BlockTableBuffer
 
     buffer = BlockTableBuffer(num_groups=2, capacity=4)
     tables = {}

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 from test_block_manager import drive, seq
 
-from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.cache_spec import UnitCopy, Usage, UsageColumns
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.kv_coordinator import CacheManager, KVCacheCoordinator
-from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.core.block_manager import BlockManager
+from batchrun.engine.core.cache_spec import UnitCopy, Usage, UsageColumns
+from batchrun.engine.core.kv_coordinator import CacheManager, KVCacheCoordinator
+from batchrun.engine.core.scheduler import Scheduler
 
 
 @dataclass(eq=False)

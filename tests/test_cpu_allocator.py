@@ -1,5 +1,5 @@
 """Host memory of a CPU engine. Large blocks are reused between steps once the engine tells glibc's malloc to keep
-them (engine/cpu_allocator.py): a step's logits over 200 rows (39 MB, above glibc's largest own mmap threshold)
+them (engine/model/ops/cpu_allocator.py): a step's logits over 200 rows (39 MB, above glibc's largest own mmap threshold)
 are mapped afresh and faulted in page by page every step by default, and come from the heap after. The KV pool
 is zeroed lazily, 4 KiB at a time (kv_cache.py)."""
 
@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from batchrun.engine.cache_spec import KVCacheSpec, KVGroups, KVShape
-from batchrun.engine.kv_cache import KVCache
+from batchrun.engine.core.cache_spec import KVCacheSpec, KVGroups, KVShape
+from batchrun.engine.worker.kv_cache import KVCache
 
 PROBE = """
 import random, resource, sys, torch
-from batchrun.engine import cpu_allocator
+from batchrun.engine.model.ops import cpu_allocator
 if sys.argv[2] == "default":
     cpu_allocator.keep_freed_blocks = lambda: False
 from batchrun import LLM, SamplingParams
@@ -103,7 +103,7 @@ def test_bf16_weights_are_packed_only_where_the_cpu_can(monkeypatch, flags, bf16
     """issue 24, item 6: `dtype: bfloat16` on an AVX2-only CPU crashed in the weight packing; the capability
     check decides, forced here since the test machine's CPU varies."""
     from batchrun import host
-    from batchrun.engine import cpu_linear
+    from batchrun.engine.model.ops import cpu_linear
 
     monkeypatch.setattr(host, "cpu_description", lambda: f"model name\t: test CPU\nflags\t\t: {flags}")
     assert cpu_linear.available(torch.bfloat16) is bf16

@@ -17,13 +17,13 @@ import pytest
 from test_block_manager import RunnerTables
 
 from batchrun.engine.attention import FULL, MaskKind
-from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.config import EngineConfig, SamplingParams
-from batchrun.engine.kv_coordinator import KVCacheCoordinator
-from batchrun.engine.running_rows import RunningRows
-from batchrun.engine.scheduler import Scheduler
-from batchrun.engine.scheduler_output import SampledOutput
-from batchrun.engine.sequence import NULL_PAGE, Sequence
+from batchrun.engine.core.block_manager import BlockManager
+from batchrun.engine.core.kv_coordinator import KVCacheCoordinator
+from batchrun.engine.core.running_rows import RunningRows
+from batchrun.engine.core.scheduler import Scheduler
+from batchrun.engine.core.scheduler_output import SampledOutput
+from batchrun.engine.core.sequence import NULL_PAGE, Sequence
 
 P = 16
 

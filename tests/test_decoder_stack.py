@@ -1,4 +1,4 @@
-"""batchrun's own outer forward (engine/decoder_stack.py) against HF's: the same logits, bit for bit, at every step
+"""batchrun's own outer forward (engine/model/ops/decoder_stack.py) against HF's: the same logits, bit for bit, at every step
 of one workload (chunked prompts, steps where nothing samples, decodes); the families whose outer forwards do
 more than the known forms keep HF's; a hook on either outer module still sees every call."""
 
@@ -7,8 +7,9 @@ import torch
 from model_families import SUPPORTED, perturb, tiny_config
 from test_families import build, family_engine, prompts
 
-from batchrun.engine import SamplingParams, decoder_stack
-from batchrun.engine.decoder_stack import DecoderStack, HFForward
+from batchrun.engine import SamplingParams
+from batchrun.engine.model.ops import decoder_stack
+from batchrun.engine.model.ops.decoder_stack import DecoderStack, HFForward
 
 # families whose outer forwards are the known forms (Llama's; Qwen2's per-layer-type masks; the config's own
 # layer kinds: q/k norms, NoPE layers, partial rotary, post-norms, dynamic NTK's stateful rotary module)

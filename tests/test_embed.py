@@ -22,7 +22,7 @@ from embedding_models import (
 )
 from helpers import run_cli
 
-from batchrun.engine.pooler import PoolerConfig
+from batchrun.engine.pooling.pooler import PoolerConfig
 from batchrun.errors import BadInput
 from batchrun.job import run_job
 from batchrun.model_loader import open_model
@@ -628,7 +628,7 @@ def test_the_generation_engine_refuses_a_model_whose_layers_attend_both_ways():
     from transformers import LlamaConfig
 
     from batchrun.engine.attention import UnsupportedModel
-    from batchrun.engine.model_plan import ModelPlan
+    from batchrun.engine.model.model_plan import ModelPlan
 
     config = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64

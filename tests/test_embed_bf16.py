@@ -23,7 +23,7 @@ from embedding_models import save_bases, save_legacy_layout, save_sentence_model
 
 from batchrun import pooling_worker
 from batchrun.engine import cpu_kernels
-from batchrun.engine.sentence_modules import pool
+from batchrun.engine.pooling.sentence_modules import pool
 from batchrun.fp32_sample import SAMPLE_TEXTS, Fp32Sample
 from batchrun.job import run_job
 from batchrun.model_loader import open_model

@@ -69,9 +69,9 @@ def test_the_engine_constructors_take_at_most_four_arguments():
     the runner reaches), not one more parameter threaded through every constructor (issue 51)."""
     import inspect
 
+    from batchrun.engine.core.scheduler import Scheduler
     from batchrun.engine.engine import Engine
-    from batchrun.engine.model_runner import ModelRunner
-    from batchrun.engine.scheduler import Scheduler
+    from batchrun.engine.worker.model_runner import ModelRunner
 
     for cls in (Engine, ModelRunner, Scheduler):
         params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]

@@ -103,7 +103,7 @@ def family_engine(model, attention: str, full_pages: int = 256, **engine):
     """batchrun's engine on `model`; `full_pages`: the KV memory of that many pages of all the model's layers
     (a model with KV cache groups has more, smaller pages), plus a hybrid's state slots."""
     from batchrun.engine import Engine, EngineConfig, LoadedModel
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     found = inspect_model(model)
     full_page = found.kv_spec(16, torch.float32).bytes_per_page * found.groups.num_groups
@@ -130,11 +130,11 @@ def family_engine(model, attention: str, full_pages: int = 256, **engine):
 @pytest.mark.parametrize("family", sorted(SUPPORTED))
 def test_family_equals_hf_generate(family, attention):
     """On `torch` the model's linear layers are packed for oneDNN, q/k/v and gate/up fused where the family has
-    them (what `LLM` does on a CPU: engine/cpu_linear.py, engine/fused_linear.py); on `gather` they stay
+    them (what `LLM` does on a CPU: engine/model/ops/cpu_linear.py, engine/model/ops/fused_linear.py); on `gather` they stay
     `nn.Linear`: both ways equal HF `generate`."""
     import copy
 
-    from batchrun.engine.cpu_linear import available, pack_linear_layers
+    from batchrun.engine.model.ops.cpu_linear import available, pack_linear_layers
 
     model, expected = model_and_reference(family)
     if attention == "torch" and available(torch.float32):
@@ -188,7 +188,7 @@ def test_a_window_the_mask_applies_is_taken_from_there():
     """HF's eager and SDPA attention apply a window through the mask alone: Phi-MoE's mask has its config's window,
     its attention call passes none, and every layer's frozen call has the mask's window (equal to HF `generate`:
     the matrix). A config's `sliding_window` that the model's code never builds a mask from (Llama's) is not."""
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     model, _ = models("phimoe")
     calls = inspect_model(model).calls
@@ -203,7 +203,7 @@ def test_a_call_whose_window_is_not_its_masks_is_refused_at_load():
     """Gemma 3's layers pass their window to the attention call, and its mask applies the config's: a layer whose
     call passes another window than its mask's (which of the two HF applies depends on its attention
     implementation: the mask's in eager and SDPA) is refused at load, naming the model and the argument."""
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     model = build("gemma3_text", SUPPORTED["gemma3_text"][1], "paged")
     model.model.layers[0].self_attn.sliding_window = WINDOW // 2
@@ -217,7 +217,7 @@ def test_a_call_whose_window_is_not_its_masks_is_refused_at_load():
 
 def test_llama4_query_temperature_needs_true_positions(monkeypatch):
     """Llama 4's NoRoPE layers scale queries by position; the packed row's indices are not the positions."""
-    from batchrun.engine import families
+    from batchrun.engine.model import families
 
     model, expected = model_and_reference("llama4_text")
     assert 0 in model.config.no_rope_layers and model.config.floor_scale < 40, "no layer's scale varies here"
@@ -245,8 +245,8 @@ def test_inklings_terms_of_each_query_count(term, monkeypatch):
 def test_inkling_without_its_adapters_is_refused(adapter, monkeypatch):
     """Without batchrun's adapter, Inkling 2's bias over the packed row's indices (not the tokens' positions),
     and its attention over the stack of earlier layers' outputs, are refused at load, never computed."""
-    from batchrun.engine import families
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model import families
+    from batchrun.engine.model.architecture import inspect_model
 
     others = tuple(a for a in families.ADAPTERS if type(a).__name__ != adapter)
     assert len(others) == len(families.ADAPTERS) - 1
@@ -263,7 +263,7 @@ def test_alibi_attention_of_another_structure_is_refused(family, attribute):
     """Bloom's and MPT's attention, computed in their own code, is routed through the paged attention only where
     the module has what the route reads (families.alibi_attention); a module without it is refused at load,
     naming the module and the attribute, never computed otherwise."""
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     model = build(family, SUPPORTED[family][1], "paged")
     for m in model.modules():
@@ -369,7 +369,7 @@ def test_a_window_holds_fewer_pages_than_full_attention(monkeypatch):
     """The same model with every page kept (no page given back behind its window, as before KV cache groups)
     holds more. Only the pages' layout is changed: the KV groups, and so each layer's mask, stay the model's."""
     from batchrun.engine import Engine, EngineConfig, LoadedModel
-    from batchrun.engine.page_pool import PageLayout
+    from batchrun.engine.core.page_pool import PageLayout
 
     model, expected = model_and_reference("mistral")
     peaks = {}
@@ -445,8 +445,8 @@ def test_weight_packing_leaves_the_linears_a_model_reads_itself():
     model was refused at load. Such linears stay `nn.Linear`; the rest are packed; the load probe passes."""
     import copy
 
-    from batchrun.engine.architecture import inspect_model
-    from batchrun.engine.cpu_linear import PackedLinear, pack_linear_layers
+    from batchrun.engine.model.architecture import inspect_model
+    from batchrun.engine.model.ops.cpu_linear import PackedLinear, pack_linear_layers
 
     model = copy.deepcopy(models("hunyuan_v1_moe")[0])
     assert pack_linear_layers(model) > 0
@@ -465,8 +465,8 @@ def test_the_pre_load_page_is_the_engines_page(family):
     """`engine.num_pages` means the same pages to the memory check made before the load as to the engine: the
     check runs the load's own probe on the model made on the meta device from its config (no second reading of
     the config), so a page is one KV cache group's layers there too."""
-    from batchrun.engine.architecture import inspect_model
-    from batchrun.engine.sizing import kv_page_bytes
+    from batchrun.engine.model.architecture import inspect_model
+    from batchrun.engine.model.sizing import kv_page_bytes
 
     model, _ = models(family)
     before = kv_page_bytes(tiny_config(family, dict(SUPPORTED[family][1])), 16, torch.float32)
@@ -479,7 +479,7 @@ def test_the_probe_finds_the_kv_layout_on_the_meta_device(family):
     """The probe finds which layers read an earlier layer's K/V by where their tensors' elements are, not by
     data pointers (0 for every meta tensor): a model made on the meta device, with no weights, probes to the
     layout the loaded model does (the first step to sizing before the load from the probe itself)."""
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     model, _ = models(family)
     with torch.device("meta"):
@@ -495,7 +495,7 @@ def test_a_vision_language_config_is_sized_from_its_text_config(family):
     no hidden_size: exit 1 with a raw AttributeError before any row); it reads the language model's config."""
     from transformers import AutoConfig
 
-    from batchrun.engine.sizing import kv_page_bytes, model_max_len
+    from batchrun.engine.model.sizing import kv_page_bytes, model_max_len
 
     cfg = AutoConfig.for_model(family)
     text = cfg.get_text_config()
@@ -508,8 +508,8 @@ def test_kv_groups_of_two_shapes_share_one_page_size_without_overlap():
     each reading an earlier layer's K/V): the sliding layers go two to a page's worth, the last of them leaving
     half its pages unused; each layer's K and V views are disjoint columns of the page rows, every element of a
     page belongs to at most one layer, and a reusing layer sees its source's pages."""
-    from batchrun.engine.cache_spec import KVCacheSpec, KVGroups, KVShape
-    from batchrun.engine.kv_cache import KVCache
+    from batchrun.engine.core.cache_spec import KVCacheSpec, KVGroups, KVShape
+    from batchrun.engine.worker.kv_cache import KVCache
 
     sliding, full = ("sliding", KVShape(1, 256, 256)), ("full", KVShape(1, 512, 512))
     layers = [full if i % 6 == 5 else sliding for i in range(42)]

@@ -1,4 +1,4 @@
-"""Family rules live in engine/families/ alone: no other module of the package checks a family's name (a
+"""Family rules live in engine/model/families/ alone: no other module of the package checks a family's name (a
 `model_type` string, a family's class name, a comparison with a model's `model_type` or a class's `__name__`),
 and every module there registers one adapter that says why it exists. What each adapter computes is tested
 where its family is (the family matrix, tests/test_image_families.py, tests/test_hybrid.py)."""
@@ -59,8 +59,8 @@ def test_no_family_name_is_checked_outside_the_families_package():
     for path in sorted(PACKAGE.rglob("*.py")):
         if FAMILIES not in path.parents:
             found += family_checks(path, model_types, prefixes)
-    assert not found, "family rules outside engine/families/ (move them into an adapter):\n" + "\n".join(
-        found
+    assert not found, (
+        "family rules outside engine/model/families/ (move them into an adapter):\n" + "\n".join(found)
     )
 
 
@@ -87,8 +87,8 @@ def test_the_scan_sees_a_family_check(tmp_path):
 
 
 def test_every_family_module_registers_one_adapter_saying_why():
-    from batchrun.engine import families
-    from batchrun.engine.families.adapter import FamilyAdapter
+    from batchrun.engine.model import families
+    from batchrun.engine.model.families.adapter import FamilyAdapter
 
     modules = sorted(p.stem for p in FAMILIES.glob("*.py") if p.stem not in ("__init__", "adapter"))
     registered = {type(a).__module__.rsplit(".", 1)[1] for a in families.ADAPTERS}
@@ -104,7 +104,7 @@ def test_every_family_module_registers_one_adapter_saying_why():
     [("gemma3", "GemmaImageBlocks"), ("qwen3_vl", "QwenMRope"), ("smolvlm", "SmolVLMVideoDefaults")],
 )
 def test_an_adapter_of_named_families_applies_to_them_alone(model_type, expected):
-    from batchrun.engine import families
+    from batchrun.engine.model import families
 
     names = lambda t: {type(a).__name__ for a in families.adapters_for(SimpleNamespace(model_type=t))}
     assert expected in names(model_type)
@@ -114,8 +114,8 @@ def test_an_adapter_of_named_families_applies_to_them_alone(model_type, expected
 def test_the_video_stand_in_answers_only_what_the_family_reads():
     """SmolVLM's processor reads the video processor's frame-sampling defaults; another family's stand-in
     answers nothing, so a read of it is an error rather than a silent None."""
-    from batchrun.engine import families
-    from batchrun.engine.loading import NoVideo
+    from batchrun.engine.model import families
+    from batchrun.engine.model.loading import NoVideo
 
     smolvlm = NoVideo(**families.video_stand_in(SimpleNamespace(model_type="smolvlm")))
     assert smolvlm.num_frames is None and smolvlm.fps is None

@@ -1,4 +1,4 @@
-"""A bf16/fp16 model's RMSNorms and SiLU-and-mul by the C++ kernels (engine/fused_elementwise.py,
+"""A bf16/fp16 model's RMSNorms and SiLU-and-mul by the C++ kernels (engine/model/ops/fused_elementwise.py,
 cpu_elementwise.cpp): each kernel against the HF module's own output (the AVX-512 path at widths that are a multiple
 of 16, the generic one at 24; SiLU far left, where torch's e^-x overflows), the rewrite keyed on the module's
 structure (Gemma's norm, a GELU MLP, a hooked norm left as HF wrote them; fp32's MLPs too, its norms bit-equal:
@@ -21,9 +21,9 @@ import torch
 from helpers import within_ulps
 from model_families import LLAMA_FORM, TINY, perturb, tiny_model
 
-from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.fused_elementwise import ExactRMSNorm, FusedRMSNorm, SiluAndMulMLP
+from batchrun.engine.model.ops import fused_elementwise
+from batchrun.engine.model.ops.fused_elementwise import ExactRMSNorm, FusedRMSNorm, SiluAndMulMLP
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")
@@ -136,7 +136,7 @@ def test_an_mlp_whose_gate_and_up_are_one_product_reads_it_whole():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from batchrun.engine.fused_linear import fuse_siblings
+    from batchrun.engine.model.ops.fused_linear import fuse_siblings
 
     dtype = torch.bfloat16
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""engine/fused_elementwise.py across the family matrix (tests/model_families.py's SUPPORTED) in bf16: each
+"""engine/model/ops/fused_elementwise.py across the family matrix (tests/model_families.py's SUPPORTED) in bf16: each
 family's tiny model runs one forward under HF's own modules, hooks recording every module's inputs and output;
 then `fuse`, and each fused module on the same recorded inputs against what HF's module computed, to the
 tolerance tests/test_fused_elementwise.py holds the kernels to (one unit in the last place for a norm, two for
@@ -19,9 +19,9 @@ import torch
 from helpers import check_fused, fused_modules, record_calls
 from model_families import LLAMA_FORM, SUPPORTED, tiny_model
 
-from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.fused_elementwise import FusedRMSNorm
+from batchrun.engine.model.ops import fused_elementwise
+from batchrun.engine.model.ops.fused_elementwise import FusedRMSNorm
 
 pytestmark = pytest.mark.skipif(load() is None, reason="no C++ compiler here")
 

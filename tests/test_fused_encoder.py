@@ -1,4 +1,4 @@
-"""A BERT-style block's GELU and residual add as post-ops of its packed products (engine/fused_encoder.py): each
+"""A BERT-style block's GELU and residual add as post-ops of its packed products (engine/model/ops/fused_encoder.py): each
 fused module against HF's own module on the same packed weights (fp32: within an fp32 unit in the last place,
 nearly all bit-equal; bf16: within the bf16 tolerance), a whole tiny BERT's token states against HF's, and the
 rewrite keyed on structure (a GELU oneDNN does not compute as torch does, an unpacked or hooked layer, a model in
@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import within_ulps
 
-from batchrun.engine import cpu_linear, fused_encoder
-from batchrun.engine.cpu_linear import pack_linear_layers
-from batchrun.engine.fused_encoder import DenseAddNorm, DenseGELU
+from batchrun.engine.model.ops import cpu_linear, fused_encoder
+from batchrun.engine.model.ops.cpu_linear import pack_linear_layers
+from batchrun.engine.model.ops.fused_encoder import DenseAddNorm, DenseGELU
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="oneDNN packing unavailable")
 BF16 = cpu_linear.available(torch.bfloat16)
@@ -100,7 +100,7 @@ def test_fused_bert_token_states_equal_hf(dtype):
     assert close(got, want)
     if (
         dtype == torch.float32
-    ):  # within an fp32 unit of the unfused packed model (pooling.py fuses no fp32 model)
+    ):  # within an fp32 unit of the unfused packed model (pooling/runner.py fuses no fp32 model)
         assert (got - packed).abs().max().item() < 1e-6
     assert fused_encoder.restore(model) == 6
     with torch.inference_mode():

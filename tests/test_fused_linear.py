@@ -1,4 +1,4 @@
-"""Sibling linear layers made one packed product (engine/fused_linear.py): fused where every member is a plain
+"""Sibling linear layers made one packed product (engine/model/ops/fused_linear.py): fused where every member is a plain
 float linear batchrun packs, left alone where one is not, and the model's outputs those of the model packed layer
 by layer. The family matrix (tests/test_families.py, the `torch` backend) holds the fused models' tokens equal to
 HF `generate`.
@@ -16,9 +16,9 @@ import pytest
 import torch
 from model_families import TINY, perturb
 
-from batchrun.engine import cpu_linear
-from batchrun.engine.cpu_linear import PackedLinear, pack_linear_layers
-from batchrun.engine.fused_linear import FusedMember, FusedProduct, fused_groups
+from batchrun.engine.model.ops import cpu_linear
+from batchrun.engine.model.ops.cpu_linear import PackedLinear, pack_linear_layers
+from batchrun.engine.model.ops.fused_linear import FusedMember, FusedProduct, fused_groups
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="oneDNN packing unavailable")
 

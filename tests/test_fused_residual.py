@@ -1,4 +1,4 @@
-"""A decoder layer's residual adds in place (engine/fused_residual.py, cpu_residual.cpp): each sum torch's own bit
+"""A decoder layer's residual adds in place (engine/model/ops/fused_residual.py, cpu_residual.cpp): each sum torch's own bit
 for bit (fp32, bf16, fp16; the AVX-512 path and the generic loop), the first add with the fused RMSNorm as the two
 calls compute it, and a model whose layers take them giving HF's logits bit for bit; layers of another structure,
 hooked ones, and autograd left to HF's forward."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from model_families import tiny_model
 
-from batchrun.engine import fused_elementwise, fused_residual
 from batchrun.engine.cpu_kernels import load
+from batchrun.engine.model.ops import fused_elementwise, fused_residual
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")

@@ -1,4 +1,4 @@
-"""HF's `apply_rotary_pos_emb` as one C++ call (cpu_elementwise.cpp's `rotary_embedding`, engine/fused_rotary.py):
+"""HF's `apply_rotary_pos_emb` as one C++ call (cpu_elementwise.cpp's `rotary_embedding`, engine/model/ops/fused_rotary.py):
 the kernel against HF's own functions bit for bit in fp32, bf16 and fp16 (head dims 32/64/128 on the AVX-512
 path, 24 on the generic one; GQA; q and k as the attention module makes them, views of one packed product with
 its heads transposed; both unsqueeze dims; partial rotary), the calls it declines, which forms are taken, and
@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from batchrun.engine import fused_rotary
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.prepare import Preparation, prepare_model
+from batchrun.engine.model.ops import fused_rotary
+from batchrun.engine.model.prepare import Preparation, prepare_model
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")

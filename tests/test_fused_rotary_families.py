@@ -1,4 +1,4 @@
-"""engine/fused_rotary.py across the family matrix (tests/model_families.py's SUPPORTED): each family's tiny
+"""engine/model/ops/fused_rotary.py across the family matrix (tests/model_families.py's SUPPORTED): each family's tiny
 model, in fp32 and in bf16, gives bit-equal logits with its rotary taken by the C++ kernel (inside
 `fused_rotary.applied()`, as the model runner's forward) and by HF's own function, and the kernel is called
 exactly for the families of `ROTARY_FORM` (in bf16, less those of `ROTARY_COS_IN_FP32`), written from reading each family's modeling file, not from
@@ -12,8 +12,8 @@ import pytest
 import torch
 from model_families import ROTARY_COS_IN_FP32, ROTARY_FORM, SUPPORTED, tiny_model
 
-from batchrun.engine import fused_rotary
 from batchrun.engine.cpu_kernels import load
+from batchrun.engine.model.ops import fused_rotary
 
 KERNEL = load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler here")

@@ -64,7 +64,7 @@ def test_out_of_memory_at_the_probe_is_not_a_bad_model(monkeypatch):
     load probe keeps its own error."""
     from test_families import models
 
-    from batchrun.engine.architecture import inspect_model
+    from batchrun.engine.model.architecture import inspect_model
 
     model, _ = models("llama")
 
@@ -128,7 +128,7 @@ def test_the_prefix_chain_is_sha256_of_the_whole_prefix():
     hash(-2))."""
     import array
 
-    from batchrun.engine.page_pool import chain_hash
+    from batchrun.engine.core.page_pool import chain_hash
 
     pages = [list(range(i * 16, i * 16 + 16)) for i in range(4)]
     h = None
@@ -187,7 +187,7 @@ def test_out_of_memory_while_loading_is_not_a_bad_model_path(tmp_path, monkeypat
     error (exit 1: Slurm and Ray may retry it), a broken model directory stays a bad job."""
     import transformers
 
-    from batchrun.engine import loading
+    from batchrun.engine.model import loading
     from batchrun.errors import BadInput
 
     (tmp_path / "model").mkdir()

@@ -1,4 +1,4 @@
-"""Hybrid models' state slots (engine/state_cache.py): each stateful layer's conv and recurrent states in a slot
+"""Hybrid models' state slots (engine/model/state_cache.py): each stateful layer's conv and recurrent states in a slot
 per sequence, swapped bit for bit, copied for parallel samples, counted in the statistics; against HF `generate`
 on tiny random-weight models of tests/model_families.py (test_families.py runs the whole matrix)."""
 
@@ -11,10 +11,10 @@ from model_families import HYBRID, WHOLE_PROMPTS
 from test_families import NEW_TOKENS, hf_tokens, model_and_reference, models, prompts, run
 
 from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
-from batchrun.engine.cache_spec import LayerStates, StateShape, StateSpec, UnitCopies, UnitCopy
-from batchrun.engine.sequence import Sequence
-from batchrun.engine.state_cache import StateCache
-from batchrun.engine.state_slots import SequenceSlots, StateSlots
+from batchrun.engine.core.cache_spec import LayerStates, StateShape, StateSpec, UnitCopies, UnitCopy
+from batchrun.engine.core.sequence import Sequence
+from batchrun.engine.core.state_slots import SequenceSlots, StateSlots
+from batchrun.engine.model.state_cache import StateCache
 from batchrun.errors import BadInput
 
 FAMILY = "qwen3_5_text"  # 3 Gated DeltaNet layers (a conv and a recurrent state each) : 1 attention
@@ -97,7 +97,7 @@ def test_more_samples_than_state_slots_is_the_rows_error():
 def test_the_matrix_sees_a_dropped_state(monkeypatch):
     """The comparison can fail: layers that start every step from no state (what running a hybrid as if it were
     attention alone computes) differ from HF `generate`."""
-    from batchrun.engine import state_cache
+    from batchrun.engine.model import state_cache
 
     model, expected = model_and_reference(FAMILY)
     real = state_cache.linear_layer
@@ -142,7 +142,7 @@ def test_the_budget_is_split_by_what_the_scheduler_needs():
     """max_num_seqs slots when the budget holds them with a page per KV cache group each; fewer when it does
     not, or when they would take more than half of it; a budget that holds no sequence is a bad job naming the
     key."""
-    from batchrun.engine.sizing import pool_sizes
+    from batchrun.engine.model.sizing import pool_sizes
 
     cpu = torch.device("cpu")
     # a state slot of 10,000 bytes: one stateful layer's 2,500 fp32 values
@@ -206,7 +206,7 @@ def test_a_layer_that_drops_the_state_it_is_given_runs_whole_prompts(monkeypatch
     finds that its prompt form does not continue a state, so every prompt is computed whole in one step, past
     the token budget when it is the step's first, and no prefix state is kept. Equal to HF `generate`; with
     the probe's verdict lifted, chunked prompts differ."""
-    from batchrun.engine.state_cache import StateProbe
+    from batchrun.engine.model.state_cache import StateProbe
 
     model, expected = model_and_reference("jamba")
     rows = prompts(256)

@@ -357,7 +357,7 @@ def vlm(request, tmp_path_factory, model_dir):
     """(family, model directory, HF processor and model)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    from batchrun.engine.loading import load_processor
+    from batchrun.engine.model.loading import load_processor
 
     target = tmp_path_factory.mktemp(request.param)
     if request.param == "gemma3":
@@ -462,7 +462,7 @@ def test_images_equal_hf_generate_under_swap(vlm):
 
 def lapses(family: str, multimodal) -> list[tuple[str, dict, object, object]]:
     """What the model needs, each taken away in turn: (what, engine options, target, replacement)."""
-    from batchrun.engine import families
+    from batchrun.engine.model import families
 
     if family.startswith("gemma"):
         return [
@@ -499,7 +499,7 @@ def test_the_comparison_sees_what_the_model_needs(vlm):
     """The test can fail: with image prompts at 1-D positions (Qwen2.5-VL, Qwen 3.5), Qwen3-VL's deepstack
     features zeroed, Gemma 3's image tokens causal, or Gemma 3's images split across chunks, the image rows
     differ from HF while the text row does not."""
-    from batchrun.engine import multimodal
+    from batchrun.engine.model import multimodal
 
     family, target, reference = vlm
     rows = [cases()[0], cases()[2]]  # text alone; two images (the largest offset of positions)

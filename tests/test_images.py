@@ -1,4 +1,4 @@
-"""Images in prompts (engine/multimodal.py, images.py): a tiny random-weight LLaVA (a CLIP vision tower, a Llama
+"""Images in prompts (engine/model/multimodal.py, images.py): a tiny random-weight LLaVA (a CLIP vision tower, a Llama
 language model, the embedded model's tokenizer with an image token) saved as a model directory with its
 processor, against HF `generate` (processor + model, one conversation at a time, greedy fp32)."""
 
@@ -152,7 +152,7 @@ def test_image_prompts_equal_hf_generate(llava_dir, reference, tmp_path, engine)
 
 def test_the_comparison_sees_a_missing_image(llava_dir, reference, tmp_path, monkeypatch):
     """The test can fail: with the image features zeroed (no merge), the image rows differ from HF."""
-    from batchrun.engine import multimodal
+    from batchrun.engine.model import multimodal
 
     convs, theirs = conversations(tmp_path)
     expected = hf_generate(reference, *theirs[0])
@@ -249,7 +249,7 @@ def test_images_the_engine_cannot_compute_are_refused(family):
     of its own (GLM-4V), on a family batchrun has no rule for, takes no images: the reason says which."""
     from transformers import AutoConfig
 
-    from batchrun.engine.multimodal import images_unsupported_reason
+    from batchrun.engine.model.multimodal import images_unsupported_reason
 
     cfg = AutoConfig.for_model(family)
     text = cfg.get_text_config()
@@ -429,7 +429,7 @@ def test_image_features_wait_within_their_budget(llava_dir, reference, tmp_path)
     """Twelve image prompts in steps of 40 tokens: the features waiting for prefill never pass the encoder's
     budget (max_num_batched_tokens image tokens) but for a prompt alone that needs more, and the rows equal HF;
     without the budget the same job holds more at once (the check can fail)."""
-    from batchrun.engine import multimodal
+    from batchrun.engine.model import multimodal
 
     convs, theirs = conversations(tmp_path)
     expected = [hf_generate(reference, content, images) for content, images in theirs]

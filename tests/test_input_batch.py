@@ -1,10 +1,10 @@
-"""The model runner's input batch (engine/input_batch.py): rows added, forked, appended to and given back keep each
+"""The model runner's input batch (engine/worker/input_batch.py): rows added, forked, appended to and given back keep each
 request's tokens, through growth in rows and in width."""
 
 from __future__ import annotations
 
-from batchrun.engine.input_batch import InputBatch
-from batchrun.engine.scheduler_output import NewRequest
+from batchrun.engine.core.scheduler_output import NewRequest
+from batchrun.engine.worker.input_batch import InputBatch
 
 
 def _tokens(batch: InputBatch, req_id: int) -> list[int]:

@@ -467,7 +467,7 @@ def test_max_model_len_above_the_models_positions_is_exit_2_at_validate_and_befo
     """It was silently lowered to the model's limit (rows then said "max_model_len is 8192"); vLLM refuses it."""
     from transformers import AutoConfig
 
-    import batchrun.engine.loading
+    import batchrun.engine.model.loading
 
     limit = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     write_prompts(tmp_path / "in.parquet", PROMPTS[:2], extra={"category": ["a"] * 2})
@@ -486,7 +486,7 @@ def test_max_model_len_above_the_models_positions_is_exit_2_at_validate_and_befo
     def no_load(*args, **kwargs):
         raise AssertionError("the model loaded")
 
-    monkeypatch.setattr(batchrun.engine.loading, "load_model", no_load)
+    monkeypatch.setattr(batchrun.engine.model.loading, "load_model", no_load)
     spec = load_job(job, [f"model.path={model_dir}", f"model.max_model_len={limit + 1}"])
     with pytest.raises(BadInput, match=re.escape(said)):
         Job(spec, progress=False).run()
@@ -497,7 +497,8 @@ def test_an_unset_swap_space_fits_the_ram_at_start_and_a_set_one_too_large_is_ex
     and the summary says what it became. Set beyond the RAM, it is still refused, in plain words."""
     import torch
 
-    from batchrun.engine import EngineConfig, sizing
+    from batchrun.engine import EngineConfig
+    from batchrun.engine.model import sizing
     from batchrun.report import format_summary
 
     monkeypatch.setattr(sizing, "available_ram", lambda: int(2.6 * 2**30))

@@ -177,7 +177,7 @@ def test_engine_with_triton_attention_matches_torch(model_dir):
     from transformers import AutoConfig
 
     from batchrun.engine import SamplingParams
-    from batchrun.engine.loading import load_model
+    from batchrun.engine.model.loading import load_model
 
     config = AutoConfig.from_pretrained(model_dir)
     config.num_hidden_layers = 4

@@ -1,5 +1,5 @@
 """LongRoPE (Phi-3.5-mini / Phi-4-mini) and dynamic NTK scaling, their factors chosen per packed sequence
-(batchrun/engine/per_sequence_rope.py): each row equals HF `generate` on it alone (a freshly loaded model) under
+(batchrun/engine/model/ops/per_sequence_rope.py): each row equals HF `generate` on it alone (a freshly loaded model) under
 chunked prefill, swap and recompute preemption, prefix sharing of the pages rotated alike and a model that ran
 longer sequences before; and what each part is for: without per-sequence factors, without Phi-3's recompute at
 the switch, or with every page shared, the rows differ. The matrix (tests/test_families.py, test_family_invariance.py) runs both models on every CPU backend
@@ -15,7 +15,7 @@ from test_families import NEW_TOKENS, build, hf_tokens, model_and_reference, mod
 
 from batchrun.engine import Engine, EngineConfig, LoadedModel, SamplingParams
 from batchrun.engine.attention import UnsupportedModel
-from batchrun.engine.per_sequence_rope import PerSequenceRope
+from batchrun.engine.model.ops.per_sequence_rope import PerSequenceRope
 
 FAMILIES = ["phi3:longrope", "llama:dynamic_ntk"]
 
@@ -115,7 +115,7 @@ def test_phi3_computes_the_sequence_again_at_the_switch(monkeypatch):
     """Phi-3's `prepare_inputs_for_generation` drops the cache when a sequence first passes the original context:
     every earlier token is computed again with the long factors. batchrun recomputes the sequence there (its
     pages dropped); without that recompute, the rows that cross differ."""
-    from batchrun.engine.scheduler import Scheduler
+    from batchrun.engine.core.scheduler import Scheduler
 
     model, expected = model_and_reference("phi3:longrope")
     eng = engine(model)
@@ -137,7 +137,7 @@ def test_dynamic_ntk_where_the_model_recomputes_at_the_switch_is_refused(monkeyp
     """Dynamic NTK on a model whose cache is dropped at the original context (Phi-3's configs take LongRoPE only,
     so a Llama said to do it): the drop would mix both rules (generated tokens keep their rotation, but all are
     rotated again once), which is not computed per sequence; refused at load naming it."""
-    from batchrun.engine import per_sequence_rope
+    from batchrun.engine.model.ops import per_sequence_rope
 
     monkeypatch.setattr(per_sequence_rope, "recomputes_cache_at_original_context", lambda model: True)
     model = build("llama:dynamic_ntk", SUPPORTED["llama:dynamic_ntk"][1], "paged")

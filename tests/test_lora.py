@@ -1,4 +1,4 @@
-"""LoRA adapters (engine/lora.py): rows of several adapters and of the base model in one packed step, each equal
+"""LoRA adapters (engine/model/lora/layers.py): rows of several adapters and of the base model in one packed step, each equal
 to PEFT's unmerged adapter (`PeftModel.from_pretrained(base, folder)`) running `generate` for that row alone,
 greedy fp32 — on a Llama, a Qwen3 and a Gemma 3 (sliding windows) base, on the torch and gather backends, under
 preemption, and with identical prompts of different adapters side by side (the prefix cache keys the adapter).
@@ -19,7 +19,7 @@ from test_ray import cluster as ray_cluster  # noqa: F401 - the Ray test's one-n
 
 from batchrun.adapters import read_adapters
 from batchrun.engine import SamplingParams
-from batchrun.engine.lora import LoRALinear, attach
+from batchrun.engine.model.lora.layers import LoRALinear, attach
 from batchrun.errors import BadInput
 
 peft = pytest.importorskip("peft")
@@ -397,7 +397,7 @@ def test_lora_on_the_embeddings_or_the_lm_head_is_exit_2_at_validation_and_at_lo
     from helpers import run_cli
     from transformers import AutoModelForCausalLM
 
-    from batchrun.engine.lora_config import read_adapter_config
+    from batchrun.engine.model.lora.config import read_adapter_config
 
     path, folders = job_model
     made = peft.get_peft_model(

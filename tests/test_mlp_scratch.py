@@ -19,10 +19,10 @@ import copy
 import pytest
 import torch
 
-from batchrun.engine import fused_elementwise
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.cpu_linear import available, pack_linear_layers
-from batchrun.engine.fused_elementwise import Scratch, SiluAndMulMLP
+from batchrun.engine.model.ops import fused_elementwise
+from batchrun.engine.model.ops.cpu_linear import available, pack_linear_layers
+from batchrun.engine.model.ops.fused_elementwise import Scratch, SiluAndMulMLP
 
 KERNEL = load()
 DTYPE = torch.bfloat16

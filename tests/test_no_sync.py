@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 import batchrun
 from batchrun.engine import SamplingParams
-from batchrun.engine.decoder_stack import DecoderStack
+from batchrun.engine.model.ops.decoder_stack import DecoderStack
 
 # tensor methods that copy device data to the host
 HOST_READS = {

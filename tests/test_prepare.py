@@ -1,4 +1,4 @@
-"""One way to prepare a model (engine/prepare.py): generation and pooling rewrite the same model the same way, in
+"""One way to prepare a model (engine/model/prepare.py): generation and pooling rewrite the same model the same way, in
 the registry's order, and the rewrites that have an undo put HF's modules back."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from embedding_models import decoder_config, eos_appending_tokenizer
 
 from batchrun.engine import cpu_kernels
-from batchrun.engine.prepare import Preparation, prepare_model, undo
+from batchrun.engine.model.prepare import Preparation, prepare_model, undo
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ kernels cannot be built here")
 

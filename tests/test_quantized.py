@@ -90,7 +90,7 @@ def test_layers_that_quantize_their_input_compute_each_sequence_apart(checkpoint
     on an Intel Xeon with AMX): each sequence of a step is its own product (the prompt's rows together, each
     decode's row alone, as HF generate multiplies them), so every prompt gives alone the tokens it gives beside the
     others."""
-    from batchrun.engine.quantization import quantizes_its_input
+    from batchrun.engine.model.quantization import quantizes_its_input
 
     target, want = checkpoint(name)
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, prefix_sharing=False)
@@ -122,8 +122,8 @@ def test_quantized_layers_are_never_packed(checkpoint, name):
     quantized layer is told apart by its class, its weight's type or dtype, or its quantization scheme."""
     from transformers import AutoModelForCausalLM
 
-    from batchrun.engine.cpu_linear import PackedLinear, pack_linear_layers
-    from batchrun.engine.quantization import quantized
+    from batchrun.engine.model.ops.cpu_linear import PackedLinear, pack_linear_layers
+    from batchrun.engine.model.quantization import quantized
 
     target, _ = checkpoint(name)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
@@ -147,8 +147,8 @@ def test_a_bf16_models_fused_modules_stay_within_one_ulp_of_hfs(checkpoint, name
     from model_families import LLAMA_FORM
     from transformers import AutoModelForCausalLM
 
-    from batchrun.engine import fused_elementwise
-    from batchrun.engine.loading import load_model
+    from batchrun.engine.model.loading import load_model
+    from batchrun.engine.model.ops import fused_elementwise
     from batchrun.model_loader import load_config
 
     target, _ = checkpoint(name)
@@ -170,7 +170,7 @@ def test_a_bf16_models_fused_modules_stay_within_one_ulp_of_hfs(checkpoint, name
 
 def loaded(target):
     """The model as batchrun loads it (the compressed-tensors weights unpacked, as at load)."""
-    from batchrun.engine.loading import load_model
+    from batchrun.engine.model.loading import load_model
     from batchrun.model_loader import load_config
 
     return load_model(target, torch.float32, torch.device("cpu"), load_config(target))[1]
@@ -215,7 +215,7 @@ def test_weights_bytes_and_format_in_the_summary(checkpoint, tmp_path):
 def test_compressed_tensors_weights_are_unpacked_at_load(checkpoint):
     """compressed-tensors unpacks a CPU model's weights on its first forward; batchrun does it at load, so the
     bytes it counts are the run's: every parameter and buffer, the dequantized float weights among them."""
-    from batchrun.engine.quantization import Weights
+    from batchrun.engine.model.quantization import Weights
 
     target, _ = checkpoint("ct-w4a16")
     model = loaded(target)
@@ -279,7 +279,7 @@ def test_a_missing_package_names_the_batchrun_extra(
     )
     config["quantization_config"] = {"quant_method": method, **settings}
     (target / "config.json").write_text(json.dumps(config))
-    from batchrun.engine import quantization
+    from batchrun.engine.model import quantization
 
     quantizer = importlib.import_module(f"transformers.quantizers.quantizer_{method.replace('-', '_')}")
     monkeypatch.setattr(quantizer, check, lambda: False)
@@ -298,7 +298,7 @@ def test_llm_int8_with_outliers_chooses_each_sequences_columns_from_it_alone(che
     differ, so the packed step's (their union) would be another set for some prompt."""
     import bitsandbytes.functional as bnb_functional
 
-    from batchrun.engine.quantization import chooses_columns_from_its_batch
+    from batchrun.engine.model.quantization import chooses_columns_from_its_batch
 
     target, want = checkpoint("bnb-8bit-outliers")
     llm = LLM(model=str(target), dtype="float32", device="cpu", num_pages=64, prefix_sharing=False)

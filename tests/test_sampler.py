@@ -2,8 +2,8 @@
 
 import torch
 
-from batchrun.engine.sampler import sample
-from batchrun.engine.sequence import SamplingParams, Sequence
+from batchrun.engine.core.sequence import SamplingParams, Sequence
+from batchrun.engine.worker.sampler import sample
 
 
 def seqs_for(params_list, seed=0):

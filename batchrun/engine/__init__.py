@@ -3,16 +3,16 @@
 Names are imported on first use: the job-file parser needs `config` alone, without torch.
 """
 
-from ..lazy import lazy_exports
+from batchrun.lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": ".engine",
     "StepResult": ".engine",
-    "LoadedModel": ".loading",
+    "LoadedModel": ".model.loading",
     "EngineConfig": ".config",
     "SamplingParams": ".config",
-    "MemorySnapshot": ".memory",
-    "Sequence": ".sequence",
+    "MemorySnapshot": ".core.memory",
+    "Sequence": ".core.sequence",
 }
 
 __all__ = sorted(_EXPORTS)

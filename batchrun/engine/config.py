@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Union
 
-from ..checks import (
+from batchrun.checks import (
     FieldError,
     TypeMismatch,
     at_least,
@@ -23,7 +23,7 @@ from ..checks import (
     size,
     size_or_fraction,
 )
-from .backend_registry import REGISTRY
+from batchrun.engine.backend_registry import REGISTRY
 
 
 def _device(v: str) -> str | None:
@@ -77,10 +77,10 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"check": at_least(1)})
     max_num_batched_tokens: int = field(default=8192, metadata={"check": at_least(1)})
     prefix_sharing: bool = True
-    # CPU: linear weights reordered once into oneDNN's blocked layout (engine/cpu_linear.py)
+    # CPU: linear weights reordered once into oneDNN's blocked layout (engine/model/ops/cpu_linear.py)
     pack_weights: bool = True
     preemption: str = field(default="swap", metadata={"check": one_of("swap", "recompute")})
-    # LoRA adapters (engine/lora.py): how many one step may run (their weights in as many slots beside the model;
+    # LoRA adapters (engine/model/lora/layers.py): how many one step may run (their weights in as many slots beside the model;
     # the others wait in CPU memory), and the largest rank an adapter may have
     max_loras: int = field(default=4, metadata={"check": at_least(1)})
     max_lora_rank: int = field(default=64, metadata={"check": at_least(1)})

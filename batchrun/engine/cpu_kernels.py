@@ -27,15 +27,16 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from ..host import cache_dir, cpu_description, cpu_isa
+from batchrun.host import cache_dir, cpu_description, cpu_isa
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-ELEMENTWISE = Path(__file__).with_name("cpu_elementwise.cpp")  # compiled into the same module
-PROMPTS = Path(__file__).with_name("cpu_prompt_attention.cpp")  # this one too
-DECODE_BF16 = Path(__file__).with_name("cpu_decode_bf16.cpp")  # and this one
-KV_WRITE = Path(__file__).with_name("cpu_kv_write.cpp")  # and these two
-RESIDUAL = Path(__file__).with_name("cpu_residual.cpp")
-HEADERS = [Path(__file__).with_name(h) for h in ("cpu_vector.h", "cpu_decode.h")]  # what they include
+CSRC = Path(__file__).with_name("csrc")  # the C++ sources
+SOURCE = CSRC / "cpu_kernels.cpp"
+ELEMENTWISE = CSRC / "cpu_elementwise.cpp"  # compiled into the same module
+PROMPTS = CSRC / "cpu_prompt_attention.cpp"  # this one too
+DECODE_BF16 = CSRC / "cpu_decode_bf16.cpp"  # and this one
+KV_WRITE = CSRC / "cpu_kv_write.cpp"  # and these two
+RESIDUAL = CSRC / "cpu_residual.cpp"
+HEADERS = [CSRC / h for h in ("cpu_vector.h", "cpu_decode.h")]  # what they include
 _loaded: dict[str, object] = {}
 
 

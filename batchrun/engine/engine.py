@@ -12,31 +12,31 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInput
-from ..vocabulary import token_id_error
-from . import memory
-from .attention import AttentionLayers, AttentionServices, make_backend
-from .block_manager import BlockManager
-from .config import EngineConfig, SamplingParams
-from .kv_cache import KVCache
-from .kv_coordinator import KVCacheCoordinator
-from .loading import LoadedModel
-from .memory import MemorySnapshot
-from .model_plan import ModelPlan
-from .model_runner import ModelRunner
-from .multimodal import (
+from batchrun.engine.attention import AttentionLayers, AttentionServices, make_backend
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.core import memory
+from batchrun.engine.core.block_manager import BlockManager
+from batchrun.engine.core.kv_coordinator import KVCacheCoordinator
+from batchrun.engine.core.memory import MemorySnapshot
+from batchrun.engine.core.scheduler import Scheduler
+from batchrun.engine.core.scheduler_output import SchedulerOutput
+from batchrun.engine.core.sequence import Sequence
+from batchrun.engine.core.state_slots import StateSlots
+from batchrun.engine.model.loading import LoadedModel
+from batchrun.engine.model.model_plan import ModelPlan
+from batchrun.engine.model.multimodal import (
     EncoderCache,
     ImageInputs,
     image_feature_bytes,
 )
-from .output_processor import OutputProcessor
-from .scheduler import Scheduler
-from .scheduler_output import SchedulerOutput
-from .sequence import Sequence
-from .sizing import pool_sizes
-from .state_cache import StateCache
-from .state_slots import StateSlots
-from .timing import PhaseTimes
+from batchrun.engine.model.sizing import pool_sizes
+from batchrun.engine.model.state_cache import StateCache
+from batchrun.engine.output_processor import OutputProcessor
+from batchrun.engine.timing import PhaseTimes
+from batchrun.engine.worker.kv_cache import KVCache
+from batchrun.engine.worker.model_runner import ModelRunner
+from batchrun.errors import BadInput
+from batchrun.vocabulary import token_id_error
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Engine:
         self.attention = make_backend(config.attention, attention_layers, device)
         self.plan = plan = plan.for_backend(self.attention.capabilities, self.attention.name)
         self.kv_groups = plan.kv_spec.groups
-        self.lora = plan.lora  # LoRA adapters (lora.py); None: none
+        self.lora = plan.lora  # LoRA adapters (model/lora/layers.py); None: none
         # a vision-language model's image encoder outputs, while prompts with images are prefilled, and their
         # budget: at most a step's tokens' features at once (their bytes come out of the KV budget)
         self.encoder = (

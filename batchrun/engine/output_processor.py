@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from . import cpu_kernels
-from .config import SamplingParams
-from .sampler import prompt_logprobs, sample, token_logprobs
-from .scheduler_output import SampledOutput, SchedulerOutput
-from .sequence import Sequence
-from .structured import Grammars
+from batchrun.engine import cpu_kernels
+from batchrun.engine.config import SamplingParams
+from batchrun.engine.core.scheduler_output import SampledOutput, SchedulerOutput
+from batchrun.engine.core.sequence import Sequence
+from batchrun.engine.structured import Grammars
+from batchrun.engine.worker.sampler import prompt_logprobs, sample, token_logprobs
 
 
 class OutputProcessor:

@@ -34,7 +34,7 @@ class Row:
 
 def main() -> None:
     from batchrun.engine.config import SamplingParams
-    from batchrun.engine.sequence import Sequence
+    from batchrun.engine.core.sequence import Sequence
 
     rows = [Row() for _ in range(N)]
     seqs = [Sequence(i, [1] * 512, SamplingParams(max_new_tokens=128)) for i in range(N)]

@@ -1,5 +1,5 @@
 """SmolLM2-135M's RMSNorm and SiLU-and-mul at a prefill step's rows, three ways, in one thread's CPU time (issue 50):
-HF's module as written, batchrun's C++ kernel (engine/fused_elementwise.py), and HF's module compiled by
+HF's module as written, batchrun's C++ kernel (engine/model/ops/fused_elementwise.py), and HF's module compiled by
 torch.compile (inductor, dynamic shapes: a step's row count changes every step). Alternated, best/median of
 `--repeat`; the compile's own time is printed apart. Each way's output is compared with HF's (values bit-equal).
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 from batchrun.engine.cpu_kernels import load
-from batchrun.engine.fused_elementwise import FusedRMSNorm
+from batchrun.engine.model.ops.fused_elementwise import FusedRMSNorm
 
 HIDDEN, INTERMEDIATE, EPS = 576, 1536, 1e-5  # SmolLM2-135M
 

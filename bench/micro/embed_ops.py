@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from batchrun.engine.cpu_linear import PackedLinear
+from batchrun.engine.model.ops.cpu_linear import PackedLinear
 
 from ..common import best_seconds as best
 

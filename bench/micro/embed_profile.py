@@ -5,7 +5,7 @@ operation, after a warm-up step; then the same step's parts by `time.thread_time
 forward, the pooling (pooler and Normalize), the vectors written out as lists (the job's output columns).
 
 With `--compare`, the step's forward is also timed with the pooling runner's own rewrites undone (the GELU and
-residual-add post-ops of engine/fused_encoder.py; the bf16 prompt kernel of attention/packed.py, leaving SDPA),
+residual-add post-ops of engine/model/ops/fused_encoder.py; the bf16 prompt kernel of attention/packed.py, leaving SDPA),
 the two alternated: best and median of `--repeat` each.
 
 Usage: OMP_NUM_THREADS=1 python -m bench.micro.embed_profile --dtype bfloat16 [--texts 24] [--top 20] [--compare]
@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from batchrun import LLM
-    from batchrun.engine import fused_encoder
+    from batchrun.engine.model.ops import fused_encoder
     from jobs.make_embed_data import make_model, passages
 
     folder = make_model(Path(tempfile.mkdtemp()) / "minilm")

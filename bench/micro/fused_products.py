@@ -1,6 +1,6 @@
 """The embedded SmolLM2-135M's forward (HF's own code, SDPA attention, the base model without its LM head) with its
 linear layers packed for oneDNN one by one and with q/k/v and gate/up fused into one packed product each
-(engine/fused_linear.py), in one process, interleaved, in one thread, timed in the process's CPU time (best and
+(engine/model/ops/fused_linear.py), in one process, interleaved, in one thread, timed in the process's CPU time (best and
 median of 6; bench/RESULTS.md, issue 50). On a machine shared with other jobs a thread's CPU time is the work it
 did, whoever else runs; the wall clock of a whole run is not. Also checks that both give the same hidden states.
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from batchrun.engine.cpu_linear import pack_linear_layers
+from batchrun.engine.model.ops.cpu_linear import pack_linear_layers
 from batchrun.model_loader import resolve_model_dir
 
 ROWS = (60, 512)  # a decode step of the reference workload's 60 rows; a prefill chunk

@@ -2,8 +2,8 @@
 linear layers (q, k, v, o, gate, up, down; rank 16), at 15 to 2,048 tokens split evenly over the four adapters,
 each adapter's tokens one slice (as the scheduler orders them):
 
-- sliced: per adapter, A on its slice, B, then an add (engine/lora.py before the addmm_);
-- sliced_addmm: per adapter, A on its slice, then B and the add as one addmm_ (engine/lora.py now);
+- sliced: per adapter, A on its slice, B, then an add (engine/model/lora/layers.py before the addmm_);
+- sliced_addmm: per adapter, A on its slice, then B and the add as one addmm_ (engine/model/lora/layers.py now);
 - masked: every adapter's A at once on all tokens, a mask zeroing each token's other adapters, every B at once.
 
 Microseconds per layer (the seven products), mean of 300 calls after 20, in this process; bench/RESULTS.md

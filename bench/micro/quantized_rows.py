@@ -1,4 +1,4 @@
-"""Why a layer that quantizes its input per token makes its product once per sequence (engine/quantization.py,
+"""Why a layer that quantizes its input per token makes its product once per sequence (engine/model/quantization.py,
 bench/RESULTS.md, issue 42), shown on this machine:
 
 1. a float32 `F.linear`'s row, alone or among a few rows, against the same row among 72: the largest difference

@@ -11,7 +11,7 @@ layer's own time), the attention module's own reshapes, and the host (the step o
 prepare, sample). The step runs `--repeat` times (the queue dropped and W queued again between them; the first
 step of each is what is timed): the table gives each group's best and median.
 
-With `--compare`, the rewrites that have an undo (engine/prepare.py) are undone on a second engine and the two are
+With `--compare`, the rewrites that have an undo (engine/model/prepare.py) are undone on a second engine and the two are
 alternated: "as loaded" against HF's modules, on the same step, best/median of `--repeat` each.
 
 Usage: OMP_NUM_THREADS=1 python -m bench.micro.step_profile --dtype bfloat16 [--compare] [--repeat 5]
@@ -200,7 +200,7 @@ def main() -> None:
     print(f"threads: {torch.get_num_threads()} (set OMP_NUM_THREADS=1 for CPU time to be the work)")
     llms = {"as loaded": make_llm(a.dtype, a.max_num_batched_tokens)}
     if a.compare:
-        from batchrun.engine import prepare
+        from batchrun.engine.model import prepare
 
         llms["HF's modules"] = make_llm(a.dtype, a.max_num_batched_tokens)
         model = llms["HF's modules"].engine.runner.model  # its layers' own forwards too (the in-place adds)

@@ -24,11 +24,11 @@ and relative position bias). An argument batchrun does not know is an error (`Un
 ignored: the engine's load probe (architecture.py) meets it before any row runs.
 """
 
-from .backends import AttentionBackend, AttentionLayers, Capabilities, make_backend
-from .interface import ATTENTION_NAME, METADATA_KEYWORD, register
-from .layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel, refusal
-from .masks import FULL, MaskKind
-from .metadata import (
+from batchrun.engine.attention.backends import AttentionBackend, AttentionLayers, Capabilities, make_backend
+from batchrun.engine.attention.interface import ATTENTION_NAME, METADATA_KEYWORD, register
+from batchrun.engine.attention.layers import LayerCall, LayerSpec, RelativeBias, UnsupportedModel, refusal
+from batchrun.engine.attention.masks import FULL, MaskKind
+from batchrun.engine.attention.metadata import (
     AttentionMetadata,
     AttentionServices,
     GroupMetadata,
@@ -36,7 +36,7 @@ from .metadata import (
     int_tensor,
     products_as_generate,
 )
-from .packed import PackedLayout
+from batchrun.engine.attention.packed import PackedLayout
 
 __all__ = [
     "ATTENTION_NAME",

@@ -20,10 +20,17 @@ import time
 
 import torch
 
-from .layers import CallSignature, LayerCall, LayerSpec, RelativeBias, TokenScores, UnsupportedModel
-from .masks import MaskKind
-from .metadata import AttentionMetadata
-from .packed import PackedLayout, attend_packed
+from batchrun.engine.attention.layers import (
+    CallSignature,
+    LayerCall,
+    LayerSpec,
+    RelativeBias,
+    TokenScores,
+    UnsupportedModel,
+)
+from batchrun.engine.attention.masks import MaskKind
+from batchrun.engine.attention.metadata import AttentionMetadata
+from batchrun.engine.attention.packed import PackedLayout, attend_packed
 
 ATTENTION_NAME = "batchrun"
 METADATA_KEYWORD = "batchrun_attn"  # the keyword the step's metadata rides in, through the model's forward

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...errors import BadInput
-from .masks import MaskKind
+from batchrun.engine.attention.masks import MaskKind
+from batchrun.errors import BadInput
 
 
 class UnsupportedModel(BadInput):

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .layers import UnsupportedModel
-from .masks import MaskKind
+from batchrun.engine.attention.layers import UnsupportedModel
+from batchrun.engine.attention.masks import MaskKind
 
 _ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i"}
 

@@ -14,7 +14,7 @@ query sees is the layer's `MaskKind` (masks.py): bidirectional for an encoder (B
 for a decoder (Qwen3-Embedding), a sliding window (ModernBERT's local layers) on both sides for an encoder.
 
 A bf16 step on a CPU with AVX512-BF16 attends its texts of at least one key block of the kernel
-(`prompt_attention_key_block`) in one call of batchrun's C++ prompt kernel (engine/cpu_prompt_attention.cpp,
+(`prompt_attention_key_block`) in one call of batchrun's C++ prompt kernel (engine/csrc/cpu_prompt_attention.cpp,
 generation's, `causal` as the layer's kind says) instead, where SDPA gains nothing from bf16: the kernel reads K/V
 as pages, and the packed row is given to it as pages of one token each (a text's block table: its rows), so
 nothing is copied. Shorter texts stay on SDPA: the kernel computes keys a whole block at a time, and a shorter text
@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .layers import LayerSpec
-from .masks import MaskKind
-from .metadata import int_tensor
+from batchrun.engine.attention.layers import LayerSpec
+from batchrun.engine.attention.masks import MaskKind
+from batchrun.engine.attention.metadata import int_tensor
 
 
 @dataclass(frozen=True)

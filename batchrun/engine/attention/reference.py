@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import LayerCall, ScoreTerms
+from batchrun.engine.attention.layers import LayerCall, ScoreTerms
 
 
 def eager_attention(

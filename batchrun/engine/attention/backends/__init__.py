@@ -16,10 +16,10 @@ import importlib
 
 import torch
 
-from ....errors import BadInput
-from ...backend_registry import REGISTRY
-from .base import AttentionBackend, AttentionLayers
-from .capabilities import Capabilities
+from batchrun.engine.attention.backends.base import AttentionBackend, AttentionLayers
+from batchrun.engine.attention.backends.capabilities import Capabilities
+from batchrun.engine.backend_registry import REGISTRY
+from batchrun.errors import BadInput
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionLayers", "Capabilities", "make_backend"]
 

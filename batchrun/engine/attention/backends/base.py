@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..layers import LayerCall, LayerSpec
-from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from .capabilities import Capabilities
+from batchrun.engine.attention.backends.capabilities import Capabilities
+from batchrun.engine.attention.layers import LayerCall, LayerSpec
+from batchrun.engine.attention.metadata import AttentionMetadata, GroupMetadata, StepMetadata
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class AttentionLayers:
 
 class AttentionMetadataBuilder:
     """A backend's plans for one step (vLLM v1's per-backend metadata builders): made once per step while the
-    step is prepared (engine/model_runner.py), from the step and its KV cache groups; what several groups share
+    step is prepared (engine/worker/model_runner.py), from the step and its KV cache groups; what several groups share
     (a mask kind's masks, a grid mapping) is built in `__init__`, once, as named fields of the subclass; then
     `build(group)` once per group makes that group's plan, which the backend's `forward` gets back as
     `meta.plans[spec.group]`. Nothing is built in the forward, and nothing is looked up by a string key."""
@@ -46,7 +46,7 @@ class AttentionMetadataBuilder:
 
 class AttentionBackend:
     """An attention backend. `build(step, groups) -> plans` is called once per step while the step is prepared
-    (engine/model_runner.py), through the backend's `builder`; `forward(meta, spec, call, q, k, v, scale) ->
+    (engine/worker/model_runner.py), through the backend's `builder`; `forward(meta, spec, call, q, k, v, scale) ->
     out [T, Hq, Dv]` by every attention layer, with the plan of its group (`meta.plans[spec.group]`)."""
 
     name: ClassVar[str]  # its value of `engine.attention`, given by the registry (engine/backend_registry.py)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers import LayerSpec
+from batchrun.engine.attention.layers import LayerSpec
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`torch`, the CPU default: each layer's new K/V written to their pages by one C++ call (cpu_kv_write.cpp);
-decodes through batchrun's C++ paged-decode kernel (engine/cpu_kernels.cpp), which reads K/V in the pages with
+decodes through batchrun's C++ paged-decode kernel (engine/csrc/cpu_kernels.cpp), which reads K/V in the pages with
 no copy; bf16 prompts through its prompt kernel where it applies (prompt_kernel.py),
 the others through SDPA (prompts.py)."""
 
@@ -9,13 +9,29 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers import LayerCall, LayerSpec
-from ..masks import MaskKind
-from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
-from .capabilities import Capabilities
-from .prompt_kernel import PagedPrompts, StepPrompts, kernel_groups, prompt_attention, takes_kernel
-from .prompts import PrefillSequence, prefill_attention, prompt_plans, step_prompt_masks, write_kv
+from batchrun.engine.attention.backends.base import (
+    AttentionBackend,
+    AttentionLayers,
+    AttentionMetadataBuilder,
+)
+from batchrun.engine.attention.backends.capabilities import Capabilities
+from batchrun.engine.attention.backends.prompt_kernel import (
+    PagedPrompts,
+    StepPrompts,
+    kernel_groups,
+    prompt_attention,
+    takes_kernel,
+)
+from batchrun.engine.attention.backends.prompts import (
+    PrefillSequence,
+    prefill_attention,
+    prompt_plans,
+    step_prompt_masks,
+    write_kv,
+)
+from batchrun.engine.attention.layers import LayerCall, LayerSpec
+from batchrun.engine.attention.masks import MaskKind
+from batchrun.engine.attention.metadata import AttentionMetadata, GroupMetadata, StepMetadata
 
 
 @dataclass
@@ -99,7 +115,7 @@ class TorchAttention(AttentionBackend):
 
     @classmethod
     def create(cls, layers: AttentionLayers, device: torch.device) -> TorchAttention | None:
-        from ... import cpu_kernels
+        from batchrun.engine import cpu_kernels
 
         kernel = cpu_kernels.load()  # None: it could not be built here, and warned why
         return (

@@ -11,14 +11,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...page_pool import cdiv
-from ..layers import LayerCall, LayerSpec
-from ..masks import MaskKind
-from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata, int_tensor
-from ..reference import eager_attention
-from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
-from .capabilities import Capabilities
-from .prompts import PrefillSequence, prefill_attention, prompt_plans, step_prompt_masks, write_kv
+from batchrun.engine.attention.backends.base import (
+    AttentionBackend,
+    AttentionLayers,
+    AttentionMetadataBuilder,
+)
+from batchrun.engine.attention.backends.capabilities import Capabilities
+from batchrun.engine.attention.backends.prompts import (
+    PrefillSequence,
+    prefill_attention,
+    prompt_plans,
+    step_prompt_masks,
+    write_kv,
+)
+from batchrun.engine.attention.layers import LayerCall, LayerSpec
+from batchrun.engine.attention.masks import MaskKind
+from batchrun.engine.attention.metadata import AttentionMetadata, GroupMetadata, StepMetadata, int_tensor
+from batchrun.engine.attention.reference import eager_attention
+from batchrun.engine.core.page_pool import cdiv
 
 
 @dataclass

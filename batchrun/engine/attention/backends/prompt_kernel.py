@@ -1,4 +1,4 @@
-"""bf16 prompts through batchrun's C++ prompt kernel (engine/cpu_prompt_attention.cpp): every sequence of a step
+"""bf16 prompts through batchrun's C++ prompt kernel (engine/csrc/cpu_prompt_attention.cpp): every sequence of a step
 computing several tokens (a whole prompt, a later chunk, a prompt behind cached pages) in one call per layer, its
 K/V read in the pages, where SDPA (prompts.py) ran once per prompt and gained nothing from bf16. Where the kernel
 does not apply the prompts stay on SDPA: fp32 (its tokens equal HF generate's, a promise) and fp16 pages, a build
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..metadata import GroupMetadata, StepMetadata, int_tensor
-from .base import AttentionLayers
+from batchrun.engine.attention.backends.base import AttentionLayers
+from batchrun.engine.attention.metadata import GroupMetadata, StepMetadata, int_tensor
 
 
 @dataclass

@@ -9,11 +9,11 @@ from typing import NamedTuple
 
 import torch
 
-from ...page_pool import cdiv
-from ..layers import LayerCall
-from ..masks import MaskKind
-from ..metadata import GroupMetadata, StepMetadata
-from ..reference import attend
+from batchrun.engine.attention.layers import LayerCall
+from batchrun.engine.attention.masks import MaskKind
+from batchrun.engine.attention.metadata import GroupMetadata, StepMetadata
+from batchrun.engine.attention.reference import attend
+from batchrun.engine.core.page_pool import cdiv
 
 
 @dataclass

@@ -10,10 +10,14 @@ from typing import Any
 
 import torch
 
-from ..layers import LayerCall, LayerSpec
-from ..metadata import AttentionMetadata, GroupMetadata, StepMetadata
-from .base import AttentionBackend, AttentionLayers, AttentionMetadataBuilder
-from .capabilities import Capabilities
+from batchrun.engine.attention.backends.base import (
+    AttentionBackend,
+    AttentionLayers,
+    AttentionMetadataBuilder,
+)
+from batchrun.engine.attention.backends.capabilities import Capabilities
+from batchrun.engine.attention.layers import LayerCall, LayerSpec
+from batchrun.engine.attention.metadata import AttentionMetadata, GroupMetadata, StepMetadata
 
 
 @dataclass
