@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchrun.engine.model.lora import lora
+from batchrun.engine.model.lora import layers as lora
 from batchrun.engine.model.ops import (
     cpu_allocator,
     cpu_linear,
