@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "batchrun"
-FAMILIES = PACKAGE / "engine" / "families"
+FAMILIES = PACKAGE / "engine" / "model" / "families"
 
 
 def family_names() -> tuple[set[str], set[str]]:

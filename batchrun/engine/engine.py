@@ -145,7 +145,7 @@ class Engine:
             else ()
         )
         self.kv = KVCacheCoordinator(block_manager, *managers)
-        self.scheduler = Scheduler(config, self.kv, plan.chunks, self.encoder, self.eos_token_ids)
+        self.scheduler = Scheduler(config, self.kv, plan.chunks, self.encoder)
         if self.admission_error(1, SamplingParams(max_new_tokens=1)):
             raise BadInput(
                 f"key `engine.num_pages`: a KV cache of {self.num_pages} pages cannot run even one "

@@ -12,7 +12,6 @@ Each step, in this order:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
 from itertools import islice
 from typing import Protocol
 
@@ -58,13 +57,11 @@ class Scheduler:
         kv: KVCacheCoordinator,
         rules: ChunkRules = ChunkRules(),  # noqa: B008 - frozen, so one default shared by all is safe
         encoder: ImageBudget | None = None,
-        eos_token_ids: Collection[int] = (),
     ):
         """`kv`: what sequences hold in the cache (pages, and a hybrid model's state slots), one call per action;
         `rules`: the model plan's chunk rules (scheduler_output.ChunkRules); `encoder`: a vision-language model's image
-        features waiting for prefill, and their budget (None: text only); `eos_token_ids`: the tokens that end a
-        sequence (unless its request ignores EOS)."""
-        self.eos_token_ids = eos_token_ids
+        features waiting for prefill, and their budget (None: text only). A sequence's own `eos_token_ids` say
+        which tokens end it."""
         self.config = config  # reads max_num_seqs, max_num_batched_tokens, preemption
         self.recompute_at = rules.recompute_at
         self.kv = kv
@@ -396,13 +393,13 @@ class Scheduler:
             seq.finish_reason = "length"
             self.finish(seq)
             finished.append(seq)
-        eos, stopped, recompute_at = self.eos_token_ids, sampled.stopped, self.recompute_at
+        stopped, recompute_at = sampled.stopped, self.recompute_at
         for i, (seq, token) in enumerate(zip(sampled.seqs, sampled.tokens)):  # every step, for every sequence
             out = seq.output_token_ids
             out.append(token)
             if stopped and i in stopped:
                 seq.finish_reason = "stop"
-            elif token in eos and not seq.params.ignore_eos:
+            elif token in seq.eos_token_ids:
                 seq.finish_reason = "eos"
             elif len(out) + len(seq.prompt_token_ids) >= seq.reserved_tokens:  # max_new_tokens or the context
                 seq.finish_reason = "length"

@@ -42,6 +42,9 @@ class Sequence:
     grammar: Any = None  # with params.response_format: this sequence's grammar matcher (engine/structured.py)
     images: Any = None  # multimodal.ImageInputs of a prompt with images; None: text alone
     adapter: int | None = None  # its LoRA adapter's id (model/lora/layers.py); None: the base model
+    eos_token_ids: frozenset[int] = (
+        frozenset()
+    )  # the tokens that end it: the model's, none where it ignores EOS
     # prompt + max_new_tokens within the context limit: the most tokens it may reach, where it finishes by length
     # (the output processor's check) and what a contiguous reservation would hold for it (the statistics sum it
     # over the running sequences every step); set where the engine makes it
