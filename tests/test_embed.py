@@ -613,7 +613,8 @@ def test_a_packed_call_that_asks_what_batchrun_does_not_compute_is_refused():
         (dict(s_aux=torch.zeros(2)), "sinks"),
         (dict(dropout=0.1), "dropout"),
         (dict(attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool)), "mask of its own"),
-        (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+        (dict(alibi_slopes=torch.ones(2)), "ALiBi"),
+        (dict(position_bias_of_its_own=torch.ones(2)), "position_bias_of_its_own"),
     ]:
         layout = PackedLayout.of_lengths([2, 3])
         call = {"attention_mask": None, **asks, METADATA_KEYWORD: layout}
