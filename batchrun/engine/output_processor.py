@@ -28,7 +28,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = eos_token_ids
         self._grammars: Grammars | None = None  # made on the first structured request
         self.seq_ids = itertools.count()  # every sequence's id, forked samples' too
         # whether every live request decodes greedily with no grammar, no logprobs and no stop strings, so a step
@@ -48,7 +48,7 @@ class OutputProcessor:
         `idle`: no request is live."""
         self.plain = (self.plain or idle) and params.plain
         seq = Sequence(next(self.seq_ids), prompt_token_ids, params, request=request)
-        seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq.eos_token_ids = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs:
