@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from batchrun.engine.attention import AttentionMetadata
 from batchrun.engine.attention.interface import attention_forward
 from batchrun.engine.model.families.adapter import FamilyAdapter
+from batchrun.engine.model.structure import decoder_of, text_config
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,9 @@ class AlibiAttention(FamilyAdapter):
                 decoder._batchrun_mask_hook = decoder.register_forward_pre_hook(_no_mask, with_kwargs=True)
 
 
-def decoder_of(model) -> torch.nn.Module:
-    """The model's text decoder (transformers' `get_decoder`: an image encoder's attention is not looked at)."""
-    return model.get_decoder() if hasattr(model, "get_decoder") else model
-
-
 def text_heads(model) -> int:
     """The query heads of the model's attention (Bloom's `n_head`, MPT's `n_heads`, as their configs map them)."""
-    return model.config.get_text_config().num_attention_heads
+    return text_config(model.config).num_attention_heads
 
 
 def _no_mask(module, args, kwargs):

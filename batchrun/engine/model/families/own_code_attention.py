@@ -18,7 +18,8 @@ import inspect
 import sys
 
 from batchrun.engine.model.families.adapter import FamilyAdapter
-from batchrun.engine.model.families.alibi_attention import ROUTES, decoder_of
+from batchrun.engine.model.families.alibi_attention import ROUTES
+from batchrun.engine.model.structure import decoder_of
 
 # what a modeling file names where its attention goes through transformers' attention interface
 INTERFACE = "ALL_ATTENTION_FUNCTIONS"
